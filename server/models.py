@@ -1,0 +1,254 @@
+"""SQLAlchemy ORM models: the one place the schema is described.
+
+Leaf module: imports nothing internal. Alembic migrations under
+``server/migrations`` own the live schema; these classes must match them.
+
+Times are stored as float seconds since the epoch: the same on SQLite and
+PostgreSQL, no time-zone surprises, cheap to compare.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments INTEGER PRIMARY KEY, not BIGINT.
+BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Project(Base):
+    __tablename__ = "projects"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiToken(Base):
+    """A project's API token; only the SHA-256 of the secret is stored."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_used_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (UniqueConstraint("project_id", "name", name="uq_runs_project_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    # running | finished | crashed | stalled
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    started_at: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+    last_step: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    last_loss: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    param_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    module_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    bn_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Step(Base):
+    """One optimizer step of one rank: the per-step scalars, one row.
+
+    A wide row (one column per known signal) keeps a step to one insert and a
+    series query to one indexed range scan.
+    """
+
+    __tablename__ = "steps"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[float] = mapped_column(Float)
+    loss: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    grad_norm: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    clip_max_norm: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    clipped: Mapped[Optional[bool]] = mapped_column(Boolean, nullable=True)
+    loss_scale: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    overflow: Mapped[Optional[bool]] = mapped_column(Boolean, nullable=True)
+    overflow_count: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    lr: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    step_time: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    samples_per_s: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    tokens_per_s: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    mem_peak: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    ema_divergence: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    input_nonfinite: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+
+
+# The step columns a series query may ask for, in wire-format order.
+STEP_SIGNALS = (
+    "loss", "grad_norm", "clip_max_norm", "clipped", "loss_scale", "overflow",
+    "overflow_count", "lr", "step_time", "samples_per_s", "tokens_per_s",
+    "mem_peak", "ema_divergence", "input_nonfinite",
+)
+
+
+class CustomScalar(Base):
+    """Values logged with ``monitor.log(name=value)`` beyond the known signals."""
+
+    __tablename__ = "custom_scalars"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    value: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+
+
+class LayerStat(Base):
+    """One per-layer statistic of one step: all layers packed in one row.
+
+    ``values`` is a little-endian float32 array indexed like the run's
+    ``param_names`` / ``module_names`` / ``bn_names`` (see docs/wire-format.md).
+    """
+
+    __tablename__ = "layer_stats"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    stat: Mapped[str] = mapped_column(String(32), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class RunEvent(Base):
+    """Discrete events the agent reports: NaN origin, drops, top grad norms."""
+
+    __tablename__ = "run_events"
+    __table_args__ = (Index("ix_run_events_run_kind", "run_id", "kind"),)
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    time: Mapped[float] = mapped_column(Float)
+
+
+class IngestBatch(Base):
+    """Batch ids already written: a retried batch is recognised and skipped."""
+
+    __tablename__ = "ingest_batches"
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    received_at: Mapped[float] = mapped_column(Float)
+    step_count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Alert(Base):
+    """One episode of one rule on one run and rank (not one per step)."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_run_rule", "run_id", "rule", "rank"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    rule: Mapped[str] = mapped_column(String(8))          # "A1"
+    name: Mapped[str] = mapped_column(String(64))         # "loss_nonfinite"
+    severity: Mapped[str] = mapped_column(String(16))     # info | warning | critical
+    status: Mapped[str] = mapped_column(String(16), default="firing")  # firing | resolved
+    acknowledged: Mapped[bool] = mapped_column(Boolean, default=False)
+    rank: Mapped[int] = mapped_column(Integer, default=0)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    message: Mapped[str] = mapped_column(Text)
+    diagnosis: Mapped[str] = mapped_column(Text)
+    actions: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    resolved_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+
+
+class RuleState(Base):
+    """What a rule remembers about a run between batches (streaks, windows).
+
+    Kept in the database, not in process memory, so a restarted server or a
+    second replica carries on where the first left off.
+    """
+
+    __tablename__ = "rule_states"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rule: Mapped[str] = mapped_column(String(8), primary_key=True)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class RuleOverride(Base):
+    """Per-project rule configuration (enabled, thresholds, severity)."""
+
+    __tablename__ = "rule_overrides"
+
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    rule: Mapped[str] = mapped_column(String(8), primary_key=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class WebhookEndpoint(Base):
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # NULL project: a server-wide endpoint (GRADWATCH_WEBHOOK_URLS / --webhook)
+    project_id: Mapped[Optional[int]] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    url: Mapped[str] = mapped_column(String(2000))
+    format: Mapped[str] = mapped_column(String(16), default="json")  # json | slack | discord
+    min_severity: Mapped[str] = mapped_column(String(16), default="info")
+    secret: Mapped[Optional[str]] = mapped_column(String(200), nullable=True)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class WebhookDelivery(Base):
+    """The outbox: one row per (alert, endpoint); survives restarts."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),)
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    endpoint_id: Mapped[Optional[int]] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="SET NULL"), nullable=True
+    )
+    alert_id: Mapped[Optional[int]] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), nullable=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    body: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | delivered | expired
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+    last_error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    last_status_code: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    delivered_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)

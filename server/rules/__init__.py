@@ -1,0 +1,1 @@
+"""Rule catalogue and engine (see docs/rules.md)."""

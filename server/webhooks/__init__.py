@@ -1,0 +1,1 @@
+"""Webhook outbox, delivery worker, payload formats and signing."""
