@@ -31,7 +31,8 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--db", default=None, help="database URL (default: sqlite file demo.db in the data dir)")
-    p.add_argument("--steps", type=int, default=600, help="steps of the demo run")
+    p.add_argument("--steps", type=int, default=600,
+                   help="steps of the demo run (>= 60; a bad batch comes at 40%%, a NaN loss from 2/3 on)")
     p.add_argument("--step-delay", type=float, default=0.05, help="seconds per step, to watch it live")
     p.add_argument("--webhook", action="append", default=[], help="also POST alerts to this URL (repeatable)")
     p.add_argument("--exit-after-run", action="store_true",
@@ -104,6 +105,10 @@ def _print_new_alerts(base: str, run_id: int, seen: set[int]) -> None:
 
 
 def run(args) -> int:
+    if args.steps < 60:
+        print("gradwatch demo: --steps must be at least 60 so the run has a healthy phase before it goes bad.",
+              file=sys.stderr)
+        return 2
     if not _port_free(args.host, args.port):
         print(f"gradwatch demo: port {args.port} on {args.host} is in use; pass --port with a free one.",
               file=sys.stderr)
@@ -127,7 +132,10 @@ def run(args) -> int:
         print(f"[demo] dashboard: {base}/   (API: {base}/api/v1/runs)", flush=True)
         job = subprocess.Popen(
             [sys.executable, "-m", "agent.demo", "--server", base, "--project", "demo", "--run", run_name,
-             "--steps", str(args.steps), "--step-delay", str(args.step_delay)],
+             "--steps", str(args.steps), "--step-delay", str(args.step_delay),
+             # the failures scale with the run: a bad batch at 40 %, a NaN loss from 2/3 on
+             "--bad-batch-at", str(int(args.steps * 0.4)), "--nan-at", str(int(args.steps * 2 / 3)),
+             "--nan-steps", str(max(20, args.steps // 25))],
             env=env,
         )
         print(f"[demo] training run {run_name}; press Ctrl-C to stop", flush=True)
