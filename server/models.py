@@ -67,6 +67,8 @@ class Run(Base):
     last_seen: Mapped[float] = mapped_column(Float)
     last_step: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
     last_loss: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    # SQLite stores NaN as NULL: a NaN last loss is last_loss NULL + last_loss_nan.
+    last_loss_nan: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     world_size: Mapped[int] = mapped_column(Integer, default=1)
     param_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
     module_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
@@ -101,6 +103,8 @@ class Step(Base):
     mem_peak: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     ema_divergence: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     input_nonfinite: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    # NaN encoding (server/numbers.py): bit i set = STEP_SIGNALS[i] was NaN (its column is NULL).
+    nan_mask: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 # The step columns a series query may ask for, in wire-format order.
@@ -121,6 +125,8 @@ class CustomScalar(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     value: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    # NaN is stored as value NULL + is_nan (SQLite cannot store a float NaN).
+    is_nan: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
 
 
 class LayerStat(Base):

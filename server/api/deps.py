@@ -1,0 +1,39 @@
+"""Dependencies shared by the routers (``Annotated`` aliases)."""
+from __future__ import annotations
+
+from typing import Annotated, Iterator, Optional
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from ..db import Database
+from ..settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_database(request: Request) -> Database:
+    return request.app.state.database
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.database.sessionmaker() as session:
+        yield session
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+DatabaseDep = Annotated[Database, Depends(get_database)]
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_read_scope(request: Request) -> Optional[str]:
+    """The project a read is limited to: None when auth is off (everything readable)."""
+    auth = getattr(request.app.state, "auth", None)
+    if auth is None:
+        return None
+    return auth.require_project(request)
+
+
+ReadScopeDep = Annotated[Optional[str], Depends(get_read_scope)]

@@ -1,0 +1,103 @@
+"""``create_app(settings)``: the FastAPI app, its lifespan, the routers and the Dash mount."""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .api import alerts, health, ingest, runs
+from .db import Database, open_database, schema_problem
+from .schemas import IngestBatchIn
+from .settings import Settings
+
+log = logging.getLogger("gradwatch.server")
+
+
+class SchemaOutOfDate(RuntimeError):
+    """The database is not at this server's migration head."""
+
+
+def check_schema(database: Database, settings: Settings) -> None:
+    problem = schema_problem(database.engine, settings.database_url)
+    if problem:
+        raise SchemaOutOfDate(
+            f"{problem}. Run: gradwatch db upgrade --db {settings.database_url}"
+            " (or start the server with --migrate)"
+        )
+
+
+def create_app(settings: Settings, *, database: Optional[Database] = None, mount_dashboard: bool = True) -> FastAPI:
+    """Build the app. The database is opened here and closed by the lifespan.
+
+    The schema must already be at the head revision (``gradwatch serve`` upgrades
+    the embedded SQLite default, or with ``--migrate``); otherwise the lifespan
+    refuses to start with a message saying what to run.
+    """
+    database = database or open_database(settings.database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        check_schema(database, settings)
+        from .webhooks.worker import DeliveryWorker
+
+        worker = DeliveryWorker(database.sessionmaker, settings)
+        app.state.delivery_worker = worker
+        await worker.start()
+        try:
+            yield
+        finally:
+            await worker.stop()
+            database.dispose()
+
+    app = FastAPI(title="gradwatch", version="0.1.0", lifespan=lifespan,
+                  description="Training-stability monitoring: ingest, read API, alerts.")
+    app.state.settings = settings
+    app.state.database = database
+    app.state.auth = None
+    app.state.metrics = None
+
+    for router in (health.router, ingest.router, runs.router, alerts.router):
+        app.include_router(router)
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        batch = IngestBatchIn.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(batch.pop("$defs", {}))
+        comps["IngestBatchIn"] = batch
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+
+    if mount_dashboard:
+        # Mounted last so every API route above wins; the Dash app gets the rest.
+        _mount_dashboard(app, database, settings)
+    return app
+
+
+def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> None:
+    from a2wsgi import WSGIMiddleware
+
+    try:
+        from dashboard import create_dash
+
+        dash_app = create_dash(database.sessionmaker, settings)
+    except Exception as e:  # noqa: BLE001 - the API must keep serving even if the dashboard cannot load
+        log.exception("dashboard failed to load; serving the API only")
+        from fastapi.responses import PlainTextResponse
+        from starlette.routing import Mount
+
+        message = f"gradwatch dashboard failed to load: {type(e).__name__}: {e}"
+
+        async def unavailable(scope, receive, send):
+            await PlainTextResponse(message, status_code=503)(scope, receive, send)
+
+        app.router.routes.append(Mount("/", app=unavailable))
+        return
+    app.mount("/", WSGIMiddleware(dash_app.server))

@@ -1,0 +1,130 @@
+"""The ``gradwatch`` console script (also ``python -m server``).
+
+Each subcommand is one ``add_<name>(subparsers)`` function that registers its
+parser and sets ``func``; adding a subcommand is one function plus one line
+in ``SUBCOMMANDS`` (or a module's own ``add_subparser``, like ``server.demo``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Optional
+
+from .settings import DEFAULT_PORT, Settings
+
+
+def _eprint(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- serve
+
+def add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the API server and the dashboard on one port")
+    p.add_argument("--db", help="database URL (default: SQLite under $GRADWATCH_DATA_DIR or ~/.gradwatch; "
+                                "env GRADWATCH_DATABASE_URL)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--webhook", action="append", default=[], metavar="URL",
+                   help="server-wide webhook URL (repeatable; env GRADWATCH_WEBHOOK_URLS)")
+    p.add_argument("--rules", metavar="FILE", help="rule configuration file")
+    p.add_argument("--migrate", action="store_true", help="apply pending migrations before starting")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from .app import check_schema, create_app, SchemaOutOfDate
+    from .db import open_database, upgrade
+
+    settings = Settings.from_env(db=args.db, host=args.host, port=args.port, webhooks=args.webhook,
+                                 rules_file=args.rules, migrate=args.migrate)
+    if settings.embedded_db or settings.migrate:
+        upgrade(settings.database_url)
+    database = open_database(settings.database_url)
+    try:
+        check_schema(database, settings)
+    except SchemaOutOfDate as e:
+        database.dispose()
+        _eprint(f"gradwatch: refusing to start: {e}")
+        return 2
+    if not settings.auth:
+        where = "only this machine can reach it" if settings.host in ("127.0.0.1", "localhost", "::1") else \
+            f"ANYONE who can reach {settings.host} can read and write data"
+        _eprint(f"gradwatch: auth is off (GRADWATCH_AUTH=on to require project tokens); "
+                f"listening on {settings.host}:{settings.port}, {where}")
+    _eprint(f"gradwatch: database {database.dialect}; dashboard at http://{settings.host}:{settings.port}/")
+    app = create_app(settings, database=database)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+    return 0
+
+
+# --------------------------------------------------------------------------- db
+
+def add_db(subparsers) -> None:
+    p = subparsers.add_parser("db", help="database schema management")
+    sub = p.add_subparsers(dest="db_command", required=True)
+    up = sub.add_parser("upgrade", help="apply all pending migrations")
+    up.add_argument("--db", help="database URL (default: as for serve)")
+    up.add_argument("--revision", default="head")
+    up.set_defaults(func=run_db_upgrade)
+    chk = sub.add_parser("check", help="exit 0 if the schema is current, 1 if not")
+    chk.add_argument("--db", help="database URL (default: as for serve)")
+    chk.set_defaults(func=run_db_check)
+
+
+def run_db_upgrade(args) -> int:
+    from .db import upgrade
+
+    settings = Settings.from_env(db=args.db)
+    upgrade(settings.database_url, args.revision)
+    print(f"gradwatch: database at {args.revision} ({settings.dialect})")
+    return 0
+
+
+def run_db_check(args) -> int:
+    from .db import make_engine, schema_problem
+
+    settings = Settings.from_env(db=args.db)
+    engine = make_engine(settings.database_url)
+    try:
+        problem = schema_problem(engine, settings.database_url)
+    finally:
+        engine.dispose()
+    if problem:
+        print(f"gradwatch: {problem}; run: gradwatch db upgrade --db {settings.database_url}")
+        return 1
+    print("gradwatch: schema is current")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+def _add_demo(subparsers) -> None:
+    from . import demo
+
+    demo.add_subparser(subparsers)
+
+
+SUBCOMMANDS: list[Callable] = [add_serve, add_db, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradwatch", description="training-stability monitoring server")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=os.environ.get("GRADWATCH_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,183 @@
+"""The write path: every INSERT/UPDATE the server makes for ingest.
+
+``ingest_batch`` runs inside the caller's transaction: it writes the steps,
+per-layer statistics, custom scalars and events of one batch, updates the
+run, then calls the rule engine and the webhook outbox, exactly as
+docs/architecture.md describes. The caller commits (or rolls back) once.
+
+Idempotency: the batch id is inserted first; a batch id already present
+means a retry, and nothing else is written. Rows are inserted with
+``ON CONFLICT DO NOTHING`` so two replicas racing on the same steps (a retry
+sent to another replica with a new connection) can neither double nor fail.
+"""
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from .models import STEP_SIGNALS, CustomScalar, IngestBatch, LayerStat, Project, Run, RunEvent, Step
+from .numbers import json_safe, null_mask
+from .rules.engine import evaluate_batch
+from .schemas import IngestBatchIn
+from .settings import Settings
+from .webhooks.outbox import enqueue_alerts
+
+_BOOL_SIGNALS = {"clipped", "overflow"}
+_NAN_BIT = {name: 1 << i for i, name in enumerate(STEP_SIGNALS)}
+
+
+@dataclass(frozen=True)
+class IngestOutcome:
+    run_id: int
+    accepted: int
+    duplicate: bool
+    alerts_enqueued: int = 0
+    values_written: int = 0
+
+
+def _insert(session: Session, table):
+    return (pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert)(table)
+
+
+def get_or_create_project(session: Session, *, name: str, now: float) -> Project:
+    session.execute(_insert(session, Project).values(name=name, created_at=now).on_conflict_do_nothing(index_elements=["name"]))
+    return session.scalars(select(Project).where(Project.name == name)).one()
+
+
+def _get_or_create_run(session: Session, *, project: Project, name: str, world_size: int, now: float) -> Run:
+    session.execute(
+        _insert(session, Run).values(
+            project_id=project.id, name=name, status="running", started_at=now, last_seen=now,
+            world_size=world_size, param_names=[], module_names=[], bn_names=[], config={},
+        ).on_conflict_do_nothing(index_elements=["project_id", "name"])
+    )
+    # FOR UPDATE serialises batches of one run across replicas (PostgreSQL);
+    # rule state is read-modify-write and needs it. SQLite has one writer anyway.
+    return session.scalars(
+        select(Run).where(Run.project_id == project.id, Run.name == name).with_for_update()
+    ).one()
+
+
+def _step_row(run_id: int, rank: int, s) -> dict[str, Any]:
+    row: dict[str, Any] = {"run_id": run_id, "rank": rank, "step": s.step, "time": s.time}
+    mask = 0
+    for name in STEP_SIGNALS:
+        v = getattr(s, name)
+        if v is not None and name not in _BOOL_SIGNALS and isinstance(v, float) and v != v:
+            mask |= _NAN_BIT[name]
+            v = None
+        row[name] = v
+    row["nan_mask"] = mask
+    return row
+
+
+def _layers_for_rules(blob: bytes) -> list[Optional[float]]:
+    arr = np.frombuffer(blob, dtype="<f4")
+    values = arr.astype(np.float64).tolist()
+    nulls = null_mask(arr)
+    if nulls.any():
+        for i in np.flatnonzero(nulls).tolist():
+            values[i] = None
+    return values
+
+
+def _wire_step(s) -> dict[str, Any]:
+    d = {name: getattr(s, name) for name in ("step", "time", *STEP_SIGNALS)}
+    d["custom"] = dict(s.custom)
+    d["layers"] = {k: _layers_for_rules(v) for k, v in s.layers.items()}
+    return d
+
+
+def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, now: float) -> IngestOutcome:
+    """Write one batch. The caller owns the transaction and commits once."""
+    project = get_or_create_project(session, name=batch.project, now=now)
+    run = _get_or_create_run(session, project=project, name=batch.run, world_size=batch.world_size, now=now)
+
+    inserted = session.execute(
+        _insert(session, IngestBatch).values(
+            batch_id=batch.batch_id, run_id=run.id, received_at=now, step_count=len(batch.steps)
+        ).on_conflict_do_nothing(index_elements=["batch_id"]).returning(IngestBatch.batch_id)
+    ).scalar_one_or_none()
+    if inserted is None:
+        return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True)
+
+    steps = sorted(batch.steps, key=lambda s: s.step)
+    rank = batch.rank
+    values = 0
+    if steps:
+        session.execute(_insert(session, Step).on_conflict_do_nothing(), [_step_row(run.id, rank, s) for s in steps])
+        values += len(steps) * len(STEP_SIGNALS)
+        custom_rows = []
+        layer_rows = []
+        for s in steps:
+            for key, v in s.custom.items():
+                nan = v is not None and v != v
+                custom_rows.append({"run_id": run.id, "key": key, "rank": rank, "step": s.step,
+                                    "value": None if nan else v, "is_nan": nan})
+            for stat, blob in s.layers.items():
+                layer_rows.append({"run_id": run.id, "stat": stat, "rank": rank, "step": s.step, "values": blob})
+                values += len(blob) // 4
+        if custom_rows:
+            session.execute(_insert(session, CustomScalar).on_conflict_do_nothing(), custom_rows)
+            values += len(custom_rows)
+        if layer_rows:
+            session.execute(_insert(session, LayerStat).on_conflict_do_nothing(), layer_rows)
+
+    if batch.events:
+        session.execute(
+            _insert(session, RunEvent),
+            [{"run_id": run.id, "rank": rank, "step": e.step, "kind": e.kind, "data": json_safe(e.data), "time": now}
+             for e in batch.events],
+        )
+
+    _update_run(run, batch=batch, steps=steps, now=now)
+    session.flush()
+
+    wire_steps = [_wire_step(s) for s in steps]
+    wire_events = [e.model_dump() for e in batch.events]
+    alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
+                            settings=settings, now=now) or []
+    enqueued = 0
+    if alerts:
+        session.flush()
+        enqueued = enqueue_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
+    return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
+                         alerts_enqueued=enqueued, values_written=values)
+
+
+def _update_run(run: Run, *, batch: IngestBatchIn, steps: list, now: float) -> None:
+    run.last_seen = max(run.last_seen or now, now)
+    run.world_size = max(run.world_size or 1, batch.world_size)
+    if steps and batch.rank == 0:
+        top = steps[-1]
+        if run.last_step is None or top.step >= run.last_step:
+            run.last_step = top.step
+            nan = top.loss is not None and top.loss != top.loss
+            run.last_loss = None if nan else top.loss
+            run.last_loss_nan = nan
+            if run.status in ("finished", "crashed") and batch.status is None:
+                run.status = "running"  # a re-used run name resumes the run
+    if batch.status is not None:
+        run.status = batch.status
+    meta = batch.meta
+    if meta is not None:
+        for field in ("param_names", "module_names", "bn_names"):
+            names = getattr(meta, field)
+            if names is not None:
+                setattr(run, field, list(names))
+        extra = {k: v for k, v in meta.model_dump(exclude={"param_names", "module_names", "bn_names", "config"}).items()
+                 if v is not None}
+        if meta.config is not None or extra:
+            merged = dict(run.config or {})
+            merged.update(meta.config or {})
+            if extra:
+                merged.setdefault("_meta", {})
+                merged["_meta"] = {**merged["_meta"], **extra}
+            run.config = json_safe(merged)
