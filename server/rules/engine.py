@@ -1,6 +1,253 @@
-"""Rule engine entry point called by ingest. PLACEHOLDER until the rules work lands."""
+"""Rule engine: evaluates the catalogue on each ingested batch, and F2 on a timer.
+
+``evaluate_batch`` is called by ingest inside the batch's transaction after
+the steps are written. Per batch it reads the project's rule settings (one
+query), the run's rule states for this rank (one query) and, for runs with
+several ranks, the other ranks' losses for the same steps (one query); then
+each enabled rule walks the batch's steps once. Everything a rule remembers
+lives in ``rule_states`` — a restarted server or another replica continues
+where this one left off.
+"""
 from __future__ import annotations
 
+import logging
+import math
+import time
+from typing import Any, Optional
 
-def evaluate_batch(session, *, run, rank, steps, events, settings, now):
-    return []
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from server.models import STEP_SIGNALS, Alert, Project, Run, RuleState, Step
+from server.rules.alerts import Episode, Hit
+from server.rules.catalogue import RULES_BY_ID
+from server.rules.checks import RULE_CLASSES, Context
+from server.rules.config import effective_config
+from server.rules.stats import enc, fmt, median, num
+
+log = logging.getLogger("gradwatch.rules")
+
+_LOSS_NAN_BIT = 1 << STEP_SIGNALS.index("loss")
+
+# rule_states key for run-level memory of the engine itself (NaN origin seen, …)
+_ENGINE = "_"
+
+
+def _events_by_kind(events: list[dict]) -> dict[str, dict[int, dict[str, Any]]]:
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for ev in events or ():
+        kind, step = ev.get("kind"), ev.get("step")
+        if kind is None or step is None:
+            continue
+        out.setdefault(kind, {})[int(step)] = dict(ev.get("data") or {})
+    return out
+
+
+def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], events: list[dict],
+                   settings: Any, now: float) -> list[Alert]:
+    """Evaluate every enabled rule on this batch; returns the alerts to notify (new or escalated)."""
+    steps = [st for st in (steps or ()) if st.get("step") is not None]
+    if not steps and not events:
+        return []
+    project = session.get(Project, run.project_id)
+    cfg = effective_config(session, project_id=run.project_id, project_name=project.name if project else None,
+                           settings=settings)
+    rows = {row.rule: row for row in session.scalars(
+        select(RuleState).where(RuleState.run_id == run.id, RuleState.rank == rank))}
+
+    def state_row(rule: str, for_rank: int = rank) -> RuleState:
+        if for_rank != rank:
+            row = session.get(RuleState, (run.id, for_rank, rule))
+        else:
+            row = rows.get(rule)
+        if row is None:
+            row = RuleState(run_id=run.id, rank=for_rank, rule=rule, state={})
+            session.add(row)
+            if for_rank == rank:
+                rows[rule] = row
+        return row
+
+    ctx = Context(run_id=run.id, rank=rank, world_size=run.world_size or 1,
+                  param_names=list(run.param_names or []), module_names=list(run.module_names or []),
+                  bn_names=list(run.bn_names or []), events=_events_by_kind(events))
+    notify: list[Alert] = []
+    episodes: dict[str, Episode] = {}
+
+    # run-level memory: the latest NaN origin, attached to A1 / A2 alerts as evidence
+    origins = ctx.events.get("nan_origin", {})
+    tops = ctx.events.get("top_grad_norms", {})
+    engine_row = None
+    if origins:
+        engine_row = state_row(_ENGINE)
+        first = min(origins)
+        engine_state = dict(engine_row.state or {})
+        engine_state["nan_origin"] = enc({"step": first, **origins[first]})
+        engine_row.state = engine_state
+    nan_origin = (engine_row.state if engine_row is not None else
+                  (rows[_ENGINE].state if _ENGINE in rows else {})).get("nan_origin")
+
+    # data arrived: a stalled run is alive again
+    if run.status == "stalled" and steps:
+        run.status = "running"
+        _resolve_stall(session, rows.get("F2") if rank == 0 else session.get(RuleState, (run.id, 0, "F2")), now)
+
+    for cls in RULE_CLASSES:
+        rule = cls()
+        rcfg = cfg[rule.id]
+        if not rcfg.get("enabled", True) or not rule.applies(steps, ctx):
+            continue
+        row = state_row(rule.id)
+        state = dict(row.state or {})
+        lc = state.setdefault("lc", {})
+        if nan_origin and rule.id in ("A1", "A2"):
+            state["nan_origin"] = nan_origin
+        episode = Episode(session, run.id, rank, rule.spec, rcfg, lc, now)
+        try:
+            rule.begin(ctx, state, rcfg)
+            for st in steps:
+                episode.feed(int(st["step"]), rule.observe(ctx, state, rcfg, st))
+        except Exception:   # noqa: BLE001 - one broken rule must not lose the batch
+            log.exception("rule %s failed on run %s rank %s; skipped for this batch", rule.id, run.id, rank)
+            continue
+        if rule.id in ("A1", "A2") and (origins or tops):
+            extra = {}
+            if origins:
+                extra["nan_origin"] = nan_origin
+            if tops:
+                s = max(tops)
+                extra["top_grad_norms"] = [[str(p[0]), enc(num(p[1]))] for p in (tops[s].get("params") or [])[:5]]
+            episode.add_evidence(**extra)
+        state.pop("nan_origin", None)
+        row.state = state            # a new dict: SQLAlchemy sees the change
+        notify.extend(episode.notify)
+        episodes[rule.id] = episode
+
+    if ctx.world_size > 1 and steps and cfg["F1"].get("enabled", True):
+        notify.extend(_rank_divergence(session, run, rank, steps, cfg["F1"], state_row, now))
+    return notify
+
+
+# --------------------------------------------------------------------------- F1
+
+def _rank_divergence(session: Session, run: Run, rank: int, steps: list[dict], cfg: dict, state_row,
+                     now: float) -> list[Alert]:
+    """Compare this rank's losses with the other ranks' at the same steps (whichever arrives second)."""
+    mine = {int(st["step"]): num(st.get("loss")) for st in steps if num(st.get("loss")) is not None}
+    if not mine:
+        return []
+    lo, hi = min(mine), max(mine)
+    others: dict[int, dict[int, float]] = {}
+    for r, s, loss, nan_mask in session.execute(
+            select(Step.rank, Step.step, Step.loss, Step.nan_mask).where(
+                Step.run_id == run.id, Step.rank != rank, Step.step >= lo, Step.step <= hi)):
+        if loss is None and (nan_mask or 0) & _LOSS_NAN_BIT:
+            loss = math.nan          # SQLite keeps NaN as NULL + a bit in nan_mask
+        if loss is not None:
+            others.setdefault(s, {})[r] = loss
+    if not others:
+        return []
+    spec = RULES_BY_ID["F1"]
+    notify: list[Alert] = []
+    episodes: dict[int, tuple[Episode, RuleState, dict]] = {}
+
+    def episode_for(r: int) -> Episode:
+        if r not in episodes:
+            row = state_row("F1", r)
+            state = dict(row.state or {})
+            episodes[r] = (Episode(session, run.id, r, spec, cfg, state.setdefault("lc", {}), now), row, state)
+        return episodes[r][0]
+
+    for step in sorted(mine):
+        if step not in others:
+            continue
+        losses = {**others[step], rank: mine[step]}
+        if len(losses) < 2:
+            continue
+        for r, x in losses.items():
+            rest = [v for q, v in losses.items() if q != r]
+            finite_rest = [v for v in rest if math.isfinite(v)]
+            ep = episode_for(r)
+            st = episodes[r][2]
+            if not math.isfinite(x) and finite_rest:
+                st["streak"] = st.get("streak", 0) + 1
+                ep.feed(step, Hit({"rank": r, "loss": enc(x), "others_median": median(finite_rest)},
+                                  f"Rank {r} has loss {fmt(x)} at step {step} while the other ranks' median is "
+                                  f"{fmt(median(finite_rest))}"))
+                continue
+            if math.isfinite(x) and len(finite_rest) == len(rest):
+                med = median(finite_rest)
+                if med > 0 and x > cfg["factor"] * med:
+                    st["streak"] = st.get("streak", 0) + 1
+                    if st["streak"] >= cfg["consecutive"]:
+                        ep.feed(step, Hit({"rank": r, "loss": x, "others_median": med, "ratio": x / med,
+                                           "steps": st["streak"]},
+                                          f"Rank {r}'s loss {fmt(x)} is {x / med:.1f}x the other ranks' median "
+                                          f"{fmt(med)} for {st['streak']} steps"))
+                    continue
+                st["streak"] = 0
+                ep.feed(step, False)
+    for r, (ep, row, state) in episodes.items():
+        row.state = dict(state)
+        notify.extend(ep.notify)
+    return notify
+
+
+# --------------------------------------------------------------------------- F2
+
+def _resolve_stall(session: Session, row: Optional[RuleState], now: float) -> None:
+    if row is None:
+        return
+    state = dict(row.state or {})
+    lc = dict(state.get("lc") or {})
+    if not lc.get("firing"):
+        return
+    alert = session.get(Alert, lc.get("alert_id")) if lc.get("alert_id") else None
+    if alert is not None and alert.status == "firing":
+        alert.status, alert.resolved_at, alert.updated_at = "resolved", now, now
+    lc["firing"] = False
+    state["lc"] = lc
+    row.state = state
+
+
+def check_stalled_runs(session: Session, *, settings: Any, now: Optional[float] = None) -> list[Alert]:
+    """F2: runs still marked running that sent nothing for ``timeout_s``. Called periodically.
+
+    The alert goes on rank 0's state; the run is marked ``stalled``. Data arriving
+    again resolves it (see ``evaluate_batch``) and ingest marks the run running.
+    """
+    now = time.time() if now is None else now
+    default_timeout = RULES_BY_ID["F2"].params["timeout_s"]
+    # the smallest timeout any project may use bounds the query; per-project settings decide
+    candidates = session.execute(
+        select(Run, Project.name).join(Project, Project.id == Run.project_id).where(Run.status == "running")
+    ).all()
+    if not candidates:
+        return []
+    notify: list[Alert] = []
+    cfg_cache: dict[int, dict] = {}
+    for run, project_name in candidates:
+        if run.project_id not in cfg_cache:
+            cfg_cache[run.project_id] = effective_config(session, project_id=run.project_id,
+                                                         project_name=project_name, settings=settings)["F2"]
+        cfg = cfg_cache[run.project_id]
+        timeout = cfg.get("timeout_s", default_timeout)
+        if not cfg.get("enabled", True) or run.last_seen is None or now - run.last_seen < timeout:
+            continue
+        row = session.get(RuleState, (run.id, 0, "F2"))
+        if row is None:
+            row = RuleState(run_id=run.id, rank=0, rule="F2", state={})
+            session.add(row)
+        state = dict(row.state or {})
+        lc = state.setdefault("lc", {})
+        if lc.get("firing"):
+            continue
+        step = int(run.last_step) if run.last_step is not None else 0
+        silent = now - run.last_seen
+        ep = Episode(session, run.id, 0, RULES_BY_ID["F2"], {**cfg, "cooldown_steps": 0}, lc, now)
+        ep.hit(step, Hit({"last_seen": run.last_seen, "silent_s": round(silent, 1), "timeout_s": timeout,
+                          "last_step": run.last_step},
+                         f"No data from run {run.name!r} for {silent:.0f} s (last step {run.last_step})"))
+        row.state = state
+        run.status = "stalled"
+        notify.extend(ep.notify)
+    return notify

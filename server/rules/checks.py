@@ -1,0 +1,721 @@
+"""One class per rule: what it reads, what it remembers, when its condition holds.
+
+``observe(ctx, state, cfg, st)`` sees one wire-format step dict and returns a
+``Hit``, ``False`` (clear) or ``None`` (nothing to say at this step). ``state``
+is the rule's JSON-able memory for this (run, rank), kept in ``rule_states``.
+Windows hold finite values only and leave out what the rule flagged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from server.rules.alerts import Hit
+from server.rules.catalogue import RULES_BY_ID
+from server.rules.stats import enc, finite, fmt, median, median_mad, num
+
+
+@dataclass
+class Context:
+    run_id: int
+    rank: int
+    world_size: int
+    param_names: list[str]
+    module_names: list[str]
+    bn_names: list[str]
+    # kind → {step: data} for this batch's events
+    events: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+
+
+def _layer(st: dict, stat: str) -> Optional[list]:
+    layers = st.get("layers")
+    if not layers:
+        return None
+    values = layers.get(stat)
+    return values if values else None
+
+
+def _name(names: list[str], i: int) -> str:
+    return names[i] if 0 <= i < len(names) else f"#{i}"
+
+
+def top_grad_norms(ctx: Context, st: dict, k: int = 5) -> Optional[list[list]]:
+    """Top-k parameters by grad norm at this step: the agent's event, else the per-layer stats."""
+    ev = ctx.events.get("top_grad_norms", {}).get(st["step"])
+    if ev and ev.get("params"):
+        return [[str(p[0]), enc(num(p[1]))] for p in ev["params"][:k]]
+    values = _layer(st, "grad_norm")
+    if not values:
+        return None
+    pairs = []
+    for i, v in enumerate(values):
+        x = num(v)
+        if x is None:
+            continue
+        pairs.append((math.inf if not math.isfinite(x) else x, i, x))
+    pairs.sort(reverse=True)
+    return [[_name(ctx.param_names, i), enc(x)] for _, i, x in pairs[:k]]
+
+
+class Window:
+    """A rolling window of finite values in ``state[key]`` with a cached median (and MAD)."""
+
+    def __init__(self, state: dict, key: str, size: int, refresh: int = 8):
+        self.state, self.key, self.size, self.refresh = state, key, size, refresh
+        self.values: list[float] = state.setdefault(key, [])
+        self._stats: Optional[tuple[float, float]] = None
+        self._since = 0
+
+    def push(self, x: float) -> None:
+        self.values.append(float(x))
+        if len(self.values) > self.size:
+            del self.values[: len(self.values) - self.size]
+        self._since += 1
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def stats(self) -> tuple[float, float]:
+        # recomputed every `refresh` pushes: one sort per few steps, not per step
+        if self._stats is None or self._since >= self.refresh:
+            self._stats = median_mad(self.values)
+            self._since = 0
+        return self._stats
+
+
+class Rule:
+    id = ""
+    needs: tuple[str, ...] = ()        # step keys; "layers.<stat>" for per-layer arrays
+
+    @property
+    def spec(self):
+        return RULES_BY_ID[self.id]
+
+    def applies(self, steps: list[dict], ctx: Context) -> bool:
+        for st in steps:
+            for key in self.needs:
+                if key.startswith("layers."):
+                    if _layer(st, key[7:]):
+                        return True
+                elif st.get(key) is not None:
+                    return True
+        return False
+
+    def begin(self, ctx: Context, state: dict, cfg: dict) -> None:
+        """Called once per batch before the steps."""
+
+    def observe(self, ctx: Context, state: dict, cfg: dict, st: dict):
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- A: NaN / Inf
+
+class LossNonfinite(Rule):
+    id = "A1"
+    needs = ("loss",)
+
+    def begin(self, ctx, state, cfg):
+        self.gn = Window(state, "gn", 50, refresh=4)
+
+    def observe(self, ctx, state, cfg, st):
+        loss = num(st.get("loss"))
+        gn = num(st.get("grad_norm"))
+        if loss is None:
+            return None
+        if math.isfinite(loss):
+            if finite(gn):
+                state["prev_gn"] = gn
+                med = self.gn.stats()[0] if len(self.gn) >= 5 else None
+                # leave spikes out of the baseline, as A2 does
+                if med is None or gn <= cfg["explode_factor"] * med:
+                    self.gn.push(gn)
+            elif gn is not None:
+                state["prev_gn"] = "NaN"
+            return False
+        before = state.get("prev_gn")
+        med = self.gn.stats()[0] if len(self.gn) >= 5 else None
+        ev: dict[str, Any] = {"loss": enc(loss), "grad_norm": enc(gn), "grad_norm_before": before,
+                              "grad_norm_median": med, "overflow": st.get("overflow"),
+                              "loss_scale": enc(num(st.get("loss_scale")))}
+        inputs_bad = (num(st.get("input_nonfinite")) or 0) > 0
+        actions = list(self.spec.actions)
+        if inputs_bad:
+            ev["input_nonfinite"] = st.get("input_nonfinite")
+            cause = "inputs"
+            diagnosis = ("The loss became NaN/Inf at a step whose input batch held non-finite values: "
+                         "the data pipeline, not the model, produced it.")
+            actions = [actions[3], actions[0], actions[2]]
+        elif before == "NaN" or (finite(before) and med is not None and before > cfg["explode_factor"] * med):
+            cause = "grad_explosion_first"
+            diagnosis = (f"The gradient norm exploded first (last grad norm {fmt(num(before))}, "
+                         f"{fmt(num(before) / med) if finite(num(before)) and med else 'non-finite'}x its median "
+                         f"{fmt(med)}), then the loss became NaN/Inf.")
+            actions = [actions[1], actions[2], actions[0], actions[3]]
+        elif med is not None:
+            cause = "loss_computation"
+            diagnosis = (f"The loss became NaN/Inf while the grad norm was normal (last {fmt(num(before))}, "
+                         f"median {fmt(med)}): the loss computation itself produced it.")
+        else:
+            cause = "unknown"
+            diagnosis = "The loss became NaN/Inf before a grad-norm history was available."
+        ev["cause"] = cause
+        origin = state.get("nan_origin")
+        if origin:
+            ev["nan_origin"] = origin
+        top = top_grad_norms(ctx, st)
+        if top:
+            ev["top_grad_norms"] = top
+        skipped = " (the scaler skipped the step)" if st.get("overflow") else ""
+        return Hit(ev, f"Loss is {fmt(loss)} at step {st['step']}{skipped}; cause: {cause.replace('_', ' ')}",
+                   diagnosis=diagnosis, actions=actions)
+
+
+class GradExplosion(Rule):
+    id = "A2"
+    needs = ("grad_norm",)
+
+    def begin(self, ctx, state, cfg):
+        self.win = Window(state, "gn", int(cfg["window"]))
+
+    def observe(self, ctx, state, cfg, st):
+        gn = num(st.get("grad_norm"))
+        if gn is None:
+            return None
+        if not math.isfinite(gn):
+            if st.get("overflow") or st.get("loss_scale") is not None:
+                return None          # a scaler is there and skips the step: A5 / A1 territory
+            ev = {"grad_norm": enc(gn), "no_scaler": True, "top_grad_norms": top_grad_norms(ctx, st)}
+            if state.get("nan_origin"):
+                ev["nan_origin"] = state["nan_origin"]
+            return Hit(ev, f"Grad norm is {fmt(gn)} at step {st['step']} and no GradScaler skipped the step")
+        if len(self.win) >= cfg["min_history"]:
+            med = self.win.stats()[0]
+            if med > 0 and gn > cfg["factor"] * med:
+                ev = {"grad_norm": gn, "median": med, "ratio": gn / med,
+                      "clip_max_norm": st.get("clip_max_norm"), "top_grad_norms": top_grad_norms(ctx, st)}
+                names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
+                return Hit(ev, f"Grad norm {fmt(gn)} at step {st['step']} is {gn / med:.0f}x its median {fmt(med)}"
+                               + (f"; largest: {names}" if names else ""))
+        self.win.push(gn)
+        return False
+
+
+class NanOrigin(Rule):
+    id = "A3"
+    needs = ("loss",)
+
+    def applies(self, steps, ctx):
+        return bool(ctx.events.get("nan_origin"))
+
+    def observe(self, ctx, state, cfg, st):
+        origin = ctx.events.get("nan_origin", {}).get(st["step"])
+        if origin:
+            module = origin.get("module", "?")
+            where = origin.get("where", "activation")
+            return Hit({"module": module, "where": where, **{k: enc(v) for k, v in origin.items()
+                                                              if k not in ("module", "where")}},
+                       f"First non-finite {where} at step {st['step']} in module {module}",
+                       diagnosis=f"The NaN/Inf started in `{module}` ({where}): that layer's activations or "
+                                 f"gradients overflowed.")
+        loss = num(st.get("loss"))
+        if loss is None:
+            return None
+        return False if math.isfinite(loss) else None
+
+
+class InputNonfinite(Rule):
+    id = "A4"
+    needs = ("input_nonfinite",)
+
+    def observe(self, ctx, state, cfg, st):
+        n = num(st.get("input_nonfinite"))
+        if n is None:
+            return None
+        if n > 0:
+            return Hit({"input_nonfinite": int(n)}, f"{int(n)} non-finite values in the input batch at step {st['step']}")
+        return False
+
+
+class OverflowStorm(Rule):
+    id = "A5"
+    needs = ("overflow",)
+
+    def observe(self, ctx, state, cfg, st):
+        ov = st.get("overflow")
+        if ov is None:
+            return None
+        window = int(cfg["window"])
+        skipped: list[int] = state.setdefault("skipped", [])
+        if ov:
+            state["consecutive"] = state.get("consecutive", 0) + 1
+            skipped.append(st["step"])
+        else:
+            state["consecutive"] = 0
+        cutoff = st["step"] - window
+        while skipped and skipped[0] <= cutoff:
+            skipped.pop(0)
+        consecutive = state["consecutive"]
+        if consecutive >= cfg["consecutive"] or len(skipped) > cfg["fraction"] * window:
+            ev = {"consecutive_skipped": consecutive, "skipped_in_window": len(skipped), "window": window,
+                  "loss_scale": enc(num(st.get("loss_scale"))), "overflow_count": st.get("overflow_count")}
+            return Hit(ev, f"{consecutive} consecutive skipped steps, {len(skipped)} of the last {window} "
+                           f"(loss scale {fmt(num(st.get('loss_scale')))})")
+        return False
+
+
+# --------------------------------------------------------------------------- B: training stalls
+
+class VanishingGrad(Rule):
+    id = "B1"
+    needs = ("grad_norm",)
+
+    def observe(self, ctx, state, cfg, st):
+        gn = num(st.get("grad_norm"))
+        if gn is None or not math.isfinite(gn) or st.get("overflow"):
+            return None
+        if gn < cfg["threshold"]:
+            state["streak"] = state.get("streak", 0) + 1
+            state.setdefault("since", st["step"])
+            if state["streak"] >= cfg["steps"]:
+                return Hit({"grad_norm": gn, "steps_below": state["streak"], "since_step": state["since"],
+                            "threshold": cfg["threshold"]},
+                           f"Grad norm {fmt(gn)} < {cfg['threshold']:g} for {state['streak']} steps")
+            return None
+        state["streak"] = 0
+        state.pop("since", None)
+        return False
+
+
+class LossPlateau(Rule):
+    id = "B2"
+    needs = ("loss",)
+    CHUNKS = 20
+
+    def observe(self, ctx, state, cfg, st):
+        loss = num(st.get("loss"))
+        gn = num(st.get("grad_norm"))
+        if loss is None or not math.isfinite(loss):
+            return None
+        chunk_len = max(1, int(cfg["window"]) // self.CHUNKS)
+        buf = state.setdefault("buf", [])
+        buf.append(loss)
+        # grad norm "normal": finite and not vanishing (B1's threshold)
+        if gn is not None and (not math.isfinite(gn) or gn < RULES_BY_ID["B1"].params["threshold"]):
+            state["gn_bad"] = True
+        if len(buf) < chunk_len:
+            return None
+        chunks = state.setdefault("chunks", [])
+        chunks.append([median(buf), bool(state.pop("gn_bad", False))])
+        buf.clear()
+        if "first" not in state:
+            state["first"] = chunks[0][0]
+        if len(chunks) > self.CHUNKS:
+            del chunks[: len(chunks) - self.CHUNKS]
+        if len(chunks) < self.CHUNKS:
+            return None
+        start, end = chunks[0][0], chunks[-1][0]
+        improvement = (start - end) / abs(start) if start else 0.0
+        gn_normal = not any(bad for _, bad in chunks)
+        converged = abs(end) < (1.0 - cfg["converged_drop"]) * abs(state["first"])
+        if improvement < cfg["min_improvement"] and gn_normal and not converged:
+            ev = {"loss_median_start": start, "loss_median_end": end, "improvement": improvement,
+                  "window": int(cfg["window"]), "first_loss_median": state["first"]}
+            return Hit(ev, f"Loss median {fmt(end)} improved {improvement:.1%} over the last {int(cfg['window'])} "
+                           f"steps (needs {cfg['min_improvement']:.0%}); grad norm is normal")
+        return False
+
+
+class LossScaleCollapse(Rule):
+    id = "B3"
+    needs = ("loss_scale",)
+
+    def observe(self, ctx, state, cfg, st):
+        scale = num(st.get("loss_scale"))
+        if scale is None or not math.isfinite(scale):
+            return None
+        prev = state.get("prev")
+        halvings: list[int] = state.setdefault("halvings", [])
+        if prev is not None:
+            if scale < prev and state.get("settled"):
+                halvings.append(st["step"])
+            elif scale > prev:
+                halvings.clear()
+        state["prev"] = scale
+        if st.get("overflow") is False:
+            # the scaler's start-up calibration (halving from too high an init_scale) is not a collapse
+            state["settled"] = True
+        cutoff = st["step"] - int(cfg["window"])
+        while halvings and halvings[0] <= cutoff:
+            halvings.pop(0)
+        if scale < cfg["min_scale"]:
+            return Hit({"loss_scale": scale, "min_scale": cfg["min_scale"], "halvings": len(halvings)},
+                       f"Loss scale fell to {fmt(scale)} (< {cfg['min_scale']:g}) at step {st['step']}")
+        if len(halvings) >= cfg["halvings"]:
+            return Hit({"loss_scale": scale, "halvings": len(halvings), "halved_at": halvings[-10:],
+                        "window": int(cfg["window"])},
+                       f"Loss scale halved {len(halvings)} times with no growth (now {fmt(scale)})")
+        return False
+
+
+class LrZero(Rule):
+    id = "B4"
+    needs = ("lr",)
+
+    def observe(self, ctx, state, cfg, st):
+        lr = num(st.get("lr"))
+        if lr is None or st["step"] == 0:
+            return None
+        if lr == 0:
+            state["streak"] = state.get("streak", 0) + 1
+            state.setdefault("since", st["step"])
+            if state["streak"] >= cfg["steps"]:
+                return Hit({"lr": lr, "steps_at_zero": state["streak"], "since_step": state["since"],
+                            "peak_lr": state.get("peak")},
+                           f"Learning rate is 0 for {state['streak']} steps (since step {state['since']})")
+            return None
+        state["peak"] = max(state.get("peak", 0.0), lr)
+        state["streak"] = 0
+        state.pop("since", None)
+        return False
+
+
+class DeadParams(Rule):
+    id = "B5"
+    needs = ("layers.grad_norm",)
+
+    def observe(self, ctx, state, cfg, st):
+        values = _layer(st, "grad_norm")
+        if not values or st.get("overflow"):
+            return None
+        zero_since: dict[str, int] = state.setdefault("zero_since", {})
+        step = st["step"]
+        for i, v in enumerate(values):
+            x = num(v)
+            key = str(i)
+            if x is None or x == 0.0:
+                zero_since.setdefault(key, step)
+            elif key in zero_since:
+                del zero_since[key]
+        dead = sorted((int(k) for k, s in zero_since.items() if step - s >= cfg["steps"]))
+        if dead:
+            names = [_name(ctx.param_names, i) for i in dead]
+            shown = ", ".join(names[: int(cfg["max_names"])]) + (" …" if len(names) > cfg["max_names"] else "")
+            return Hit({"params": names[:50], "count": len(dead), "steps": int(cfg["steps"])},
+                       f"{len(dead)} trainable parameter(s) without gradient for >= {int(cfg['steps'])} steps: {shown}")
+        return False
+
+
+# --------------------------------------------------------------------------- C: oscillation
+
+class LossOscillation(Rule):
+    id = "C1"
+    needs = ("loss",)
+    EVERY = 10
+
+    def begin(self, ctx, state, cfg):
+        self.win = Window(state, "loss", int(cfg["window"]), refresh=1)
+
+    def observe(self, ctx, state, cfg, st):
+        loss = num(st.get("loss"))
+        if loss is None or not math.isfinite(loss):
+            return None
+        self.win.push(loss)
+        state["n"] = state.get("n", 0) + 1
+        if len(self.win) < cfg["min_history"] or state["n"] % self.EVERY:
+            return None
+        vals = self.win.values
+        med, mad = median_mad(vals)
+        third = len(vals) // 3
+        first, last = median(vals[:third]), median(vals[-third:])
+        spread = mad / abs(med) if med else math.inf
+        falling = last < first - 0.5 * mad
+        if spread > cfg["spread_ratio"] and not falling:
+            ev = {"loss_median": med, "loss_mad": mad, "spread_ratio": spread, "first_third_median": first,
+                  "last_third_median": last, "window": len(vals)}
+            return Hit(ev, f"Loss oscillates: robust spread {spread:.2f}x its median {fmt(med)}, no downward trend "
+                           f"({fmt(first)} -> {fmt(last)})")
+        return False
+
+
+class ClipSaturation(Rule):
+    id = "C2"
+    needs = ("clipped",)
+
+    def observe(self, ctx, state, cfg, st):
+        clipped = st.get("clipped")
+        if clipped is None or st.get("overflow"):
+            return None
+        window = int(cfg["window"])
+        bits = state.get("bits", "") + ("1" if clipped else "0")
+        bits = bits[-window:]
+        state["bits"] = bits
+        if len(bits) < window:
+            return None
+        n = bits.count("1")
+        if n > cfg["fraction"] * window:
+            return Hit({"clipped_steps": n, "window": window, "fraction": n / window,
+                        "grad_norm": enc(num(st.get("grad_norm"))), "clip_max_norm": st.get("clip_max_norm")},
+                       f"Clipping active on {n} of the last {window} steps ({n / window:.0%}); "
+                       f"max_norm {st.get('clip_max_norm')}")
+        return False
+
+
+class LossSpike(Rule):
+    id = "C3"
+    needs = ("loss",)
+
+    def begin(self, ctx, state, cfg):
+        self.win = Window(state, "loss", int(cfg["window"]))
+
+    def observe(self, ctx, state, cfg, st):
+        loss = num(st.get("loss"))
+        if loss is None or not math.isfinite(loss):
+            return None
+        if len(self.win) >= cfg["min_history"]:
+            med, mad = self.win.stats()
+            mad = max(mad, 0.01 * abs(med), 1e-12)
+            limit = med + cfg["mad_factor"] * mad
+            if loss > limit:
+                state["consecutive"] = state.get("consecutive", 0) + 1
+                n = state["consecutive"]
+                severity = "critical" if n >= cfg["critical_consecutive"] else None
+                ev = {"loss": loss, "median": med, "mad": mad, "limit": limit, "consecutive": n,
+                      "z": (loss - med) / mad}
+                return Hit(ev, f"Loss spike {fmt(loss)} at step {st['step']} (median {fmt(med)}, "
+                               f"{(loss - med) / mad:.0f} MADs above)" + (f"; {n} in a row" if n > 1 else ""),
+                           severity=severity)
+        state["consecutive"] = 0
+        self.win.push(loss)
+        return False
+
+
+# --------------------------------------------------------------------------- D: late divergence
+
+class LateDivergence(Rule):
+    id = "D1"
+    needs = ("lr",)
+    CHUNKS = 10
+
+    def observe(self, ctx, state, cfg, st):
+        lr = num(st.get("lr"))
+        loss = num(st.get("loss"))
+        if lr is None or not math.isfinite(lr):
+            return None
+        peak = max(state.get("peak", 0.0), lr)
+        state["peak"] = peak
+        if peak <= 0 or lr >= cfg["lr_fraction"] * peak:
+            if state.get("chunks") or state.get("buf"):
+                state["chunks"], state["buf"] = [], []
+            return False
+        if loss is None or not math.isfinite(loss):
+            return None
+        buf = state.setdefault("buf", [])
+        buf.append(loss)
+        chunk_len = max(1, int(cfg["window"]) // self.CHUNKS)
+        if len(buf) < chunk_len:
+            return None
+        chunks = state.setdefault("chunks", [])
+        chunks.append(median(buf))
+        buf.clear()
+        if len(chunks) > self.CHUNKS:
+            del chunks[: len(chunks) - self.CHUNKS]
+        if len(chunks) < self.CHUNKS:
+            return None
+        ups = sum(1 for a, b in zip(chunks, chunks[1:]) if b > a)
+        rise = (chunks[-1] - chunks[0]) / abs(chunks[0]) if chunks[0] else 0.0
+        if rise > cfg["min_rise"] and ups >= 0.7 * (self.CHUNKS - 1):
+            return Hit({"lr": lr, "peak_lr": peak, "loss_median_start": chunks[0], "loss_median_end": chunks[-1],
+                        "rise": rise, "window": int(cfg["window"])},
+                       f"Loss rose {rise:.0%} over {int(cfg['window'])} steps after the LR fell to "
+                       f"{fmt(lr)} ({lr / peak:.1%} of its peak {fmt(peak)})")
+        return False
+
+
+class EmaDivergence(Rule):
+    id = "D2"
+    needs = ("ema_divergence",)
+    EVERY = 10
+
+    def begin(self, ctx, state, cfg):
+        self.win = Window(state, "div", int(cfg["window"]))
+
+    def observe(self, ctx, state, cfg, st):
+        d = num(st.get("ema_divergence"))
+        if d is None or not math.isfinite(d):
+            return None
+        if len(self.win) >= cfg["min_history"]:
+            med, mad = self.win.stats()
+            if med > 0 and d > cfg["factor"] * med:
+                return Hit({"ema_divergence": d, "median": med, "ratio": d / med},
+                           f"EMA divergence {fmt(d)} is {d / med:.1f}x its median {fmt(med)}")
+            state["n"] = state.get("n", 0) + 1
+            if state["n"] % self.EVERY == 0 and med > 0:
+                # oscillating: the EMA distance swings by more than its own level, back and forth
+                recent = self.win.values[-50:]
+                turns = sum(1 for a, b, c in zip(recent, recent[1:], recent[2:]) if (b - a) * (c - b) < 0)
+                if mad / med > 1.0 and turns > 0.5 * len(recent):
+                    self.win.push(d)
+                    return Hit({"ema_divergence": d, "median": med, "mad": mad, "turns": turns, "oscillating": True},
+                               f"EMA divergence oscillates: spread {mad / med:.1f}x its median {fmt(med)}")
+        self.win.push(d)
+        return False
+
+
+class BnDrift(Rule):
+    id = "D3"
+    needs = ("layers.bn_var_norm",)
+
+    def observe(self, ctx, state, cfg, st):
+        values = _layer(st, "bn_var_norm")
+        if not values:
+            return None
+        step = st["step"]
+        if step < cfg["warmup_steps"]:
+            return None
+        window = int(cfg["window"])
+        hist: dict[str, list] = state.setdefault("hist", {})
+        worst = None
+        for i, v in enumerate(values):
+            x = num(v)
+            if x is None or not math.isfinite(x) or x <= 0:
+                continue
+            h = hist.setdefault(str(i), [])
+            h.append([step, x])
+            while h and h[0][0] < step - window:
+                h.pop(0)
+            if len(h) > 64:            # keep the state small: thin out the middle of the window
+                del h[1:len(h) - 32:2]
+            lo = min(p[1] for p in h)
+            hi = max(p[1] for p in h)
+            ratio = hi / lo
+            if ratio > cfg["factor"] and (worst is None or ratio > worst[1]):
+                worst = (i, ratio, lo, hi)
+        if worst:
+            i, ratio, lo, hi = worst
+            name = _name(ctx.bn_names, i)
+            return Hit({"layer": name, "ratio": ratio, "var_norm_min": lo, "var_norm_max": hi, "window": window},
+                       f"BatchNorm {name}: running_var norm changed {ratio:.0f}x within {window} steps "
+                       f"({fmt(lo)} -> {fmt(hi)})")
+        return False
+
+
+# --------------------------------------------------------------------------- E: layer statistics
+
+class ActivationJump(Rule):
+    id = "E1"
+    needs = ("layers.act_std",)
+
+    def observe(self, ctx, state, cfg, st):
+        values = _layer(st, "act_std")
+        if not values:
+            return None
+        step = st["step"]
+        window = int(cfg["window"])
+        hist: dict[str, list] = state.setdefault("hist", {})
+        worst = None
+        for i, v in enumerate(values):
+            x = num(v)
+            if x is None or not math.isfinite(x):
+                continue
+            h = hist.setdefault(str(i), [])
+            while h and h[0][0] < step - window:
+                h.pop(0)
+            if len(h) >= cfg["min_history"]:
+                med = median(p[1] for p in h)
+                if med > 0 and x >= cfg["factor"] * med:
+                    if worst is None or x / med > worst[1]:
+                        worst = (i, x / med, med, x)
+                    continue          # a flagged jump stays out of the baseline
+            h.append([step, x])
+            if len(h) > 50:
+                del h[0]
+        if worst:
+            i, ratio, med, x = worst
+            name = _name(ctx.module_names, i)
+            return Hit({"module": name, "act_std": x, "median": med, "ratio": ratio},
+                       f"Activation std of {name} jumped to {fmt(x)}, {ratio:.0f}x its median {fmt(med)}")
+        return False
+
+
+class WeightNormGrowth(Rule):
+    id = "E2"
+    needs = ("layers.weight_norm",)
+
+    def observe(self, ctx, state, cfg, st):
+        values = _layer(st, "weight_norm")
+        if not values:
+            return None
+        step = st["step"]
+        window = int(cfg["window"])
+        spacing = max(1, window // 40)
+        if step - state.get("last", -10**12) < spacing:
+            return None
+        state["last"] = step
+        hist: dict[str, list] = state.setdefault("hist", {})
+        growing = []
+        for i, v in enumerate(values):
+            x = num(v)
+            if x is None or not math.isfinite(x) or x <= 0:
+                continue
+            h = hist.setdefault(str(i), [])
+            h.append([step, x])
+            while len(h) > 1 and h[1][0] <= step - window:
+                h.pop(0)
+            if len(h) < cfg["min_samples"] or step - h[0][0] < window:
+                continue
+            monotone = all(b[1] >= a[1] * 0.999 for a, b in zip(h, h[1:]))
+            growth = h[-1][1] / h[0][1] - 1.0
+            if monotone and growth > cfg["growth"]:
+                growing.append((growth, i, h[0][1], x))
+        if growing:
+            growing.sort(reverse=True)
+            g, i, first, last = growing[0]
+            names = [_name(ctx.param_names, j) for _, j, _, _ in growing]
+            return Hit({"params": names[:10], "count": len(names), "growth": g, "weight_norm_start": first,
+                        "weight_norm_end": last, "window": window},
+                       f"Weight norm of {names[0]} grew {g:.0%} monotonically over {window} steps"
+                       + (f" (and {len(names) - 1} more)" if len(names) > 1 else ""))
+        return False
+
+
+class UpdateRatio(Rule):
+    id = "E3"
+    needs = ("layers.update_ratio",)
+
+    def observe(self, ctx, state, cfg, st):
+        values = _layer(st, "update_ratio")
+        if not values or st.get("overflow"):
+            return None
+        finite_vals = [x for x in (num(v) for v in values) if x is not None and math.isfinite(x)]
+        if not finite_vals:
+            return None
+        step = st["step"]
+        window = int(cfg["window"])
+        hist = state.setdefault("hist", [])
+        hist.append([step, median(finite_vals)])
+        while hist and hist[0][0] <= step - window:
+            hist.pop(0)
+        if len(hist) < cfg["min_samples"]:
+            return None
+        med = median(p[1] for p in hist)
+        if med > cfg["high"] or med < cfg["low"]:
+            direction = "high" if med > cfg["high"] else "low"
+            per_layer = sorted(((num(v) or 0.0, i) for i, v in enumerate(values)
+                                if finite(num(v))), reverse=(direction == "high"))[:5]
+            return Hit({"median_update_ratio": med, "direction": direction, "samples": len(hist),
+                        "layers": [[_name(ctx.param_names, i), x] for x, i in per_layer]},
+                       f"Median update ratio {fmt(med)} over {window} steps is too {direction} "
+                       f"(healthy ~1e-3)",
+                       actions=[self.spec.actions[0 if direction == "high" else 1]])
+        return False
+
+
+# Classes, not instances: the engine makes fresh ones per batch (ingest runs batches concurrently).
+RULE_CLASSES: tuple[type[Rule], ...] = (
+    LossNonfinite, GradExplosion, NanOrigin, InputNonfinite, OverflowStorm,
+    VanishingGrad, LossPlateau, LossScaleCollapse, LrZero, DeadParams,
+    LossOscillation, ClipSaturation, LossSpike,
+    LateDivergence, EmaDivergence, BnDrift,
+    ActivationJump, WeightNormGrowth, UpdateRatio,
+)
