@@ -1,0 +1,104 @@
+"""gradwatch agent: training-stability telemetry for PyTorch (mixed-precision) training loops.
+
+One line in a training script::
+
+    import agent
+    monitor = agent.attach(model, scaler)          # GradScaler loop (fp16), or scaler=None
+
+Per optimizer step it streams the loss, the global and per-parameter grad
+norms after unscale and before clipping, clip events, the loss scale, overflow
+(skipped step) and the running overflow count, the learning rate, step time
+and throughput; sampled every K steps: weight norms and update ratios,
+activation statistics per module, input non-finite counts, EMA divergence and
+BatchNorm running statistics. After a non-finite loss it hunts for the first
+module that produced the NaN. Nothing here syncs the device in the training
+thread, raises into it, or blocks it: a background thread batches, spools to
+disk when the server is down, and replays in order.
+
+Without a GradScaler (bf16 / fp32)::
+
+    monitor = agent.attach(model, optimizer=opt, ema=ema, run="exp-42")
+    for x, y in loader:
+        loss = criterion(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); opt.zero_grad()
+        monitor.log(loss=loss)
+    monitor.close()
+
+Settings (keyword arguments, or ``GRADWATCH_<SETTING>`` variables): see
+:class:`agent.config.AgentConfig`. ``GRADWATCH_SERVER`` (default
+``http://127.0.0.1:8470``), ``GRADWATCH_PROJECT``, ``GRADWATCH_RUN``,
+``GRADWATCH_TOKEN`` (sent as ``Authorization: Bearer``), ``GRADWATCH_MODE``
+(``online`` | ``offline`` | ``disabled``).
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from typing import Any, Optional
+
+from agent.config import AgentConfig
+from agent.monitor import Monitor, _existing, _remember, close_all
+
+__all__ = ["attach", "AgentConfig", "Monitor", "close_all"]
+
+
+def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[str] = None,
+           run: Optional[str] = None, server: Optional[str] = None, transport: Any = None,
+           **config: Any) -> Monitor:
+    """Start monitoring ``model`` (and ``scaler`` / ``optimizer`` / ``ema`` when given).
+
+    Returns a :class:`Monitor`; ``monitor.close()`` (alias ``detach()``) flushes
+    and removes every hook and wrapper, and the handle is a context manager.
+    Attaching again to the same model with the same objects returns the
+    existing handle; with different ones, the old handle is closed and
+    replaced. Bad settings raise ``ValueError`` here, before training starts;
+    after this call the agent never raises into the training loop.
+
+    >>> import torch, agent
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with agent.attach(model, optimizer=opt, mode="disabled") as monitor:
+    ...     loss = model(torch.randn(8, 4)).pow(2).mean()
+    ...     loss.backward(); opt.step(); opt.zero_grad()
+    ...     monitor.log(loss=loss)
+    >>> monitor.step
+    1
+    """
+    cfg = AgentConfig.from_sources({**config, "project": project, "run": run, "server": server})
+    existing = _existing(model)
+    if existing is not None:
+        if (existing.scaler is scaler and existing.ema is ema
+                and (optimizer is None or existing.optimizer is optimizer)):
+            return existing
+        existing.close()
+    monitor = Monitor(model, scaler, optimizer=optimizer, ema=ema, config=cfg, transport=transport)
+    _remember(model, monitor)
+    _install_exit_handlers()
+    return monitor
+
+
+_exit_lock = threading.Lock()
+_exit_installed = False
+
+
+def _install_exit_handlers() -> None:
+    global _exit_installed
+    with _exit_lock:
+        if _exit_installed:
+            return
+        _exit_installed = True
+        atexit.register(close_all)
+        previous = sys.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            try:
+                if not issubclass(exc_type, KeyboardInterrupt):
+                    close_all(status="crashed")
+            except Exception:  # noqa: BLE001
+                pass
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = excepthook

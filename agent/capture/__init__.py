@@ -1,0 +1,1 @@
+"""Collectors: small pieces that read one kind of signal from torch objects without syncing."""

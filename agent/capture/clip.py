@@ -1,0 +1,63 @@
+"""Sees ``torch.nn.utils.clip_grad_norm_`` while a monitor is attached.
+
+The patch is installed when the first monitor attaches and removed when the
+last one detaches. A call whose parameters belong to an attached model is
+handed to that monitor, which computes the per-parameter norms once and clips
+with them (so the norm is computed once, not twice); any other call goes to
+torch unchanged. Code that did ``from torch.nn.utils import clip_grad_norm_``
+before attaching keeps the original function: then the agent computes the
+norms itself and ``clip_max_norm`` is null.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.nn.utils.clip_grad as _clip_module
+
+_lock = threading.Lock()
+_owners: list[Any] = []          # monitors, each with .owns_params(list) and .on_clip(...)
+_original: dict[str, Callable] = {}
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    original = _original.get("fn") or _clip_module.clip_grad_norm_
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        parameters = list(parameters)
+    for owner in list(_owners):
+        handled, result = owner.on_clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, original)
+        if handled:
+            return result
+    return original(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                    foreach=foreach)
+
+
+clip_grad_norm_.__doc__ = _clip_module.clip_grad_norm_.__doc__
+clip_grad_norm_.__wrapped__ = _clip_module.clip_grad_norm_
+
+
+def register(owner: Any) -> None:
+    with _lock:
+        if not _owners:
+            _original["fn"] = _clip_module.clip_grad_norm_
+            _original["utils"] = torch.nn.utils.clip_grad_norm_
+            torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+            _clip_module.clip_grad_norm_ = clip_grad_norm_
+        if owner not in _owners:
+            _owners.append(owner)
+
+
+def unregister(owner: Any) -> None:
+    with _lock:
+        if owner in _owners:
+            _owners.remove(owner)
+        if not _owners and _original:
+            _clip_module.clip_grad_norm_ = _original.pop("fn")
+            torch.nn.utils.clip_grad_norm_ = _original.pop("utils")
+
+
+def clip_with_norm(parameters, max_norm, total, foreach) -> None:
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)

@@ -1,0 +1,158 @@
+"""Agent settings: one dataclass, filled from arguments and ``GRADWATCH_*`` variables.
+
+Leaf module: imports only the standard library.
+
+Every field can be set three ways, strongest first: a keyword argument to
+``agent.attach(...)``, the environment variable ``GRADWATCH_<FIELD>`` (upper
+case), the default below. Bad values raise ``ValueError`` with a message that
+says what to fix, at attach time, before training starts.
+
+Example::
+
+    >>> cfg = AgentConfig.from_sources({"project": "nlp", "activations_every": 0}, env={})
+    >>> cfg.project, cfg.activations_every
+    ('nlp', 0)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+DEFAULT_SERVER = "http://127.0.0.1:8470"
+MODES = ("online", "offline", "disabled")
+
+
+def default_run_name(clock=time.time) -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S", time.localtime(clock())) + f"-{os.getpid()}"
+
+
+def default_spool_dir() -> str:
+    return str(Path(os.path.expanduser("~")) / ".cache" / "gradwatch" / "spool")
+
+
+@dataclass
+class AgentConfig:
+    """Everything the agent can be told.
+
+    Sampling intervals are in optimizer steps; ``0`` turns a collector off,
+    ``1`` runs it every step.
+    """
+
+    server: str = DEFAULT_SERVER
+    project: str = "default"
+    run: str = field(default_factory=default_run_name)
+    token: Optional[str] = None
+    mode: str = "online"                 # online | offline (spool only) | disabled
+    # delivery
+    flush_interval: float = 0.5          # seconds between batches
+    max_batch_steps: int = 500           # a batch is shipped when it holds this many steps
+    queue_size: int = 10_000             # steps held in memory before the sender; more are dropped and counted
+    spool_dir: str = field(default_factory=default_spool_dir)
+    spool_max_mb: float = 512.0          # on-disk spool bound; batches beyond it are dropped and counted
+    http_timeout: float = 5.0            # seconds per POST
+    exit_timeout: float = 5.0            # seconds to flush at interpreter exit / close()
+    # collectors
+    grad_norms: bool = True              # per-parameter grad norms every step (one fused norm)
+    weights_every: int = 100             # weight norms and update ratio ||dθ||/||θ||
+    activations_every: int = 100         # activation mean/std/absmax/non-finite per module
+    inputs_every: int = 10               # non-finite values in the input batch
+    ema_every: int = 10                  # EMA divergence
+    bn_every: int = 100                  # BatchNorm running-stat norms
+    nan_hunt: bool = True                # after a non-finite loss/grad, hook every step until the origin is found
+    nan_hunt_steps: int = 50             # give up hunting after this many steps
+    memory: bool = True                  # CUDA peak allocated per step
+    batch_size: Optional[int] = None     # samples per optimizer step (inferred from the input when None)
+    tokens_per_step: Optional[int] = None  # tokens per optimizer step (inferred from integer 2-D input when None)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.server, str) or not self.server.startswith(("http://", "https://")):
+            problems.append(f"server={self.server!r}: give an http:// or https:// URL, e.g. {DEFAULT_SERVER}")
+        for name in ("project", "run"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip() or len(value) > 200:
+                problems.append(f"{name}={value!r}: give a non-empty name of at most 200 characters")
+        if self.mode not in MODES:
+            problems.append(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
+        for name in ("flush_interval", "http_timeout", "exit_timeout"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)!r}: must be a positive number of seconds")
+        for name in ("max_batch_steps", "queue_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r}: must be at least 1")
+        if self.spool_max_mb < 0:
+            problems.append(f"spool_max_mb={self.spool_max_mb!r}: must be >= 0 (0 disables the spool)")
+        for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
+        for name in ("batch_size", "tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{name}={value!r}: must be a positive integer or None (inferred)")
+        if problems:
+            raise ValueError("gradwatch agent configuration: " + "; ".join(problems))
+        self.server = self.server.rstrip("/")
+
+    @property
+    def spool_max_bytes(self) -> int:
+        return int(self.spool_max_mb * 1024 * 1024)
+
+    @classmethod
+    def every_step(cls, **overrides: Any) -> "AgentConfig":
+        """Every collector on, every step (what the benchmark calls "full")."""
+        values = dict(weights_every=1, activations_every=1, inputs_every=1, ema_every=1, bn_every=1)
+        values.update(overrides)
+        return cls.from_sources(values)
+
+    @classmethod
+    def from_sources(cls, arguments: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> "AgentConfig":
+        """Arguments win over ``GRADWATCH_<FIELD>`` variables, which win over defaults."""
+        env = os.environ if env is None else env
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(arguments) - set(known))
+        if unknown:
+            raise ValueError(
+                f"gradwatch agent configuration: unknown setting(s) {', '.join(unknown)}; "
+                f"known settings are {', '.join(sorted(known))}"
+            )
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if arguments.get(name) is not None:
+                values[name] = arguments[name]
+                continue
+            raw = env.get("GRADWATCH_" + name.upper())
+            if raw is None or raw == "":
+                continue
+            values[name] = _parse(name, f, raw)
+        return cls(**values)
+
+    def public(self) -> dict:
+        """The settings as sent in ``meta.config`` (without the token)."""
+        out = dataclasses.asdict(self)
+        out.pop("token", None)
+        return out
+
+
+def _parse(name: str, f: dataclasses.Field, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if "bool" in kind:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if "int" in kind:
+            return int(raw)
+        if "float" in kind:
+            return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"gradwatch agent configuration: GRADWATCH_{name.upper()}={raw!r} is not a valid {kind}"
+        ) from None
+    return raw

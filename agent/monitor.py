@@ -1,0 +1,623 @@
+"""The :class:`Monitor` handle: hooks into a model, its GradScaler and optimizer, one record per step.
+
+Step boundaries:
+
+* with a ``GradScaler`` (enabled or not): ``scaler.update()`` ends a step;
+* without one but with an optimizer: the optimizer's step post-hook ends it;
+* with neither: each ``monitor.log(loss=...)`` is one step.
+
+A step's record stays open after its end until the next step begins (the next
+forward of the model, ``scaler.scale()`` or optimizer step), so values logged
+right after the step (``monitor.log(acc=...)``) and the EMA update the
+checklist does after ``scaler.update()`` are part of it. Then it is sealed:
+its device tensors become one flat vector whose copy to the host starts
+without a sync, and the sender thread takes it from there.
+
+Every hook body runs under :meth:`Monitor._guard`: an exception is logged
+once, that collector turns itself off, and training goes on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from agent.capture import clip as clip_capture
+from agent.capture.activations import CONTAINERS, activation_stats, batch_shape, count_nonfinite, first_tensor
+from agent.capture.ema import check_ema, ema_divergence
+from agent.capture.norms import grad_norms, tensor_norms
+from agent.config import AgentConfig
+from agent.record import StepRecord
+from agent.sender import OnceLogger, Sender
+from agent.spool import Spool
+from agent.transport import HttpTransport
+from agent.wire import NanHunt, StepAssembler
+
+log = logging.getLogger("gradwatch.agent")
+
+
+def _safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:100] or "_"
+
+
+class Monitor:
+    """Handle returned by :func:`agent.attach`.
+
+    Example::
+
+        monitor = agent.attach(model, scaler, ema=ema, run="exp-42")
+        for x, y in loader:
+            ...
+            scaler.update()
+            ema.update(model)
+            monitor.log(acc=accuracy)       # optional extra scalars
+        monitor.close()                      # or use `with agent.attach(...) as monitor:`
+    """
+
+    def __init__(self, model: torch.nn.Module, scaler=None, *, optimizer=None, ema=None,
+                 config: Optional[AgentConfig] = None, transport=None,
+                 clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model={type(model).__name__}: pass the torch.nn.Module you train")
+        if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
+            raise ValueError(f"scaler={type(scaler).__name__}: pass a torch.amp.GradScaler (or None)")
+        if optimizer is not None and not hasattr(optimizer, "param_groups"):
+            raise ValueError(f"optimizer={type(optimizer).__name__}: pass a torch.optim.Optimizer (or None)")
+        if ema is not None:
+            check_ema(ema)
+        self.config = config or AgentConfig()
+        self.model, self.scaler, self.optimizer, self.ema = model, scaler, optimizer, ema
+        self.clock, self.wall_clock = clock, wall_clock
+        self.closed = False
+        self._pid = os.getpid()
+        self._warn = OnceLogger(log)
+        self._disabled: set[str] = set()
+        self._handles: list[Any] = []
+        self._act_handles: list[Any] = []
+        self._wrapped_scaler: dict[str, Any] = {}
+
+        seen: set[int] = set()
+        self._param_names: list[str] = []
+        self._params: list[torch.nn.Parameter] = []
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._param_names.append(name)
+                self._params.append(p)
+        self._param_ids = seen
+        self._modules = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
+        self._bns = [(n, m) for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+
+        self.rank, self.world_size = 0, 1
+        try:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        except Exception:  # noqa: BLE001
+            pass
+
+        self.hunt = NanHunt(self.config.nan_hunt, self.config.nan_hunt_steps)
+        self.sender: Optional[Sender] = None
+        if self.config.mode != "disabled":
+            cfg = self.config
+            spool_path = Path(cfg.spool_dir) / _safe_name(cfg.project) / _safe_name(cfg.run) / f"rank{self.rank}"
+            self.sender = Sender(
+                cfg,
+                transport=transport or HttpTransport(cfg.server, cfg.token, cfg.http_timeout),
+                spool=Spool(spool_path, cfg.spool_max_bytes),
+                assembler=StepAssembler(self._param_names, [n for n, _ in self._modules],
+                                        [n for n, _ in self._bns], self.hunt),
+                header={"project": cfg.project, "run": cfg.run, "rank": self.rank, "world_size": self.world_size},
+                meta=self._meta(),
+                warn=self._warn,
+            )
+
+        self._reset_step_state()
+        self.step = 0
+        self._open: Optional[StepRecord] = None
+        self._last_end: Optional[float] = None
+        self._pending_scale = None
+        self._pending_found_inf = None
+        self._install()
+
+    # ------------------------------------------------------------------ public API
+
+    def log(self, loss=None, **values) -> None:
+        """Record the loss (when there is no GradScaler) and any extra scalars for the current step.
+
+        Tensors stay on their device (no sync); numbers are taken as they are.
+        Called right after a step ends (before the next forward), values go to
+        that step. With neither a scaler nor an optimizer, every call that
+        carries ``loss=`` is one step.
+
+        >>> monitor.log(loss=loss)                 # doctest: +SKIP
+        >>> monitor.log(acc=0.91, tokens_seen=n)   # doctest: +SKIP
+        """
+        if self.closed or os.getpid() != self._pid:
+            return
+        with self._guard("log"):
+            step_per_log = loss is not None and self.scaler is None and self._current_optimizer() is None
+            if step_per_log:
+                self._seal_open()
+            target = self._open.host if (self._open is not None and not step_per_log) else self._pending
+            if loss is not None:
+                _accumulate(target, "logged_loss", loss)
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    if value.numel() != 1:
+                        self._warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
+                        continue
+                    target.setdefault("custom_dev", {})[key] = value.detach().reshape(())
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    target.setdefault("custom", {})[key] = float(value)
+            if step_per_log:
+                self._end_step()
+                self._seal_open()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Send everything recorded so far; True when it reached the server or the spool in time."""
+        if os.getpid() != self._pid or self.sender is None:
+            return True
+        with self._guard("flush"):
+            self._seal_open()
+        return self.sender.flush(timeout)
+
+    def close(self, timeout: Optional[float] = None, status: str = "finished") -> None:
+        """Flush (at most ``timeout`` seconds, default ``exit_timeout``), remove every hook and wrapper."""
+        if self.closed:
+            return
+        if os.getpid() == self._pid:
+            try:
+                self._seal_open()
+            except Exception:  # noqa: BLE001
+                pass
+        self._uninstall()
+        self.closed = True
+        _forget(self)
+        if self.sender is not None and os.getpid() == self._pid:
+            self.sender.close(self.config.exit_timeout if timeout is None else timeout, status=status)
+
+    detach = close
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(status="crashed" if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+                   else "finished")
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps lost so far (queue full, spool full or unwritable, batches rejected)."""
+        if self.sender is None:
+            return 0
+        return self.sender.dropped_steps + (self.sender.queue_drops - self.sender._queue_drops_seen)
+
+    # ------------------------------------------------------------------ installation
+
+    def _install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._on_forward_post))
+        clip_capture.register(self)
+        if self.scaler is not None:
+            for name in ("scale", "unscale_", "step", "update"):
+                original = getattr(self.scaler, name)
+                self._wrapped_scaler[name] = (name in self.scaler.__dict__, self.scaler.__dict__.get(name))
+                setattr(self.scaler, name, getattr(self, "_wrap_" + name.rstrip("_"))(original))
+        elif self.optimizer is not None:
+            self._hook_optimizer(self.optimizer)
+
+    def _hook_optimizer(self, optimizer) -> None:
+        self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
+        self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
+
+    def _uninstall(self) -> None:
+        for h in self._handles + self._act_handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles, self._act_handles = [], []
+        clip_capture.unregister(self)
+        for name, (had_own, previous) in self._wrapped_scaler.items():
+            try:
+                if had_own:
+                    setattr(self.scaler, name, previous)
+                else:
+                    self.scaler.__dict__.pop(name, None)
+            except Exception:  # noqa: BLE001
+                pass
+        self._wrapped_scaler = {}
+
+    def _meta(self) -> dict:
+        amp = None
+        try:
+            if self.scaler is not None and getattr(self.scaler, "_enabled", False):
+                amp = "float16"
+        except Exception:  # noqa: BLE001
+            pass
+        return {
+            "param_names": self._param_names,
+            "module_names": [n for n, _ in self._modules],
+            "bn_names": [n for n, _ in self._bns],
+            "config": {**self.config.public(), "amp_dtype": amp, "scaler": self.scaler is not None,
+                       "ema": type(self.ema).__name__ if self.ema is not None else None},
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "torch": torch.__version__.split("+")[0],
+            "started_at": self.wall_clock(),
+        }
+
+    # ------------------------------------------------------------------ guarding
+
+    @contextmanager
+    def _guard(self, collector: str):
+        """Never let the agent raise into training: log once, turn the collector off."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001
+            self._disabled.add(collector)
+            self._warn.warning("guard:" + collector,
+                               "gradwatch: the %s collector failed and is now off (training continues): %r",
+                               collector, e)
+
+    def _on(self, collector: str) -> bool:
+        return collector not in self._disabled and not self.closed and os.getpid() == self._pid
+
+    # ------------------------------------------------------------------ step state
+
+    def _reset_step_state(self) -> None:
+        self._pending: dict[str, Any] = {}       # loss / custom values for the step in progress
+        self._grads = None                         # (per-param norms, index, total) once computed
+        self._clip_max_norm: Optional[float] = None
+        self._forwards = 0
+        self._samples = 0
+        self._tokens = 0
+        self._input_nonfinite = None
+        self._acts: list[tuple[int, torch.Tensor]] = []
+        self._acts_seen: set[int] = set()
+        self._weights_before = None
+        self._unscaled = False
+        self._in_scaler_step = False
+
+    def _sampled(self, every: int, step: Optional[int] = None) -> bool:
+        return every > 0 and (self.step if step is None else step) % every == 0
+
+    def _current_optimizer(self):
+        return self.optimizer
+
+    def _compute_grads(self) -> None:
+        if self._grads is None and self.config.grad_norms and self._on("grad_norms"):
+            with self._guard("grad_norms"):
+                self._grads = grad_norms(self._params) or False
+
+    def _snapshot_weights(self) -> None:
+        if self._weights_before is None and self._sampled(self.config.weights_every) and self._on("weights"):
+            with self._guard("weights"), torch.no_grad():
+                self._weights_before = [p.detach().clone() for p in self._params]
+
+    # ------------------------------------------------------------------ model hooks
+
+    def _on_forward_pre(self, module, args, kwargs):
+        if self.closed or os.getpid() != self._pid:
+            return None
+        with self._guard("forward"):
+            self._seal_open()
+            if not torch.is_grad_enabled():
+                return None   # evaluation pass: not part of a training step
+            first = self._forwards == 0
+            self._forwards += 1
+            samples, tokens = batch_shape(args, kwargs)
+            self._samples += samples
+            self._tokens += tokens
+            hunting = self.hunt.active
+            if first and (hunting or self._sampled(self.config.inputs_every)) and self._on("inputs"):
+                with self._guard("inputs"):
+                    self._input_nonfinite = count_nonfinite(args, kwargs)
+            if first and (hunting or self._sampled(self.config.activations_every)) and self._on("activations"):
+                with self._guard("activations"):
+                    for i, (_, m) in enumerate(self._modules):
+                        self._act_handles.append(m.register_forward_hook(self._activation_hook(i)))
+        return None
+
+    def _on_forward_post(self, module, args, output):
+        if self._act_handles:
+            for h in self._act_handles:
+                h.remove()
+            self._act_handles = []
+        return None
+
+    def _activation_hook(self, index: int):
+        def hook(module, args, output):
+            if index in self._acts_seen or "activations" in self._disabled:
+                return None
+            with self._guard("activations"):
+                t = first_tensor(output)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
+                    self._acts_seen.add(index)
+                    self._acts.append((index, activation_stats(t)))
+            return None
+        return hook
+
+    # ------------------------------------------------------------------ scaler wrappers
+
+    def _wrap_scale(self, original):
+        def scale(outputs):
+            if self._on("scaler"):
+                with self._guard("scaler"):
+                    self._seal_open()
+                    if isinstance(outputs, torch.Tensor):
+                        _accumulate(self._pending, "scaled_loss", outputs)
+                    else:
+                        outputs = list(outputs) if not isinstance(outputs, (list, tuple)) else outputs
+                        for o in outputs:
+                            if isinstance(o, torch.Tensor):
+                                _accumulate(self._pending, "scaled_loss", o)
+            return original(outputs)
+        return scale
+
+    def _wrap_unscale(self, original):
+        def unscale_(optimizer):
+            result = original(optimizer)
+            if self._on("scaler"):
+                with self._guard("scaler"):
+                    self._unscaled = True
+                    if self._in_scaler_step:   # implicit unscale inside scaler.step(): grads are ready now
+                        self._compute_grads()
+            return result
+        return unscale_
+
+    def _wrap_step(self, original):
+        def step(optimizer, *args, **kwargs):
+            if self._on("scaler"):
+                with self._guard("scaler"):
+                    if self.optimizer is None:
+                        self.optimizer = optimizer
+                    self._snapshot_weights()
+                    if self._unscaled or not getattr(self.scaler, "_enabled", True):
+                        self._compute_grads()
+                    self._in_scaler_step = True
+            try:
+                return original(optimizer, *args, **kwargs)
+            finally:
+                self._in_scaler_step = False
+        return step
+
+    def _wrap_update(self, original):
+        def update(new_scale=None):
+            if self._on("scaler"):
+                with self._guard("scaler"):
+                    self._read_scaler_state()
+            result = original(new_scale)
+            if self._on("scaler"):
+                with self._guard("scaler"):
+                    self._end_step()
+            return result
+        return update
+
+    def _read_scaler_state(self) -> None:
+        """The scale used for this step and whether it overflowed: device tensors, cloned, no sync."""
+        s = self.scaler
+        self._pending_scale = self._pending_found_inf = None
+        if not getattr(s, "_enabled", False) or getattr(s, "_scale", None) is None:
+            return
+        self._pending_scale = s._scale.detach().clone()
+        found = [f for state in s._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        if found:
+            dev = s._scale.device
+            self._pending_found_inf = torch.stack([f.to(dev, non_blocking=True).reshape(()) for f in found]).sum()
+
+    # ------------------------------------------------------------------ optimizer hooks (no scaler)
+
+    def _on_optimizer_pre(self, optimizer, args, kwargs):
+        if self._on("optimizer"):
+            with self._guard("optimizer"):
+                self._snapshot_weights()
+                self._compute_grads()
+        return None
+
+    def _on_optimizer_post(self, optimizer, args, kwargs):
+        if self._on("optimizer"):
+            with self._guard("optimizer"):
+                self._end_step()
+        return None
+
+    # ------------------------------------------------------------------ clipping
+
+    def on_clip(self, parameters: list, max_norm, norm_type, error_if_nonfinite, foreach, original):
+        """Called by the clip_grad_norm_ patch. Returns (handled, total_norm)."""
+        if not self._on("clip") or not parameters or id(parameters[0]) not in self._param_ids:
+            return False, None
+        try:
+            if not isinstance(max_norm, torch.Tensor):
+                self._clip_max_norm = float(max_norm)
+            same = len(parameters) == len(self._params) and all(a is b for a, b in zip(parameters, self._params))
+            if (same and float(norm_type) == 2.0 and not error_if_nonfinite and self._grads is None
+                    and self.config.grad_norms and self._on("grad_norms")):
+                grads = grad_norms(self._params)
+                if grads:
+                    self._grads = grads
+                    clip_capture.clip_with_norm(parameters, max_norm, grads[2], foreach)
+                    return True, grads[2]
+            self._compute_grads()  # before the original clips the grads in place
+        except Exception as e:  # noqa: BLE001
+            self._disabled.add("clip")
+            self._warn.warning("guard:clip", "gradwatch: clip capture failed and is now off: %r", e)
+        return True, original(parameters, max_norm, norm_type=norm_type,
+                              error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+    # ------------------------------------------------------------------ step end / seal
+
+    def _end_step(self) -> None:
+        now = self.clock()
+        rec = StepRecord(self.step)
+        host = rec.host
+        host.update(self._pending)
+        host["time"] = self.wall_clock()
+        step_time = now - self._last_end if self._last_end is not None else None
+        host["step_time"] = step_time
+        samples = self.config.batch_size or self._samples
+        tokens = self.config.tokens_per_step or self._tokens
+        if step_time and step_time > 0:
+            host["samples_per_s"] = samples / step_time if samples else None
+            host["tokens_per_s"] = tokens / step_time if tokens else None
+        host["scaler_active"] = bool(self.scaler is not None and getattr(self.scaler, "_enabled", False))
+        host["clip_max_norm"] = self._clip_max_norm
+
+        if self._grads is None and self._on("grad_norms") and self.config.grad_norms and self.scaler is None \
+                and self.optimizer is None:
+            pass  # log-per-step mode: grads are only seen through clipping
+        if self._grads:
+            per, index, total = self._grads
+            rec.add("grad_norm", total)
+            rec.add("grad_norms", per)
+            host["grad_index"] = index
+        if self._pending_scale is not None:
+            rec.add("loss_scale", self._pending_scale)
+        if self._pending_found_inf is not None:
+            rec.add("found_inf", self._pending_found_inf)
+        self._pending_scale = self._pending_found_inf = None
+
+        opt = self.optimizer
+        if opt is not None and self._on("lr"):
+            with self._guard("lr"):
+                groups = opt.param_groups
+                for i, g in enumerate(groups):
+                    lr = g.get("lr")
+                    key = "lr" if i == 0 else f"lr/{i}"
+                    if isinstance(lr, torch.Tensor):
+                        rec.add(key if i == 0 else "custom:" + key, lr.detach().clone())
+                    elif lr is not None:
+                        if i == 0:
+                            host["lr"] = float(lr)
+                        elif len(groups) > 1:
+                            host.setdefault("custom", {})[key] = float(lr)
+
+        if self._sampled(self.config.weights_every) and self._on("weights"):
+            with self._guard("weights"):
+                rec.add("weight_norm", tensor_norms(self._params))
+                if self._weights_before is not None:
+                    delta = torch._foreach_sub([p.detach() for p in self._params], self._weights_before)
+                    rec.add("update_norm", tensor_norms(delta))
+        self._weights_before = None
+
+        if self._acts:
+            host["act_index"] = [i for i, _ in self._acts]
+            rec.add("act", torch.stack([s for _, s in self._acts]))
+        if self._bns and self._sampled(self.config.bn_every) and self._on("bn"):
+            with self._guard("bn"):
+                rec.add("bn_mean", tensor_norms([m.running_mean for _, m in self._bns]))
+                rec.add("bn_var", tensor_norms([m.running_var for _, m in self._bns]))
+        if self._input_nonfinite is not None:
+            rec.add("input_nonfinite", self._input_nonfinite)
+
+        if self.config.memory and self._on("memory") and torch.cuda.is_available() and torch.cuda.is_initialized():
+            with self._guard("memory"):
+                host["mem_peak"] = float(torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+
+        self._reset_step_state()
+        self._open = rec
+        self._last_end = now
+        self.step += 1
+
+    def _seal_open(self) -> None:
+        rec = self._open
+        if rec is None:
+            return
+        self._open = None
+        host = rec.host
+        loss = host.pop("logged_loss", None)
+        if loss is None:
+            loss = host.pop("scaled_loss", None)
+        else:
+            host.pop("scaled_loss", None)
+        if isinstance(loss, torch.Tensor):
+            rec.add("loss", loss)
+        elif loss is not None:
+            host["loss_host"] = float(loss)
+        for key, t in (host.pop("custom_dev", None) or {}).items():
+            rec.add("custom:" + key, t)
+        if self.ema is not None and self._sampled(self.config.ema_every, rec.step) and self._on("ema"):
+            with self._guard("ema"), torch.no_grad():
+                pair = ema_divergence(self.ema, self._param_names, self._params)
+                if pair is not None:
+                    rec.add("ema_diff", pair[0])
+                    rec.add("ema_ref", pair[1])
+        rec.seal()
+        if self.sender is not None:
+            self.sender.submit(rec)
+
+
+def _accumulate(target: dict, key: str, value) -> None:
+    """Sum of a step's micro-batch losses, kept on the device."""
+    if isinstance(value, torch.Tensor):
+        v = value.detach()
+        if v.dim() > 0:
+            v = v.sum()
+        if v.dtype != torch.float32:
+            v = v.float()
+    else:
+        v = float(value)
+    prev = target.get(key)
+    if prev is None:
+        target[key] = v
+    elif isinstance(prev, torch.Tensor) or isinstance(v, torch.Tensor):
+        target[key] = prev + v
+    else:
+        target[key] = prev + v
+
+
+# ---------------------------------------------------------------------- registry, exit, fork
+
+_registry: dict[int, Monitor] = {}
+_registry_lock = threading.Lock()
+
+
+def _remember(model: torch.nn.Module, monitor: Monitor) -> None:
+    with _registry_lock:
+        _registry[id(model)] = monitor
+
+
+def _forget(monitor: Monitor) -> None:
+    with _registry_lock:
+        for key, m in list(_registry.items()):
+            if m is monitor:
+                del _registry[key]
+
+
+def _existing(model: torch.nn.Module) -> Optional[Monitor]:
+    with _registry_lock:
+        m = _registry.get(id(model))
+    if m is not None and (m.closed or m.model is not model):
+        return None
+    return m
+
+
+def close_all(status: str = "finished") -> None:
+    with _registry_lock:
+        monitors = list(_registry.values())
+    for m in monitors:
+        try:
+            m.close(status=status)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _after_fork_in_child() -> None:
+    # DataLoader workers and other forks inherit the hooks but must do nothing:
+    # every hook checks the pid; here we only drop the parent's monitors.
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _registry.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

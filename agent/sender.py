@@ -1,0 +1,290 @@
+"""The background thread: assembles steps, batches them, spools them, POSTs them.
+
+The training thread only calls :meth:`Sender.submit` (a non-blocking
+``put_nowait`` on a bounded queue; a full queue drops the step and counts it).
+Everything else happens here, in one daemon thread started on first use:
+
+* every ``flush_interval`` seconds (or at once for a critical step: non-finite
+  loss or grads) the assembled steps become one batch with a fresh ``batch_id``;
+* the batch is written to the spool first, then the spool is replayed oldest
+  first, deleting each file the server accepted. A server that is down or slow
+  therefore only makes the spool grow (up to ``spool_max_mb``); order is kept
+  and a retried batch is a duplicate the server ignores;
+* drops (queue full, spool full or unwritable, batch rejected) are counted and
+  reported in a later batch as a ``dropped`` event.
+
+Example (tests inject the transport, STYLE point 7)::
+
+    sender = Sender(cfg, transport=HttpTransport(cfg.server), spool=Spool(dir, cfg.spool_max_bytes),
+                    assembler=StepAssembler(...), header={...}, meta={...})
+    sender.submit(record); sender.close(timeout=5, status="finished")
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from agent.config import AgentConfig
+from agent.record import StepRecord
+from agent.spool import Spool
+from agent.transport import HttpTransport
+from agent.wire import StepAssembler
+
+log = logging.getLogger("gradwatch.agent")
+
+
+class _Marker:
+    def __init__(self, kind: str, status: Optional[str] = None):
+        self.kind = kind
+        self.status = status
+        self.done = threading.Event()
+
+
+class OnceLogger:
+    """Logs each distinct problem once, so a broken collector cannot flood the training log."""
+
+    def __init__(self, logger: logging.Logger = log):
+        self._seen: set[str] = set()
+        self._logger = logger
+
+    def warning(self, key: str, message: str, *args) -> None:
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        try:
+            self._logger.warning(message, *args)
+        except Exception:  # noqa: BLE001 - logging itself must not hurt training
+            pass
+
+
+class Sender:
+    def __init__(self, config: AgentConfig, *, transport: HttpTransport, spool: Spool,
+                 assembler: StepAssembler, header: dict, meta: Optional[dict] = None,
+                 clock: Callable[[], float] = time.monotonic, warn: Optional[OnceLogger] = None):
+        self.config = config
+        self.transport = transport
+        self.spool = spool
+        self.assembler = assembler
+        self.header = dict(header)
+        self.meta = meta
+        self.clock = clock
+        self.warn = warn or OnceLogger()
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+        self._start_lock = threading.Lock()
+        self._closed = False
+        # Written by the training thread only; the sender thread reads it.
+        self.queue_drops = 0
+        # Sender thread state.
+        self._queue_drops_seen = 0
+        self._drops: dict[str, int] = {}
+        self._steps: list[dict] = []
+        self._events: list[dict] = []
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        # Counters for users and tests.
+        self.delivered_batches = 0
+        self.spooled_batches = 0
+        self.dropped_steps = 0
+        self.sent_steps = 0
+
+    # ------------------------------------------------------------------ training thread side
+
+    def submit(self, item) -> None:
+        """Hand over a sealed StepRecord (or an event dict). Never blocks, never raises."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        if self._thread is None:
+            self._start()
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.queue_drops += 1
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                t = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
+                t.start()
+                self._thread = t
+
+    def flush(self, timeout: float) -> bool:
+        """Ship everything submitted so far; True when the thread finished within ``timeout``."""
+        return self._send_marker(_Marker("flush"), timeout)
+
+    def close(self, timeout: float, status: Optional[str] = None) -> bool:
+        if self._closed:
+            return True
+        done = self._send_marker(_Marker("stop", status), timeout)
+        self._closed = True
+        return done
+
+    def _send_marker(self, marker: _Marker, timeout: float) -> bool:
+        if os.getpid() != self._pid:
+            return False
+        if self._thread is None:
+            self._start()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._queue.put(marker, timeout=0.05)
+                break
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    return False
+        try:
+            return marker.done.wait(max(0.0, deadline - time.monotonic()))
+        except RuntimeError:  # interpreter shutting down
+            return False
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _run(self) -> None:
+        next_tick = self.clock() + self.config.flush_interval
+        while True:
+            try:
+                item = self._queue.get(timeout=max(0.0, min(next_tick - self.clock(), 1.0)))
+            except queue.Empty:
+                item = None
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                return
+            try:
+                if isinstance(item, StepRecord):
+                    self._take(item)
+                elif isinstance(item, dict):
+                    self._events.append(item)
+                elif isinstance(item, _Marker):
+                    self._drain_queue()
+                    self._ship(status=item.status if item.kind == "stop" else None, final=item.kind == "stop")
+                    item.done.set()
+                    if item.kind == "stop":
+                        return
+                    continue
+                now = self.clock()
+                if now >= next_tick or len(self._steps) >= self.config.max_batch_steps:
+                    self._ship()
+                    next_tick = now + self.config.flush_interval
+                elif self._retry_at and now >= self._retry_at:
+                    self._replay()
+            except Exception as e:  # noqa: BLE001 - the sender must outlive any bug of its own
+                self.warn.warning("sender:" + type(e).__name__, "gradwatch: sender error (continuing): %r", e)
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, StepRecord):
+                self._take(item, ship_critical=False)
+            elif isinstance(item, dict):
+                self._events.append(item)
+            elif isinstance(item, _Marker):
+                item.done.set()
+
+    def _take(self, record: StepRecord, ship_critical: bool = True) -> None:
+        try:
+            step, events, critical = self.assembler.assemble(record)
+        except Exception as e:  # noqa: BLE001
+            self.warn.warning("assemble", "gradwatch: could not read a step's values (dropped): %r", e)
+            self._count_drop("unreadable step", 1)
+            return
+        self._steps.append(step)
+        self._events.extend(events)
+        if critical and ship_critical:
+            self._ship()  # critical steps do not wait for the next tick
+
+    def _count_drop(self, reason: str, steps: int) -> None:
+        self._drops[reason] = self._drops.get(reason, 0) + steps
+        self.dropped_steps += steps
+
+    def _ship(self, status: Optional[str] = None, final: bool = False) -> None:
+        new_queue_drops = self.queue_drops - self._queue_drops_seen
+        if new_queue_drops:
+            self._queue_drops_seen += new_queue_drops
+            self._count_drop("queue full", new_queue_drops)
+        if not self._steps and not self._events and status is None and not self._drops:
+            if self._retry_at:
+                self._replay()
+            return
+        steps, events, drops = self._steps, self._events, self._drops
+        self._steps, self._events, self._drops = [], [], {}
+        events = events + [{"step": None, "kind": "dropped", "data": {"steps": n, "reason": reason}}
+                           for reason, n in drops.items()]
+        batch = {"batch_id": uuid.uuid4().hex, **self.header, "steps": steps, "events": events}
+        if self.meta is not None:
+            batch["meta"] = self.meta
+        if status is not None:
+            batch["status"] = status
+        body = json.dumps(batch).encode()
+        if self._store(body, final):
+            self.meta = None  # sent (or safely spooled) once per process
+            self.sent_steps += len(steps)
+        else:
+            for reason, n in drops.items():  # not reported after all: report them later
+                self._drops[reason] = self._drops.get(reason, 0) + n
+                self.dropped_steps -= n
+            self._count_drop(self._drop_reason(), len(steps))
+
+    def _drop_reason(self) -> str:
+        return "spool full" if "full" in (self.spool.last_error or "") else "server unreachable, spool unavailable"
+
+    def _store(self, body: bytes, final: bool) -> bool:
+        """True when the batch reached the server or the spool."""
+        if self.config.mode == "offline":
+            if self.spool.append(body):
+                self.spooled_batches += 1
+                return True
+            self.warn.warning("spool", "gradwatch: dropping steps: %s", self.spool.last_error)
+            return False
+        if self.spool.append(body):
+            self.spooled_batches += 1
+            self._replay(force=final)
+            return True
+        self.warn.warning("spool", "gradwatch: spool not usable (%s); sending without it", self.spool.last_error)
+        if self.spool.has_backlog():
+            return False  # sending past the backlog would break the order
+        delivery = self.transport.post(body)
+        if delivery.accepted:
+            self.delivered_batches += 1
+            return True
+        self.warn.warning("post:%d" % delivery.status, "gradwatch: server did not take a batch (%s %s)",
+                          delivery.status, delivery.body[:300])
+        return False
+
+    def _replay(self, force: bool = False) -> None:
+        """Send spooled batches oldest first; stop at the first failure and back off."""
+        if not force and self._retry_at and self.clock() < self._retry_at:
+            return
+        for path in self.spool.pending():
+            body = self.spool.read(path)
+            if body is None:
+                continue
+            delivery = self.transport.post(body)
+            if delivery.accepted:
+                self.spool.remove(path)
+                self.delivered_batches += 1
+                self._backoff, self._retry_at = 0.0, 0.0
+                continue
+            if not delivery.retryable:
+                self.warn.warning("rejected:%d" % delivery.status,
+                                  "gradwatch: server rejected a batch (%s): %s", delivery.status, delivery.body[:500])
+                self.spool.remove(path)
+                try:
+                    self._count_drop(f"rejected by server ({delivery.status})", len(json.loads(body)["steps"]))
+                except Exception:  # noqa: BLE001
+                    pass
+                continue
+            self.warn.warning("unreachable", "gradwatch: server %s not reachable (%s %s); spooling to %s",
+                              self.config.server, delivery.status, delivery.body[:200], self.spool.directory)
+            self._backoff = min(max(self._backoff * 2, 0.25), 5.0)
+            self._retry_at = self.clock() + self._backoff
+            return
+        self._backoff, self._retry_at = 0.0, 0.0
