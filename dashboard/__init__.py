@@ -1,11 +1,81 @@
-"""Dash dashboard. PLACEHOLDER until the dashboard work lands."""
+"""gradwatch dashboard: a Dash multi-page app served by the API process.
+
+``create_dash(sessionmaker, settings)`` builds the app; ``server/app.py``
+mounts its WSGI server at ``/`` (via a2wsgi), so the API and the dashboard
+share one port. Pages (one module each under ``dashboard/pages``):
+
+- ``/``            runs: every run with status, health and last values; live
+- ``/runs/<id>``   one run: every signal, per-layer heatmaps, alerts; live
+- ``/compare``     several runs overlaid on the same panels
+- ``/alerts``      alerts across runs, filtered by severity / rule / status
+- ``/settings``    webhook endpoints and per-project rule thresholds
+
+Data comes only through :mod:`dashboard.gateway` (``server.queries`` and the
+rules / webhooks modules); figures are built by :mod:`dashboard.figures`.
+"""
 from __future__ import annotations
+
+import importlib
+from typing import Any
+
+PAGE_MODULES = ("dashboard.pages.runs", "dashboard.pages.run", "dashboard.pages.compare",
+                "dashboard.pages.alerts", "dashboard.pages.settings")
+
+# Dash moves callbacks declared with ``dash.callback`` into the first app that
+# starts serving and forgets them. The page modules declare theirs at import
+# time, once per process; keeping a copy lets every app built by create_dash
+# (one per create_app call, e.g. several in one test process) get all of them.
+_page_callbacks: dict[str, Any] = {}
+_page_callback_list: list[dict] = []
+
+
+def _import_pages() -> None:
+    from dash import _callback
+
+    if _page_callbacks:
+        return
+    for name in PAGE_MODULES:
+        importlib.import_module(name)
+    _page_callbacks.update(_callback.GLOBAL_CALLBACK_MAP)
+    _page_callback_list.extend(_callback.GLOBAL_CALLBACK_LIST)
+    _callback.GLOBAL_CALLBACK_MAP.clear()
+    _callback.GLOBAL_CALLBACK_LIST.clear()
 
 
 def create_dash(sessionmaker, settings):
+    """The dashboard app, reading through ``sessionmaker``; mount ``app.server`` at "/"."""
     import dash
-    from dash import html
+    from dash import dcc, html
 
-    app = dash.Dash(__name__, requests_pathname_prefix="/", routes_pathname_prefix="/")
-    app.layout = html.Div("gradwatch")
+    from dashboard import gateway
+
+    gateway.configure(sessionmaker, settings)
+    app = dash.Dash(
+        __name__,
+        use_pages=True,
+        pages_folder="",
+        requests_pathname_prefix="/",
+        routes_pathname_prefix="/",
+        title="gradwatch",
+        update_title=None,
+        suppress_callback_exceptions=True,
+    )
+    _import_pages()
+    app.callback_map.update(_page_callbacks)
+    app._callback_list.extend(_page_callback_list)  # noqa: SLF001 - see _page_callbacks
+
+    nav = [dcc.Link(label, href=href, className="gw-nav-link", id=f"nav-{key}")
+           for key, label, href in (("runs", "Runs", "/"), ("compare", "Compare", "/compare"),
+                                    ("alerts", "Alerts", "/alerts"), ("settings", "Settings", "/settings"))]
+    right = []
+    if getattr(settings, "auth", False):
+        right = [html.Span("signed in", className="gw-muted"), html.A("log out", href="/logout", className="gw-nav-link")]
+    app.layout = html.Div([
+        html.Header([
+            dcc.Link([html.Span("●", className="gw-logo-dot"), "gradwatch"], href="/", className="gw-brand"),
+            html.Nav(nav, className="gw-nav"),
+            html.Div(right, className="gw-nav-right"),
+        ], className="gw-header"),
+        html.Main(dash.page_container, className="gw-main"),
+    ], className="gw-app")
     return app

@@ -1,0 +1,97 @@
+"""Alert cards and small badges shared by the run and alerts pages."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional, Sequence
+
+from dash import dcc, html
+
+
+def severity_badge(severity: str) -> html.Span:
+    return html.Span(severity, className=f"gw-badge gw-sev-{severity}")
+
+
+def status_badge(status: str) -> html.Span:
+    return html.Span(status, className=f"gw-badge gw-status-{status}")
+
+
+def health_badge(health: Optional[str], open_alerts: int = 0) -> html.Span:
+    """``ok`` when no alert is open, else the worst open severity and how many are open."""
+    health = health or ("ok" if not open_alerts else "warning")
+    text = "healthy" if health == "ok" else f"{health} · {open_alerts} open"
+    return html.Span(text, className=f"gw-badge gw-health-{health}", title=f"{open_alerts} open alert(s)")
+
+
+def format_time(ts: Optional[float]) -> str:
+    if not ts:
+        return "—"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + " UTC"
+
+
+def format_ago(ts: Optional[float], now: Optional[float] = None) -> str:
+    if not ts:
+        return "—"
+    s = max(0.0, (now or time.time()) - ts)
+    if s < 90:
+        return f"{s:.0f} s ago"
+    if s < 5400:
+        return f"{s / 60:.0f} min ago"
+    if s < 48 * 3600:
+        return f"{s / 3600:.1f} h ago"
+    return f"{s / 86400:.1f} d ago"
+
+
+def _actions(actions) -> list:
+    if not actions:
+        return []
+    if isinstance(actions, str):
+        actions = [actions]
+    return [html.Div("What to do", className="gw-alert-label"),
+            html.Ul([html.Li(a if isinstance(a, str) else json.dumps(a)) for a in actions], className="gw-alert-actions")]
+
+
+def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None) -> html.Div:
+    """One alert: severity, rule, steps, message, diagnosis, actions, evidence and an acknowledge button.
+
+    ``ack_type`` is the page-prefixed type of the button's pattern-matching id.
+    """
+    sev = alert.get("severity", "info")
+    first, last = alert.get("first_step", alert.get("step")), alert.get("last_step")
+    steps = f"step {first}" if last in (None, first) else f"steps {first}–{last}"
+    acked = bool(alert.get("acknowledged"))
+    head = [severity_badge(sev),
+            html.Span(f"{alert.get('rule', '')} {alert.get('name', '')}", className="gw-alert-rule"),
+            html.Span(alert.get("status", ""), className=f"gw-alert-status gw-alert-{alert.get('status', '')}"),
+            html.Span(steps, className="gw-muted")]
+    if alert.get("rank"):
+        head.append(html.Span(f"rank {alert['rank']}", className="gw-muted"))
+    if run_label is not None:
+        head.append(dcc.Link(run_label, href=f"/runs/{alert.get('run_id')}", className="gw-alert-run"))
+    body = [html.Div(head, className="gw-alert-head"),
+            html.Div(alert.get("message", ""), className="gw-alert-message")]
+    if alert.get("diagnosis"):
+        body += [html.Div("Diagnosis", className="gw-alert-label"), html.Div(alert["diagnosis"], className="gw-alert-diagnosis")]
+    body += _actions(alert.get("actions"))
+    if alert.get("evidence"):
+        body.append(html.Details([html.Summary("evidence"),
+                                  html.Pre(json.dumps(alert["evidence"], indent=1, default=str)[:4000])],
+                                 className="gw-alert-evidence"))
+    body.append(html.Button("acknowledged" if acked else "Acknowledge",
+                            id={"type": ack_type, "index": alert.get("id")},
+                            disabled=acked, n_clicks=0, className="gw-button gw-ack"))
+    return html.Div(body, className=f"gw-alert gw-alert-sev-{sev}" + (" gw-alert-acked" if acked else ""),
+                    id=f"{ack_type}-card-{alert.get('id')}", **{"data-rule": alert.get("rule", ""),
+                                                                   "data-severity": sev})
+
+
+def alert_list(alerts: Sequence[dict], *, ack_type: str, run_labels: Optional[dict] = None,
+               empty: str = "No alerts.") -> list:
+    """Newest first: firing before resolved, then by step."""
+    if not alerts:
+        return [html.Div(empty, className="gw-empty")]
+    ordered = sorted(alerts, key=lambda a: (a.get("status") != "firing", -(a.get("first_step") or 0), -(a.get("id") or 0)))
+    return [alert_card(a, ack_type=ack_type,
+                       run_label=None if run_labels is None else run_labels.get(a.get("run_id"), f"run {a.get('run_id')}"))
+            for a in ordered]
+

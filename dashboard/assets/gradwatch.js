@@ -1,0 +1,52 @@
+/* gradwatch dashboard: clientside callbacks (no server round trip). */
+window.dash_clientside = Object.assign({}, window.dash_clientside, {
+  gradwatch: {
+    /* Zoom one chart, all follow. Inputs: relayoutData of every chart of the
+       page, then a reset button's n_clicks; State: the current range store.
+       Moves the other charts with Plotly.relayout right away and returns the
+       new range ([start, end] or null for the whole run) for the server to
+       refetch at full resolution. */
+    syncX: function () {
+      var args = Array.prototype.slice.call(arguments);
+      var current = args[args.length - 1];
+      var dc = window.dash_clientside;
+      var trig = (dc.callback_context.triggered || [])[0];
+      if (!trig) { return dc.no_update; }
+      var dot = trig.prop_id.lastIndexOf('.');
+      var source = trig.prop_id.slice(0, dot);
+      var prop = trig.prop_id.slice(dot + 1);
+      var next;
+      if (prop === 'n_clicks') {
+        next = null;
+      } else {
+        var rd = trig.value || {};
+        if (rd['xaxis.autorange'] === true) {
+          next = null;
+        } else if (rd['xaxis.range[0]'] !== undefined && rd['xaxis.range[1]'] !== undefined) {
+          next = [Number(rd['xaxis.range[0]']), Number(rd['xaxis.range[1]'])];
+        } else if (Array.isArray(rd['xaxis.range'])) {
+          next = [Number(rd['xaxis.range'][0]), Number(rd['xaxis.range'][1])];
+        } else {
+          return dc.no_update;  /* autosize, y-only zoom, legend clicks */
+        }
+      }
+      var same = (next === null && (current === null || current === undefined)) ||
+        (next !== null && Array.isArray(current) &&
+         Math.abs(next[0] - current[0]) < 1e-6 * (1 + Math.abs(current[0])) &&
+         Math.abs(next[1] - current[1]) < 1e-6 * (1 + Math.abs(current[1])));
+      if (same) { return dc.no_update; }
+      var ids = (dc.callback_context.inputs_list || []).map(function (i) { return i.id; })
+        .filter(function (id) {
+          return typeof id === 'string' && id !== source && (id.indexOf('graph') >= 0 || id.indexOf('heatmap') >= 0);
+        });
+      ids.forEach(function (id) {
+        var el = document.getElementById(id);
+        var gd = el && (el.classList.contains('js-plotly-plot') ? el : el.querySelector('.js-plotly-plot'));
+        if (!gd || !window.Plotly || !gd.layout) { return; }
+        var upd = next === null ? {'xaxis.autorange': true} : {'xaxis.range': next.slice(), 'xaxis.autorange': false};
+        try { window.Plotly.relayout(gd, upd); } catch (e) { /* a chart not drawn yet follows on its next draw */ }
+      });
+      return next;
+    }
+  }
+});

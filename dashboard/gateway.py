@@ -1,0 +1,186 @@
+"""The dashboard's one door to the data: ``server.queries`` for reads, the rules
+and webhooks modules for the few writes a user makes (acknowledge an alert,
+add / test / delete a webhook endpoint, override a rule threshold).
+
+Nothing in ``dashboard/`` opens a session or touches SQL anywhere else. Each
+function opens one short session, calls one server function and returns plain
+dicts and lists, so page callbacks never hold ORM objects past a session.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+_sessionmaker = None
+_settings = None
+
+
+def configure(sessionmaker, settings) -> None:
+    """Called once by ``create_dash``: every later call reads through this sessionmaker."""
+    global _sessionmaker, _settings
+    _sessionmaker = sessionmaker
+    _settings = settings
+
+
+def settings():
+    return _settings
+
+
+@contextmanager
+def _session(write: bool = False) -> Iterator[Any]:
+    if _sessionmaker is None:
+        raise RuntimeError("dashboard.gateway.configure(sessionmaker, settings) was not called")
+    with _sessionmaker() as session:
+        try:
+            yield session
+            if write:
+                session.commit()
+        except Exception:
+            session.rollback()
+            raise
+
+
+def _plain(obj: Any) -> Any:
+    """ORM objects / pydantic models / dataclasses -> dicts (queries should already return dicts)."""
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump()
+    if hasattr(obj, "__table__"):
+        return {c.key: getattr(obj, c.key) for c in obj.__table__.columns}
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: _plain(getattr(obj, k)) for k in obj.__dataclass_fields__}
+    return obj
+
+
+def _unwrap(result: Any, key: str) -> list:
+    result = _plain(result)
+    if isinstance(result, dict):
+        return list(result.get(key) or [])
+    return list(result or [])
+
+
+# --------------------------------------------------------------------------- reads
+
+def _stall_seconds() -> float:
+    return float(getattr(_settings, "stall_seconds", 300.0) or 300.0)
+
+
+def _series(result: Any) -> dict:
+    """A ``queries.Series`` as ``{"bucket_size", "steps": [bucket dicts]}`` (the read API's shape)."""
+    s = _plain(result) or {}
+    return {"bucket_size": s.get("bucket_size", 1) or 1, "steps": list(s.get("points", s.get("steps")) or [])}
+
+
+def list_runs(*, project: Optional[str] = None, status: Optional[str] = None, name: Optional[str] = None) -> list[dict]:
+    from server import queries
+    with _session() as s:
+        return _unwrap(queries.list_runs(s, project=project or None, status=status or None, name=name or None,
+                                         stall_seconds=_stall_seconds()), "runs")
+
+
+def get_run(run_id: int) -> Optional[dict]:
+    from server import queries
+    with _session() as s:
+        return _plain(queries.get_run(s, run_id=run_id, stall_seconds=_stall_seconds()))
+
+
+def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = None, end: Optional[float] = None,
+               max_points: int = 1000, since: Optional[int] = None) -> dict[str, dict]:
+    """``{signal: {"bucket_size": n, "steps": [bucket, ...]}}`` for several signals of one run.
+
+    ``start`` / ``end`` may be floats (a zoomed chart's range); ``since``
+    returns the raw steps after that step (a live tail).
+    """
+    from server import queries
+    start = None if start is None else max(0, int(math.floor(start)))
+    end = None if end is None else int(math.ceil(end))
+    with _session() as s:
+        return {sig: _series(queries.get_series(s, run_id=run_id, signal=sig, start=start, end=end,
+                                                max_points=max_points, since=since)) for sig in signals}
+
+
+def get_layer_matrix(run_id: int, stat: str, *, start: Optional[float] = None, end: Optional[float] = None,
+                     max_steps: int = 300, max_layers: int = 48) -> dict:
+    """``{"steps": [...], "names": [...], "values": [[one per step] per layer], "layer_group_size": n}``."""
+    from server import queries
+    start = None if start is None else max(0, int(math.floor(start)))
+    end = None if end is None else int(math.ceil(end))
+    with _session() as s:
+        m = _plain(queries.get_layer_matrix(s, run_id=run_id, stat=stat, start=start, end=end,
+                                            max_steps=max_steps, max_layers=max_layers)) or {}
+    return {"steps": list(m.get("steps") or []), "names": list(m.get("layers") or []),
+            "values": list(m.get("values") or []), "layer_group_size": m.get("layer_group_size", 1),
+            "bucket_size": m.get("bucket_size", 1)}
+
+
+def list_alerts(*, run_id: Optional[int] = None, severity: Optional[str] = None, rule: Optional[str] = None,
+                status: Optional[str] = None) -> list[dict]:
+    from server import queries
+    with _session() as s:
+        return _unwrap(queries.list_alerts(s, run_id=run_id, severity=severity or None, rule=rule or None,
+                                           status=status or None), "alerts")
+
+
+def list_events(run_id: int, *, kind: Optional[str] = None) -> list[dict]:
+    from server import queries
+    with _session() as s:
+        return _unwrap(queries.list_events(s, run_id=run_id, kind=kind), "events")
+
+
+# --------------------------------------------------------------------------- writes
+
+def acknowledge_alert(alert_id: int) -> None:
+    from server.rules import alerts
+    with _session(write=True) as s:
+        alerts.acknowledge_alert(s, alert_id=alert_id)
+
+
+def list_endpoints() -> list[dict]:
+    from server.webhooks import endpoints
+    with _session() as s:
+        return _unwrap(endpoints.list_endpoints(s), "endpoints")
+
+
+def create_endpoint(*, url: str, format: str = "json", min_severity: str = "info", project: Optional[str] = None,
+                    secret: Optional[str] = None) -> dict:
+    from server.webhooks import endpoints
+    with _session(write=True) as s:
+        return _plain(endpoints.create_endpoint(s, url=url, format=format, min_severity=min_severity,
+                                                project=project or None, secret=secret or None))
+
+
+def delete_endpoint(endpoint_id: int) -> None:
+    from server.webhooks import endpoints
+    with _session(write=True) as s:
+        endpoints.delete_endpoint(s, endpoint_id=endpoint_id)
+
+
+def send_test(endpoint_id: int) -> Any:
+    from server.webhooks import endpoints
+    with _session(write=True) as s:
+        return _plain(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings, now=time.time()))
+
+
+def list_deliveries(*, limit: int = 50) -> list[dict]:
+    from server.webhooks import endpoints
+    with _session() as s:
+        return _unwrap(endpoints.list_deliveries(s, limit=limit), "deliveries")
+
+
+def get_rule_config(project: str) -> Any:
+    from server.rules import config
+    with _session() as s:
+        return _plain(config.get_rule_config(s, project=project, settings=_settings))
+
+
+def set_rule_override(project: str, rule: str, values: dict) -> None:
+    from server.rules import config
+    with _session(write=True) as s:
+        config.set_rule_override(s, project=project, rule=rule, **values)

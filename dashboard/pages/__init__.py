@@ -1,0 +1,1 @@
+"""One module per dashboard page: register_page + layout + its callbacks."""

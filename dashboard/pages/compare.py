@@ -1,0 +1,97 @@
+"""Compare page (``/compare``): chosen runs overlaid on the same panels.
+
+``/compare?runs=3,7`` preselects runs. Zooming one chart moves all of them
+and refetches the visible range at full resolution, as on the run page.
+"""
+from __future__ import annotations
+
+import dash
+from dash import ClientsideFunction, Input, Output, State, callback, clientside_callback, dcc, html, no_update
+
+from dashboard import figures, gateway
+from dashboard.figures import COMPARE_PANELS
+
+GRAPH_IDS = [f"compare-graph-{signal}" for signal, _, _ in COMPARE_PANELS]
+MAX_POINTS = 1000
+REFRESH_MS = 3000
+
+
+def _preselected(runs) -> list[int]:
+    out = []
+    for part in str(runs or "").split(","):
+        try:
+            out.append(int(part))
+        except ValueError:
+            pass
+    return out
+
+
+def layout(runs=None, **_query):
+    return html.Div([
+        html.Div([
+            html.H1("Compare runs", className="gw-title"),
+            dcc.Dropdown(id="compare-runs", multi=True, value=_preselected(runs), placeholder="choose runs to overlay…",
+                         className="gw-dropdown gw-dropdown-wide"),
+            html.Button("Whole runs", id="compare-reset", n_clicks=0, className="gw-button"),
+        ], className="gw-page-head"),
+        dcc.Store(id="compare-range", data=None),
+        dcc.Store(id="compare-sig", data=None),
+        dcc.Interval(id="compare-interval", interval=REFRESH_MS),
+        html.Div([html.Div(dcc.Graph(id=gid, config={"displayModeBar": False, "responsive": True}), className="gw-chart")
+                  for gid in GRAPH_IDS], className="gw-chart-grid"),
+    ])
+
+
+def _label(run: dict) -> str:
+    return f"{run.get('project', '')} / {run.get('name', '')} (#{run['id']})"
+
+
+@callback(
+    Output("compare-runs", "options"),
+    Input("compare-interval", "n_intervals"),
+    State("compare-runs", "options"),
+)
+def run_options(_tick, current):
+    options = [{"label": _label(r), "value": r["id"]}
+               for r in sorted(gateway.list_runs(), key=lambda r: -(r.get("started_at") or 0))]
+    return no_update if options == current else options
+
+
+@callback(
+    [Output(gid, "figure") for gid in GRAPH_IDS],
+    Output("compare-sig", "data"),
+    Input("compare-runs", "value"),
+    Input("compare-range", "data"),
+    Input("compare-interval", "n_intervals"),
+    State("compare-sig", "data"),
+)
+def draw(run_ids, x_range, _tick, previous_sig):
+    run_ids = list(run_ids or [])
+    runs = {r["id"]: r for r in gateway.list_runs() if r["id"] in run_ids}
+    sig = [run_ids, x_range, [[i, (runs.get(i) or {}).get("last_step")] for i in run_ids]]
+    if sig == previous_sig:
+        return *([no_update] * len(GRAPH_IDS)), no_update
+    start, end = (x_range or (None, None))
+    signals = [signal for signal, _, _ in COMPARE_PANELS]
+    series = {i: gateway.get_series(i, signals, start=start, end=end, max_points=MAX_POINTS)
+              for i in run_ids if i in runs}
+    figs = []
+    for signal, title, log_y in COMPARE_PANELS:
+        fig = figures.compare_figure(signal, title, [(_label(runs[i]), series[i].get(signal)) for i in series],
+                                     log_y=log_y)
+        fig["layout"]["xaxis"].update({"range": list(x_range), "autorange": False} if x_range else {"autorange": True})
+        figs.append(fig)
+    return *figs, sig
+
+
+clientside_callback(
+    ClientsideFunction(namespace="gradwatch", function_name="syncX"),
+    Output("compare-range", "data"),
+    [Input(gid, "relayoutData") for gid in GRAPH_IDS],
+    Input("compare-reset", "n_clicks"),
+    State("compare-range", "data"),
+    prevent_initial_call=True,
+)
+
+
+dash.register_page(__name__, path="/compare", name="Compare", title="gradwatch · compare", order=2, layout=layout)

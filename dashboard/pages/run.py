@@ -1,0 +1,317 @@
+"""Run page (``/runs/<id>``): every signal of one run, live, with its alerts.
+
+Data flow (all ids start with ``run-``):
+
+- ``run-range`` holds the visible step range. Zooming any chart sets it (a
+  clientside callback, which also moves every other chart to the same range
+  at once); :func:`load_charts` then refetches every chart at full resolution
+  for that range. ``None`` means the whole run, downsampled by the server.
+- ``run-interval`` ticks twice a second; :func:`append_live` asks for the
+  steps after ``run-live.cursor`` only and appends them with ``Patch`` (the
+  history is never fetched again). After many appended points it redraws once
+  from a downsampled query so the browser never holds an unbounded tail.
+- :func:`refresh_summary` keeps the header, the NaN origin and the alerts
+  panel current; :func:`load_layers` redraws the per-layer heatmaps every few
+  seconds while the run is live.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import dash
+from dash import ALL, ClientsideFunction, Input, Output, Patch, State, callback, clientside_callback, ctx, dcc, html, \
+    no_update
+
+from dashboard import figures, gateway
+from dashboard.alert_cards import alert_list, format_ago, format_time, health_badge, status_badge
+from dashboard.figures import HEATMAPS, PANELS, SERIES_SIGNALS, format_number
+
+LIVE_MS = 500
+LAYERS_MS = 5000
+MAX_POINTS = 1000          # buckets per chart; about one per pixel column of a half-width chart
+MAX_APPENDED = 4000        # raw points appended before a chart is redrawn downsampled
+HEATMAP_STEPS = 300
+HEATMAP_LAYERS = 48
+
+PANEL_IDS = [f"run-graph-{p.key}" for p in PANELS]
+HEATMAP_IDS = [f"run-heatmap-{stat}" for stat, _ in HEATMAPS]
+ALL_GRAPH_IDS = PANEL_IDS + ["run-graph-update_ratio"] + HEATMAP_IDS
+# Drag to zoom, double-click to reset: the mode bar would only cover the legends.
+GRAPH_CONFIG = {"displayModeBar": False, "responsive": True}
+
+
+def _parse_run_id(run_id) -> Optional[int]:
+    try:
+        return int(str(run_id))
+    except (TypeError, ValueError):
+        return None
+
+
+def _graph(graph_id: str, *, wide: bool = False) -> html.Div:
+    return html.Div(dcc.Graph(id=graph_id, config=GRAPH_CONFIG, figure={"data": [], "layout": {
+        "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)", "height": 230,
+        "xaxis": {"visible": False}, "yaxis": {"visible": False}}}),
+        className="gw-chart gw-chart-wide" if wide else "gw-chart")
+
+
+def layout(run_id=None, **_query):
+    rid = _parse_run_id(run_id)
+    if rid is None or gateway.get_run(rid) is None:
+        return html.Div([html.H1("Run not found", className="gw-title"),
+                         dcc.Link("back to runs", href="/")], className="gw-card")
+    return html.Div([
+        dcc.Store(id="run-id", data=rid),
+        dcc.Store(id="run-range", data=None),
+        dcc.Store(id="run-live", data=None),
+        dcc.Store(id="run-summary-sig", data=None),
+        dcc.Store(id="run-layers-sig", data=None),
+        dcc.Store(id="run-ack-done", data=0),
+        dcc.Interval(id="run-interval", interval=LIVE_MS),
+        dcc.Interval(id="run-layers-interval", interval=LAYERS_MS),
+        html.Div(id="run-header", className="gw-run-header"),
+        html.Div(id="run-notices"),
+        html.Div([
+            html.Div([
+                html.Div([
+                    html.Span("Loss smoothing", className="gw-muted"),
+                    html.Div(dcc.Slider(id="run-smoothing", min=0, max=0.99, step=0.01, value=0.6,
+                                        marks={0: "off", 0.5: "0.5", 0.9: "0.9"},
+                                        tooltip={"placement": "bottom"}), className="gw-slider"),
+                    html.Button("Whole run", id="run-reset", n_clicks=0, className="gw-button"),
+                    html.Span("drag on any chart to zoom every chart; double-click to reset",
+                              className="gw-muted gw-hint"),
+                ], className="gw-toolbar"),
+                html.Div([_graph(gid) for gid in PANEL_IDS] + [_graph("run-graph-update_ratio")],
+                         className="gw-chart-grid"),
+                html.H2("Per-layer statistics", className="gw-subtitle"),
+                html.Div([_graph(gid, wide=True) for gid in HEATMAP_IDS], className="gw-chart-grid"),
+            ], className="gw-run-charts"),
+            html.Aside([html.H2("Alerts", className="gw-subtitle"), html.Div(id="run-alerts")],
+                       className="gw-run-alerts"),
+        ], className="gw-run-body"),
+    ])
+
+
+# --------------------------------------------------------------------------- charts
+
+def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tuple[list, dict]:
+    start, end = (x_range or (None, None))
+    series = gateway.get_series(run_id, SERIES_SIGNALS, start=start, end=end, max_points=MAX_POINTS)
+    figs, smooth_states = [], {}
+    for panel in PANELS:
+        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=x_range)
+        figs.append(fig)
+        smooth_states[panel.key] = state
+    cursor = figures.last_step(series)
+    if x_range is not None:
+        # A zoomed view ends inside the run; live appends continue from the run's last step.
+        run = gateway.get_run(run_id) or {}
+        cursor = run.get("last_step", cursor)
+    live = {"cursor": cursor, "states": smooth_states, "appended": 0,
+            "alerts": figures.alerts_signature(alerts), "range": x_range}
+    return figs, live
+
+
+@callback(
+    [Output(gid, "figure") for gid in PANEL_IDS],
+    Output("run-live", "data"),
+    Input("run-range", "data"),
+    Input("run-smoothing", "value"),
+    State("run-id", "data"),
+    running=[(Output("run-interval", "disabled"), True, False)],
+)
+def load_charts(x_range, smoothing, run_id):
+    alerts = gateway.list_alerts(run_id=run_id)
+    figs, live = _chart_figures(run_id, x_range, smoothing, alerts)
+    return *figs, live
+
+
+@callback(
+    [Output(gid, "figure", allow_duplicate=True) for gid in PANEL_IDS],
+    Output("run-live", "data", allow_duplicate=True),
+    Input("run-interval", "n_intervals"),
+    State("run-id", "data"),
+    State("run-live", "data"),
+    State("run-smoothing", "value"),
+    prevent_initial_call=True,
+)
+def append_live(_tick, run_id, live, smoothing):
+    nothing = [no_update] * (len(PANEL_IDS) + 1)
+    if not live:
+        return nothing
+    cursor = live.get("cursor")
+    new = gateway.get_series(run_id, SERIES_SIGNALS, since=-1 if cursor is None else cursor, max_points=MAX_POINTS)
+    alerts = gateway.list_alerts(run_id=run_id)
+    sig = figures.alerts_signature(alerts)
+    new_cursor = figures.last_step(new)
+    alerts_changed = sig != live.get("alerts")
+    if new_cursor is None and not alerts_changed:
+        return nothing
+    appended = live.get("appended", 0) + max((len(s.get("steps", [])) for s in new.values() if s), default=0)
+    if appended > MAX_APPENDED and live.get("range") is None:
+        figs, fresh = _chart_figures(run_id, None, smoothing, alerts)
+        return *figs, fresh
+    live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended)
+    if new_cursor is not None:
+        live["cursor"] = new_cursor if cursor is None else max(new_cursor, cursor)
+    shapes = figures.alert_shapes(alerts) if alerts_changed else None
+    out = []
+    for panel in PANELS:
+        ext, state = figures.series_append(panel, new, smoothing=smoothing or 0.0,
+                                           state=live["states"].get(panel.key))
+        live["states"][panel.key] = state
+        if not ext and shapes is None:
+            out.append(no_update)
+            continue
+        patch = Patch()
+        for idx, (xs, ys) in ext.items():
+            patch["data"][idx]["x"].extend(xs)
+            patch["data"][idx]["y"].extend(ys)
+        if ext:
+            patch["layout"]["annotations"] = []  # drop a "no data" note once data arrives
+        if shapes is not None:
+            patch["layout"]["shapes"] = shapes
+        out.append(patch)
+    return *out, live
+
+
+# Zoom one chart, all follow: runs in the browser, no round trip for the follow.
+clientside_callback(
+    ClientsideFunction(namespace="gradwatch", function_name="syncX"),
+    Output("run-range", "data"),
+    [Input(gid, "relayoutData") for gid in ALL_GRAPH_IDS],
+    Input("run-reset", "n_clicks"),
+    State("run-range", "data"),
+    prevent_initial_call=True,
+)
+
+
+# --------------------------------------------------------------------------- per-layer heatmaps
+
+def _nan_origin(run_id: int) -> Optional[dict]:
+    events = gateway.list_events(run_id, kind="nan_origin")
+    events = [e for e in events if e.get("step") is not None] or events
+    return min(events, key=lambda e: e.get("step") or 0) if events else None
+
+
+@callback(
+    [Output(gid, "figure") for gid in HEATMAP_IDS],
+    Output("run-graph-update_ratio", "figure"),
+    Output("run-layers-sig", "data"),
+    Input("run-range", "data"),
+    Input("run-layers-interval", "n_intervals"),
+    State("run-id", "data"),
+    State("run-layers-sig", "data"),
+)
+def load_layers(x_range, _tick, run_id, previous_sig):
+    start, end = (x_range or (None, None))
+    matrices = {stat: gateway.get_layer_matrix(run_id, stat, start=start, end=end, max_steps=HEATMAP_STEPS,
+                                               max_layers=HEATMAP_LAYERS)
+                for stat in [s for s, _ in HEATMAPS] + ["update_ratio"]}
+    alerts = gateway.list_alerts(run_id=run_id)
+    origin = _nan_origin(run_id)
+    sig = [x_range, figures.alerts_signature(alerts), origin and origin.get("step"),
+           {k: [len(m.get("steps") or []), (m.get("steps") or [None])[-1]] for k, m in matrices.items()}]
+    if ctx.triggered_id == "run-layers-interval" and sig == previous_sig:
+        return [no_update] * (len(HEATMAP_IDS) + 2)
+    highlight = (origin or {}).get("data", {}).get("module") or (origin or {}).get("data", {}).get("param")
+    heatmaps = [figures.heatmap_figure(title, matrices[stat], alerts=alerts, x_range=x_range, highlight=highlight)
+                for stat, title in HEATMAPS]
+    ratio = figures.update_ratio_figure(matrices["update_ratio"], alerts=alerts, x_range=x_range)
+    return *heatmaps, ratio, sig
+
+
+# --------------------------------------------------------------------------- header, notices, alerts
+
+def _header(run: dict, alerts: list) -> list:
+    now = time.time()
+    cfg = run.get("config") or {}
+    open_alerts = [a for a in alerts if a.get("status") == "firing"]
+    worst = min((a.get("severity") for a in open_alerts), default=None,
+                key=lambda s: {"critical": 0, "warning": 1, "info": 2}.get(s, 3))
+    facts = [("last step", "—" if run.get("last_step") is None else f"{run['last_step']:,}"),
+             ("last loss", format_number(run.get("last_loss"))),
+             ("started", format_time(run.get("started_at"))),
+             ("last data", format_ago(run.get("last_seen"), now))]
+    if run.get("world_size", 1) and run.get("world_size", 1) > 1:
+        facts.append(("world size", str(run["world_size"])))
+    for key in ("amp_dtype", "max_norm", "host", "torch"):
+        if cfg.get(key) is not None:
+            facts.append((key.replace("_", " "), str(cfg[key])))
+    return [
+        html.Div([
+            html.H1(run.get("name", ""), className="gw-title", id="run-title"),
+            html.Span(run.get("project", ""), className="gw-project"),
+            status_badge(run.get("status", "running")),
+            health_badge(run.get("health") or worst or "ok", len(open_alerts)),
+        ], className="gw-run-title"),
+        html.Div([html.Div([html.Span(k, className="gw-fact-key"), html.Span(v, className="gw-fact-value")],
+                           className="gw-fact") for k, v in facts], className="gw-facts"),
+    ]
+
+
+def _notices(run_id: int, origin: Optional[dict]) -> list:
+    out = []
+    if origin:
+        data = origin.get("data") or {}
+        where = data.get("module") or data.get("param") or "unknown module"
+        out.append(html.Div([html.Strong("NaN origin: "),
+                             html.Code(where), f" ({data.get('where', 'activation')}) first went non-finite at step ",
+                             html.Strong(str(origin.get("step")))], className="gw-notice gw-notice-nan",
+                            id="run-nan-origin"))
+    top = gateway.list_events(run_id, kind="top_grad_norms")
+    if top:
+        latest = max(top, key=lambda e: e.get("step") or 0)
+        params = (latest.get("data") or {}).get("params") or []
+        out.append(html.Div([html.Strong(f"Largest grad norms at step {latest.get('step')}: "),
+                             html.Span(", ".join(f"{p[0]} = {format_number(p[1], 3)}" for p in params[:5]))],
+                            className="gw-notice"))
+    dropped = gateway.list_events(run_id, kind="dropped")
+    if dropped:
+        n = sum(int((e.get("data") or {}).get("steps") or 0) for e in dropped)
+        out.append(html.Div(f"The agent dropped {n} step(s) of telemetry "
+                            f"({(dropped[-1].get('data') or {}).get('reason', 'unknown reason')}).",
+                            className="gw-notice gw-notice-warn"))
+    return out
+
+
+@callback(
+    Output("run-header", "children"),
+    Output("run-notices", "children"),
+    Output("run-alerts", "children"),
+    Output("run-summary-sig", "data"),
+    Input("run-interval", "n_intervals"),
+    Input("run-ack-done", "data"),
+    State("run-id", "data"),
+    State("run-summary-sig", "data"),
+)
+def refresh_summary(_tick, _acked, run_id, previous_sig):
+    run = gateway.get_run(run_id)
+    if run is None:
+        return no_update, no_update, no_update, no_update
+    alerts = gateway.list_alerts(run_id=run_id)
+    origin = _nan_origin(run_id)
+    sig = [run.get("status"), run.get("last_step"), str(run.get("last_loss")), int(time.time() // 5),
+           figures.alerts_signature(alerts), origin and origin.get("step")]
+    if sig == previous_sig:
+        return no_update, no_update, no_update, no_update
+    return (_header(run, alerts), _notices(run_id, origin),
+            alert_list(alerts, ack_type="run-ack", empty="No alerts for this run."), sig)
+
+
+@callback(
+    Output("run-ack-done", "data"),
+    Input({"type": "run-ack", "index": ALL}, "n_clicks"),
+    State("run-ack-done", "data"),
+    prevent_initial_call=True,
+)
+def acknowledge(_clicks, done):
+    trig = ctx.triggered_id
+    if not trig or not ctx.triggered or not ctx.triggered[0].get("value"):
+        return no_update
+    gateway.acknowledge_alert(int(trig["index"]))
+    return (done or 0) + 1
+
+
+dash.register_page(__name__, path_template="/runs/<run_id>", name="Run", title="gradwatch · run", order=1, layout=layout)

@@ -1,0 +1,97 @@
+"""Runs page (``/``): every run with its project, status, health, last step and loss; live."""
+from __future__ import annotations
+
+import time
+
+import dash
+from dash import Input, Output, State, callback, dcc, html, no_update
+
+from dashboard import gateway
+from dashboard.alert_cards import format_ago, format_time, health_badge, status_badge
+from dashboard.figures import format_number
+
+STATUSES = ("running", "finished", "crashed", "stalled")
+REFRESH_MS = 1000
+
+
+def display_status(run: dict, *, now: float, stall_seconds: float) -> str:
+    """A running run that has sent nothing for ``stall_seconds`` reads as stalled."""
+    status = run.get("status") or "running"
+    if status == "running" and run.get("last_seen") and now - run["last_seen"] > stall_seconds:
+        return "stalled"
+    return status
+
+
+def runs_table(runs: list[dict], *, now: float, stall_seconds: float) -> html.Table:
+    head = html.Thead(html.Tr([html.Th(h) for h in
+                               ("Run", "Project", "Status", "Health", "Last step", "Last loss", "Started", "Last data")]))
+    rows = []
+    for r in runs:
+        status = display_status(r, now=now, stall_seconds=stall_seconds)
+        rows.append(html.Tr([
+            html.Td(dcc.Link(r.get("name", f"run {r['id']}"), href=f"/runs/{r['id']}", className="gw-run-link")),
+            html.Td(r.get("project", "")),
+            html.Td(status_badge(status)),
+            html.Td(health_badge(r.get("health"), r.get("open_alerts") or 0)),
+            html.Td("—" if r.get("last_step") is None else f"{r['last_step']:,}", className="gw-num"),
+            html.Td(format_number(r.get("last_loss")), className="gw-num"),
+            html.Td(format_time(r.get("started_at")), className="gw-muted"),
+            html.Td(format_ago(r.get("last_seen"), now), className="gw-muted"),
+        ], className="gw-run-row", id=f"runs-row-{r['id']}", **{"data-status": status}))
+    if not rows:
+        rows = [html.Tr(html.Td("No runs yet. Attach the agent to a training loop: "
+                                "agent.attach(model, scaler, server=...)", colSpan=8, className="gw-empty"))]
+    return html.Table([head, html.Tbody(rows)], className="gw-table", id="runs-table-el")
+
+
+def layout(**_query):
+    return html.Div([
+        html.Div([
+            html.H1("Runs", className="gw-title"),
+            html.Div([
+                dcc.Dropdown(id="runs-filter-project", placeholder="all projects", clearable=True,
+                             className="gw-dropdown"),
+                dcc.Dropdown(id="runs-filter-status", options=[{"label": s, "value": s} for s in STATUSES],
+                             placeholder="any status", clearable=True, className="gw-dropdown"),
+                dcc.Input(id="runs-filter-name", type="search", placeholder="name contains…", debounce=False,
+                          className="gw-input"),
+            ], className="gw-filters"),
+        ], className="gw-page-head"),
+        html.Div(id="runs-table", className="gw-card"),
+        dcc.Store(id="runs-signature"),
+        dcc.Interval(id="runs-interval", interval=REFRESH_MS),
+    ])
+
+
+@callback(
+    Output("runs-table", "children"),
+    Output("runs-filter-project", "options"),
+    Output("runs-signature", "data"),
+    Input("runs-interval", "n_intervals"),
+    Input("runs-filter-project", "value"),
+    Input("runs-filter-status", "value"),
+    Input("runs-filter-name", "value"),
+    State("runs-signature", "data"),
+)
+def refresh_runs(_tick, project, status, name, signature):
+    now = time.time()
+    settings = gateway.settings()
+    stall = float(getattr(settings, "stall_seconds", 300.0))
+    every = gateway.list_runs()
+    projects = sorted({r.get("project", "") for r in every})
+    runs = [r for r in every
+            if (not project or r.get("project") == project)
+            and (not name or name.lower() in (r.get("name") or "").lower())
+            and (not status or display_status(r, now=now, stall_seconds=stall) == status)]
+    runs.sort(key=lambda r: -(r.get("started_at") or 0))
+    # "last data" is relative to now, so it changes every tick; compare it in 5 s steps.
+    new_sig = [[r["id"], r.get("status"), r.get("last_step"), str(r.get("last_loss")), r.get("health"),
+                r.get("open_alerts"), int((now - (r.get("last_seen") or now)) // 5)] for r in runs]
+    new_sig = {"rows": new_sig, "projects": projects, "filters": [project, status, name]}
+    if new_sig == signature:
+        return no_update, no_update, no_update
+    return (runs_table(runs, now=now, stall_seconds=stall),
+            [{"label": p, "value": p} for p in projects], new_sig)
+
+
+dash.register_page(__name__, path="/", name="Runs", title="gradwatch · runs", order=0, layout=layout)
