@@ -1,0 +1,51 @@
+"""A real gradwatch server (SQLite) shared by the integration tests of one module, and readers for it."""
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+
+from tests.conftest import LiveServer, free_port, http_json
+
+
+@pytest.fixture(scope="module")
+def gw_server(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("gw-server")
+    srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
+    srv.migrate()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def run_name(request) -> str:
+    return f"{request.node.name}-{uuid.uuid4().hex[:6]}".replace("[", "-").replace("]", "")
+
+
+def run_of(server: LiveServer, project: str, name: str) -> dict:
+    status, body = server.get(f"/api/v1/runs?project={project}&name={name}")
+    assert status == 200, body
+    runs = [r for r in body["runs"] if r["name"] == name]
+    assert len(runs) == 1, f"expected one run {project}/{name}, got {body}"
+    return runs[0]
+
+
+def series(server: LiveServer, run_id: int, signal: str) -> dict[int, float | None]:
+    """step -> value at full resolution (wire strings turned back into floats)."""
+    status, body = server.get(f"/api/v1/runs/{run_id}/series?signal={signal}&max_points=100000")
+    assert status == 200, body
+    assert body["bucket_size"] == 1
+    out = {}
+    for p in body["steps"]:
+        v = p["last"]
+        out[p["step"]] = None if v is None else float(v)
+    return out
+
+
+def assert_close(actual: list[float], expected: list[float], rel: float = 1e-5, what: str = "values") -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} values, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert a is not None and math.isclose(a, e, rel_tol=rel, abs_tol=1e-7), \
+            f"{what}[{i}]: gradwatch has {a}, the framework {e}\n  gradwatch: {actual}\n  framework: {expected}"
