@@ -8,7 +8,7 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .api import alerts, health, ingest, runs
+from .api import alerts, health, ingest, runs, webhooks
 from .db import Database, open_database, schema_problem
 from .schemas import IngestBatchIn
 from .settings import Settings
@@ -59,7 +59,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.auth = None
     app.state.metrics = None
 
-    for router in (health.router, ingest.router, runs.router, alerts.router):
+    for router in (health.router, ingest.router, runs.router, alerts.router, webhooks.router):
         app.include_router(router)
 
     def openapi():

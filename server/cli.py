@@ -111,7 +111,13 @@ def _add_demo(subparsers) -> None:
     demo.add_subparser(subparsers)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve, add_db, _add_demo]
+def _add_rules(subparsers) -> None:
+    from .rules import cli as rules_cli
+
+    rules_cli.add_subparser(subparsers)
+
+
+SUBCOMMANDS: list[Callable] = [add_serve, add_db, _add_demo, _add_rules]
 
 
 def build_parser() -> argparse.ArgumentParser:

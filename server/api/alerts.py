@@ -1,15 +1,23 @@
-"""``/api/v1/alerts``: alerts from the alerts table."""
+"""``/api/v1/alerts`` (list, acknowledge) and ``/api/v1/rules`` (catalogue, per-project overrides)."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Body, HTTPException, Query, Request
 
 from .. import queries
+from ..rules.alerts import acknowledge_alert, alert_to_dict
+from ..rules.catalogue import RULES_BY_ID, describe
+from ..rules.config import RuleConfigError, get_rule_config, set_rule_override
 from ..schemas import AlertListOut, AlertOut
-from .deps import ReadScopeDep, SessionDep
+from .deps import ReadScopeDep, SessionDep, SettingsDep
 
 router = APIRouter(tags=["alerts"])
+
+
+def _check_scope(scope: Optional[str], project: Optional[str]) -> None:
+    if scope is not None and project != scope:
+        raise HTTPException(403, f"this token is for project {scope!r}, not {project!r}")
 
 
 @router.get("/api/v1/alerts", response_model=AlertListOut)
@@ -21,3 +29,59 @@ def list_alerts(session: SessionDep, scope: ReadScopeDep,
     """Newest first; filters: run id, severity, rule (id or name), status (firing | resolved)."""
     alerts = queries.list_alerts(session, run_id=run, severity=severity, rule=rule, status=status, project=scope)
     return AlertListOut(alerts=[AlertOut(**vars(a)) for a in alerts])
+
+
+@router.post("/api/v1/alerts/{alert_id}/ack")
+def ack_alert(alert_id: int, request: Request, scope: ReadScopeDep,
+              body: Annotated[Optional[dict[str, Any]], Body()] = None) -> dict[str, Any]:
+    """Acknowledge an alert (``{"acknowledged": false}`` takes it back)."""
+    value = True if not body else body.get("acknowledged", True)
+    if not isinstance(value, bool):
+        raise HTTPException(422, "acknowledged: expected true or false")
+    with request.app.state.database.write_sessionmaker() as session:
+        if scope is not None:
+            _check_scope(scope, queries.run_project(session, run_id=_alert_run(session, alert_id)))
+        alert = acknowledge_alert(session, alert_id=alert_id, acknowledged=value)
+        if alert is None:
+            raise HTTPException(404, f"no alert {alert_id}")
+        out = alert_to_dict(alert)
+        session.commit()
+    return out
+
+
+def _alert_run(session, alert_id: int) -> int:
+    from ..models import Alert
+
+    alert = session.get(Alert, alert_id)
+    if alert is None:
+        raise HTTPException(404, f"no alert {alert_id}")
+    return alert.run_id
+
+
+@router.get("/api/v1/rules")
+def list_rules(session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
+               project: Annotated[str, Query(min_length=1, max_length=200)] = "default") -> dict[str, Any]:
+    """The catalogue with the settings in force for ``project`` (defaults ← rules file ← API overrides)."""
+    _check_scope(scope, project)
+    cfg = get_rule_config(session, project=project, settings=settings)
+    rules = []
+    for rid, values in cfg.items():
+        spec = RULES_BY_ID[rid]
+        rules.append({**values, "fires_when": describe(spec, values), "diagnosis": spec.diagnosis,
+                      "actions": list(spec.actions), "checklist": spec.checklist})
+    return {"project": project, "rules": rules}
+
+
+@router.put("/api/v1/rules/{project}/{rule}")
+def put_rule(project: str, rule: str, request: Request, settings: SettingsDep, scope: ReadScopeDep,
+             values: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    """Override one rule's settings for a project, e.g. ``{"factor": 20, "severity": "warning"}``;
+    ``null`` removes an override. 422 names the rule and the key on a bad setting."""
+    _check_scope(scope, project)
+    with request.app.state.database.write_sessionmaker() as session:
+        try:
+            out = set_rule_override(session, project=project, rule=rule, settings=settings, **values)
+        except RuleConfigError as e:
+            raise HTTPException(422, str(e)) from None
+        session.commit()
+    return out

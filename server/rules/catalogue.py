@@ -61,7 +61,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "A2", "grad_explosion", "critical", "8.A",
-        "pre-clip grad norm > {factor}x its rolling median over {window} steps, or non-finite with no scaler to skip the step",
+        "pre-clip grad norm > {factor:g}x its rolling median over {window} steps, or non-finite with no scaler to skip the step",
         "The gradient norm exploded (a precursor of NaN).",
         (
             "Enable gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0), after scaler.unscale_(optimizer).",
@@ -156,7 +156,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "C1", "loss_oscillation", "warning", "8.C",
-        "robust spread (MAD) of the loss over {window} steps > {spread_ratio}x its median, with no downward trend",
+        "robust spread (MAD) of the loss over {window} steps > {spread_ratio:g}x its median, with no downward trend",
         "The loss oscillates without converging.",
         (
             "Lower the learning rate 5-10x.",
@@ -177,7 +177,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "C3", "loss_spike", "warning", "8.C / 7.2",
-        "loss > median + {mad_factor}*MAD of the last {window} steps (MAD scaled to sigma); critical after {critical_consecutive} consecutive spikes",
+        "loss > median + {mad_factor:g}*MAD of the last {window} steps (MAD scaled to sigma); critical after {critical_consecutive} consecutive spikes",
         "The loss spiked far above its recent level.",
         (
             "A single spike: consider rolling back to the checkpoint before it and skipping that batch.",
@@ -197,7 +197,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "D2", "ema_divergence", "warning", "8.D",
-        "EMA divergence ||theta_ema - theta|| / ||theta|| > {factor}x its rolling median over {window} steps, or oscillating",
+        "EMA divergence ||theta_ema - theta|| / ||theta|| > {factor:g}x its rolling median over {window} steps, or oscillating",
         "The EMA weights drift away from the model's weights.",
         (
             "The EMA decay is too large for this task: try 0.999 or 0.99.",
@@ -206,7 +206,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "D3", "bn_drift", "warning", "8.D",
-        "a BatchNorm layer's running_var changes > {factor}x within {window} steps (after the first {warmup_steps} steps)",
+        "a BatchNorm layer's running_var changes > {factor:g}x within {window} steps (after the first {warmup_steps} steps)",
         "BatchNorm running statistics drift: the data the model sees changed.",
         (
             "When fine-tuning on new data, recompute the BatchNorm statistics on it (a pass in train mode without updates), "
@@ -216,7 +216,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "E1", "activation_jump", "warning", "7.1",
-        "a module's activation std >= {factor}x its rolling median over {window} steps",
+        "a module's activation std >= {factor:g}x its rolling median over {window} steps",
         "A layer amplifies its signal: its activation variance jumped.",
         (
             "Inspect that layer (weights, normalisation, residual scaling); pre-norm or a normalisation after it controls the variance.",
@@ -245,7 +245,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "F1", "rank_divergence", "critical", "—",
-        "one rank's loss is non-finite while the others' is finite, or > {factor}x the median of the others for {consecutive} steps",
+        "one rank's loss is non-finite while the others' is finite, or > {factor:g}x the median of the others for {consecutive} steps",
         "One rank differs from the others: a bad node or a bad data shard.",
         (
             "Check that rank's data shard (NaN or corrupt samples) and its node (hardware errors, a different software version).",
