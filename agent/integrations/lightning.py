@@ -78,6 +78,15 @@ class GradwatchCallback(Callback):
         except Exception:  # noqa: BLE001 - never hurt the host process
             log.exception("gradwatch: attach failed; training continues unmonitored")
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The agent closes a step's record at the model's next forward call, but
+        # a LightningModule's training_step need not call its own forward
+        # (``self.net(x)`` instead of ``self(x)``): close it here, at the start
+        # of every micro-batch, so that no step waits for a forward that never comes.
+        if self.monitor is None:
+            return
+        _agent_call(self.monitor, "_seal_open")
+
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # With a scaler this tensor is already scaled, and the agent sees the
         # unscaled one in scaler.scale(): adding it here would count it twice.
@@ -88,6 +97,15 @@ class GradwatchCallback(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.monitor is None:
             return
+        if self.scaler is None:
+            # Without a scaler Lightning calls ``optimizer.step(closure)``: the
+            # optimizer's step pre-hook, where the agent measures the grads,
+            # runs before the closure's backward. Measure them again now, after
+            # backward and before clipping (which Lightning does right after
+            # this hook).
+            if hasattr(self.monitor, "_grads"):
+                self.monitor._grads = None
+            _agent_call(self.monitor, "_compute_grads")
         report_loss(self.monitor, self._step_loss.take())
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -102,3 +120,14 @@ class GradwatchCallback(Callback):
         monitor, self.monitor = self.monitor, None
         self._step_loss.take()
         close_monitor(monitor, crashed=crashed)
+
+
+def _agent_call(monitor: Any, name: str) -> None:
+    """Call one of the agent's step-boundary methods when it has it; never raise into training."""
+    method = getattr(monitor, name, None)
+    if method is None:
+        return
+    try:
+        method()
+    except Exception:  # noqa: BLE001
+        log.exception("gradwatch: %s failed", name)
