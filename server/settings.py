@@ -12,6 +12,7 @@ Environment:
 - ``GRADWATCH_PUBLIC_URL``    base URL used in webhook links
 - ``GRADWATCH_AUTH``          ``on`` to require project tokens
 - ``GRADWATCH_STALL_SECONDS`` seconds without data before a running run reads as stalled
+- ``GRADWATCH_MAX_BODY_BYTES`` / ``GRADWATCH_MAX_DECODED_BYTES`` ingest size limits (413 above)
 """
 from __future__ import annotations
 
@@ -113,4 +114,6 @@ class Settings(BaseModel):
             stall_seconds=float(env.get("GRADWATCH_STALL_SECONDS", 300)),
             migrate=migrate,
             session_secret=env.get("GRADWATCH_SESSION_SECRET", ""),
+            max_body_bytes=int(env.get("GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024)),
+            max_decoded_bytes=int(env.get("GRADWATCH_MAX_DECODED_BYTES", 256 * 1024 * 1024)),
         )
