@@ -105,6 +105,10 @@ class Rule:
     def begin(self, ctx: Context, state: dict, cfg: dict) -> None:
         """Called once per batch before the steps."""
 
+    def event_hits(self, ctx: Context, state: dict, cfg: dict) -> list:
+        """Hits that come from the batch's events rather than its steps: [(step, Hit)]."""
+        return []
+
     def observe(self, ctx: Context, state: dict, cfg: dict, st: dict):
         raise NotImplementedError
 
@@ -208,16 +212,19 @@ class NanOrigin(Rule):
     def applies(self, steps, ctx):
         return bool(ctx.events.get("nan_origin"))
 
-    def observe(self, ctx, state, cfg, st):
-        origin = ctx.events.get("nan_origin", {}).get(st["step"])
-        if origin:
+    def event_hits(self, ctx, state, cfg) -> list[tuple[int, Hit]]:
+        hits = []
+        for step, origin in sorted(ctx.events.get("nan_origin", {}).items()):
             module = origin.get("module", "?")
             where = origin.get("where", "activation")
-            return Hit({"module": module, "where": where, **{k: enc(v) for k, v in origin.items()
-                                                              if k not in ("module", "where")}},
-                       f"First non-finite {where} at step {st['step']} in module {module}",
-                       diagnosis=f"The NaN/Inf started in `{module}` ({where}): that layer's activations or "
-                                 f"gradients overflowed.")
+            hits.append((step, Hit({"module": module, "where": where,
+                                    **{k: enc(v) for k, v in origin.items() if k not in ("module", "where")}},
+                                   f"First non-finite {where} at step {step} in module {module}",
+                                   diagnosis=f"The NaN/Inf started in `{module}` ({where}): that layer's "
+                                             f"activations or gradients overflowed.")))
+        return hits
+
+    def observe(self, ctx, state, cfg, st):
         loss = num(st.get("loss"))
         if loss is None:
             return None

@@ -10,6 +10,7 @@ where this one left off.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -31,6 +32,12 @@ _LOSS_NAN_BIT = 1 << STEP_SIGNALS.index("loss")
 
 # rule_states key for run-level memory of the engine itself (NaN origin seen, …)
 _ENGINE = "_"
+
+
+def _clone(state: Optional[dict]) -> dict:
+    """A deep copy of a JSON state: SQLAlchemy only writes a JSON column whose new value differs from
+    the loaded one, so nested windows must not be mutated in place."""
+    return json.loads(json.dumps(state)) if state else {}
 
 
 def _events_by_kind(events: list[dict]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -80,7 +87,7 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
     if origins:
         engine_row = state_row(_ENGINE)
         first = min(origins)
-        engine_state = dict(engine_row.state or {})
+        engine_state = _clone(engine_row.state)
         engine_state["nan_origin"] = enc({"step": first, **origins[first]})
         engine_row.state = engine_state
     nan_origin = (engine_row.state if engine_row is not None else
@@ -97,13 +104,15 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         if not rcfg.get("enabled", True) or not rule.applies(steps, ctx):
             continue
         row = state_row(rule.id)
-        state = dict(row.state or {})
+        state = _clone(row.state)
         lc = state.setdefault("lc", {})
         if nan_origin and rule.id in ("A1", "A2"):
             state["nan_origin"] = nan_origin
         episode = Episode(session, run.id, rank, rule.spec, rcfg, lc, now)
         try:
             rule.begin(ctx, state, rcfg)
+            for ev_step, hit in rule.event_hits(ctx, state, rcfg):
+                episode.feed(ev_step, hit)
             for st in steps:
                 episode.feed(int(st["step"]), rule.observe(ctx, state, rcfg, st))
         except Exception:   # noqa: BLE001 - one broken rule must not lose the batch
@@ -153,7 +162,7 @@ def _rank_divergence(session: Session, run: Run, rank: int, steps: list[dict], c
     def episode_for(r: int) -> Episode:
         if r not in episodes:
             row = state_row("F1", r)
-            state = dict(row.state or {})
+            state = _clone(row.state)
             episodes[r] = (Episode(session, run.id, r, spec, cfg, state.setdefault("lc", {}), now), row, state)
         return episodes[r][0]
 
@@ -197,7 +206,7 @@ def _rank_divergence(session: Session, run: Run, rank: int, steps: list[dict], c
 def _resolve_stall(session: Session, row: Optional[RuleState], now: float) -> None:
     if row is None:
         return
-    state = dict(row.state or {})
+    state = _clone(row.state)
     lc = dict(state.get("lc") or {})
     if not lc.get("firing"):
         return
@@ -237,7 +246,7 @@ def check_stalled_runs(session: Session, *, settings: Any, now: Optional[float] 
         if row is None:
             row = RuleState(run_id=run.id, rank=0, rule="F2", state={})
             session.add(row)
-        state = dict(row.state or {})
+        state = _clone(row.state)
         lc = state.setdefault("lc", {})
         if lc.get("firing"):
             continue

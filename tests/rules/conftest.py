@@ -36,11 +36,12 @@ class RulesDB:
         first = True
         for i in range(0, max(len(steps), 1), batch):
             chunk = steps[i:i + batch]
-            lo = chunk[0]["step"] if chunk else -1
             hi = chunk[-1]["step"] if chunk else 10**12
+            # an event travels with the first batch that reaches its step (late events: the first batch)
+            mine = [e for e in events if e.get("step") is None or e["step"] <= hi]
+            events = [e for e in events if e not in mine]
             body = {"batch_id": uuid.uuid4().hex, "project": project, "run": run, "rank": rank,
-                    "world_size": world_size, "steps": chunk,
-                    "events": [e for e in events if e.get("step") is None or lo <= e["step"] <= hi]}
+                    "world_size": world_size, "steps": chunk, "events": mine}
             if first and meta:
                 body["meta"] = meta
             first = False

@@ -1,0 +1,225 @@
+"""Rule logic on real step sequences through the real ingest path (SQLite file, real migrations).
+
+Each test builds the step sequence a real run of that kind produces and checks
+the alert that comes out: the rule, the step it starts at, the evidence, and
+that the same sequence without the fault stays quiet.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tests.rules.conftest import RulesDB, run_name, step
+
+
+def healthy(n: int, seed: int = 0, start: int = 0, **extra) -> list[dict]:
+    """A decaying noisy loss, a steady grad norm, a stable fp16 scaler."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(start, start + n):
+        loss = 2.0 * math.exp(-i / 300) + 0.3 + rng.gauss(0, 0.03)
+        gn = 0.6 + 0.3 * math.exp(-i / 100) + abs(rng.gauss(0, 0.05))
+        out.append(step(i, loss=loss, grad_norm=gn, clip_max_norm=1.0, clipped=gn > 1.0, loss_scale=65536.0,
+                        overflow=False, overflow_count=0, lr=1e-3, **extra))
+    return out
+
+
+def test_healthy_sequence_raises_nothing(rdb):
+    name = run_name()
+    rdb.feed(name, healthy(600), batch=37)
+    assert rdb.alerts(name) == []
+
+
+def test_a1_nan_loss_with_normal_grad_norm_points_at_the_loss(rdb):
+    name = run_name()
+    steps = healthy(80)
+    steps[50].update(loss=math.nan, grad_norm=math.nan, overflow=True)
+    rdb.feed(name, steps, batch=20)
+    alerts = rdb.rules(name)
+    assert set(alerts) == {"A1"}, alerts
+    a = alerts["A1"]
+    assert (a.first_step, a.severity, a.evidence["cause"]) == (50, "critical", "loss_computation")
+    assert "loss computation" in a.diagnosis
+    assert a.status == "resolved"          # 29 finite steps after it > clear_steps (10)
+
+
+def test_a1_after_grad_explosion_says_clip_and_lower_lr(rdb):
+    name = run_name()
+    steps = healthy(60)
+    steps[40]["grad_norm"] = 500.0
+    steps[41].update(loss=math.inf, grad_norm=math.nan, overflow=True)
+    rdb.feed(name, steps)
+    alerts = rdb.rules(name)
+    assert alerts["A1"].evidence["cause"] == "grad_explosion_first"
+    assert alerts["A1"].actions[0].startswith("Grad norm exploded first")
+    assert alerts["A2"].first_step == 40 and alerts["A2"].evidence["ratio"] > 10
+
+
+def test_a1_carries_nan_origin_and_top_grad_norms_sent_later(rdb):
+    name = run_name()
+    steps = healthy(40)
+    steps[30].update(loss=math.nan, grad_norm=math.nan, overflow=True)
+    rdb.feed(name, steps[:31])
+    rdb.feed(name, steps[31:], events=[
+        {"step": 30, "kind": "nan_origin", "data": {"module": "blocks.3.mlp", "where": "activation"}},
+        {"step": 30, "kind": "top_grad_norms", "data": {"params": [["blocks.3.mlp.fc.weight", 912.0]]}}])
+    alerts = rdb.rules(name)
+    assert alerts["A1"].evidence["nan_origin"]["module"] == "blocks.3.mlp"
+    assert alerts["A1"].evidence["top_grad_norms"][0][0] == "blocks.3.mlp.fc.weight"
+    assert alerts["A3"].evidence["module"] == "blocks.3.mlp"
+
+
+def test_a2_nonfinite_grad_without_scaler_but_not_with_one(rdb):
+    name = run_name()
+    steps = [dict(s, loss_scale=None, overflow=None) for s in healthy(40)]
+    steps[30]["grad_norm"] = math.inf
+    rdb.feed(name, steps)
+    assert rdb.rules(name)["A2"].evidence["no_scaler"] is True
+    other = run_name()
+    steps = healthy(40)
+    steps[30].update(grad_norm=math.inf, overflow=True)
+    rdb.feed(other, steps)
+    assert "A2" not in rdb.rules(other)
+
+
+def test_one_episode_per_storm_and_rules_remember_across_batches(rdb):
+    """20 skipped steps sent one per batch: A5 and B3 fire once each (state lives in the DB)."""
+    name = run_name()
+    steps = healthy(80)
+    scale = 65536.0
+    for i, s in enumerate(steps):
+        s["loss_scale"] = scale
+        if 20 <= i < 40:
+            s.update(loss=math.nan, grad_norm=math.nan, overflow=True)
+            scale /= 2
+    rdb.feed(name, steps, batch=1)
+    alerts = rdb.alerts(name)
+    by_rule = {}
+    for a in alerts:
+        by_rule.setdefault(a.rule, []).append(a)
+    assert {r: len(v) for r, v in by_rule.items()} == {"A1": 1, "A5": 1, "B3": 1}
+    assert by_rule["A5"][0].first_step == 24      # the 5th consecutive skip
+    assert by_rule["B3"][0].first_step == 23      # the 3rd halving after the scaler settled
+    assert by_rule["A1"][0].last_step == 39
+
+
+def test_restart_continues_state(tmp_path):
+    """A second process (a new engine on the same file) continues the streak the first began."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    name = run_name()
+    steps = healthy(30)
+    for s in steps[20:]:
+        s["lr"] = 0.0
+    first = RulesDB(url, tmp_path)
+    first.feed(name, steps[:25])
+    first.close()
+    second = RulesDB(url, tmp_path)
+    second.feed(name, steps[25:])
+    assert second.rules(name)["B4"].first_step == 29
+    second.close()
+
+
+def test_b1_vanishing_and_b4_lr_zero(rdb):
+    name = run_name()
+    steps = healthy(60)
+    for s in steps[30:]:
+        s.update(grad_norm=1e-9, lr=0.0)
+    rdb.feed(name, steps)
+    alerts = rdb.rules(name)
+    assert alerts["B1"].first_step == 49 and alerts["B4"].first_step == 39
+
+
+def test_b5_dead_params_names_them(rdb):
+    name = run_name()
+    meta = {"param_names": ["enc.weight", "head.weight", "aux.weight"]}
+    steps = healthy(80)
+    for s in steps:
+        s["layers"] = {"grad_norm": [0.5, 0.3, 0.0 if s["step"] >= 10 else 0.1]}
+    rdb.feed(name, steps, meta=meta)
+    a = rdb.rules(name)["B5"]
+    assert a.first_step == 60 and a.evidence["params"] == ["aux.weight"]
+
+
+def test_c3_spike_then_critical_after_five(rdb):
+    name = run_name()
+    steps = healthy(120)
+    steps[60]["loss"] = 50.0
+    rdb.feed(name, steps)
+    a = rdb.rules(name)["C3"]
+    assert a.first_step == 60 and a.severity == "warning"
+    other = run_name()
+    steps = healthy(120)
+    for s in steps[60:66]:
+        s["loss"] = 50.0
+    rdb.feed(other, steps)
+    a = rdb.rules(other)["C3"]
+    assert a.severity == "critical" and a.first_step == 60
+
+
+def test_overrides_file_and_api(tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[rules.B4]\nsteps = 3\n[projects.quiet.rules.lr_zero]\nenabled = false\n')
+    r = RulesDB(f"sqlite:///{tmp_path / 'o.db'}", tmp_path, rules_file=str(rules))
+    steps = healthy(20)
+    for s in steps[10:]:
+        s["lr"] = 0.0
+    loud, quiet = run_name(), run_name()
+    r.feed(loud, steps)
+    r.feed(quiet, steps, project="quiet")
+    assert r.rules(loud)["B4"].first_step == 12
+    assert "B4" not in r.rules(quiet)
+    from server.rules.config import get_rule_config, set_rule_override
+    with r.db.write_sessionmaker() as s:
+        out = set_rule_override(s, project="quiet", rule="B4", settings=r.settings, enabled=True, steps=5)
+        s.commit()
+        assert out["enabled"] is True and out["steps"] == 5 and out["overridden"] == ["enabled", "steps"]
+        assert get_rule_config(s, project="quiet", settings=r.settings)["B4"]["steps"] == 5
+    again = run_name()
+    r.feed(again, steps, project="quiet")
+    assert r.rules(again)["B4"].first_step == 14
+    r.close()
+
+
+@pytest.mark.parametrize("toml, rule, key", [
+    ('[rules.A2]\nfactr = 3\n', "A2", "factr"),
+    ('[rules.grad_explosion]\nfactor = "big"\n', "A2", "factor"),
+    ('[rules.C3]\nwindow = 0\n', "C3", "window"),
+    ('[rules.A5]\nfraction = 5\n', "A5", "fraction"),
+    ('[rules.B9]\nsteps = 3\n', "B9", None),
+    ('[projects.x.rules.B2]\nseverity = "loud"\n', "B2", "severity"),
+])
+def test_bad_config_names_rule_and_key(toml, rule, key):
+    from server.rules.config import RuleConfigError, parse_rules_toml
+    with pytest.raises(RuleConfigError) as e:
+        parse_rules_toml(toml)
+    assert rule in str(e.value)
+    if key:
+        assert f"'{key}'" in str(e.value)
+
+
+def test_f1_one_rank_nan(rdb):
+    name = run_name()
+    good = healthy(40)
+    bad = healthy(40, seed=1)
+    for s in bad[25:]:
+        s.update(loss=math.nan, grad_norm=math.nan, overflow=True)
+    rdb.feed(name, bad, rank=1, world_size=2)     # the bad rank arrives first, stored as NULL + nan bit
+    rdb.feed(name, good, rank=0, world_size=2)
+    f1 = [a for a in rdb.alerts(name) if a.rule == "F1"]
+    assert [(a.rank, a.first_step) for a in f1] == [(1, 25)]
+
+
+def test_acknowledge(rdb):
+    from server.rules.alerts import acknowledge_alert
+    name = run_name()
+    steps = healthy(40)
+    steps[30].update(loss=math.nan, grad_norm=math.nan, overflow=True)
+    rdb.feed(name, steps)
+    alert = rdb.rules(name)["A1"]
+    with rdb.db.write_sessionmaker() as s:
+        assert acknowledge_alert(s, alert_id=alert.id).acknowledged is True
+        assert acknowledge_alert(s, alert_id=10**9) is None
+        s.commit()
+    assert rdb.rules(name)["A1"].acknowledged is True
