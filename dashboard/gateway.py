@@ -142,36 +142,46 @@ def acknowledge_alert(alert_id: int) -> None:
         alerts.acknowledge_alert(s, alert_id=alert_id)
 
 
-def list_endpoints() -> list[dict]:
+def list_endpoints(projects: Sequence[str] = ()) -> list[dict]:
+    """Every webhook endpoint; ``project`` is filled in for those of the given projects."""
     from server.webhooks import endpoints
     with _session() as s:
-        return _unwrap(endpoints.list_endpoints(s), "endpoints")
+        names = {}
+        for name in projects:
+            for ep in endpoints.list_endpoints(s, project=name):
+                if ep.project_id is not None:
+                    names[ep.id] = name
+        return [endpoints.endpoint_to_dict(ep, names.get(ep.id)) for ep in endpoints.list_endpoints(s)]
 
 
-def create_endpoint(*, url: str, format: str = "json", min_severity: str = "info", project: Optional[str] = None,
+def create_endpoint(*, url: str, project: str, format: str = "json", min_severity: str = "info",
                     secret: Optional[str] = None) -> dict:
+    """Raises ``ValueError`` saying what is wrong with the URL, format, severity or secret."""
     from server.webhooks import endpoints
     with _session(write=True) as s:
-        return _plain(endpoints.create_endpoint(s, url=url, format=format, min_severity=min_severity,
-                                                project=project or None, secret=secret or None))
+        ep = endpoints.create_endpoint(s, project=project, url=url, format=format, min_severity=min_severity,
+                                       secret=secret or None)
+        return endpoints.endpoint_to_dict(ep, project)
 
 
-def delete_endpoint(endpoint_id: int) -> None:
+def delete_endpoint(endpoint_id: int) -> bool:
     from server.webhooks import endpoints
     with _session(write=True) as s:
-        endpoints.delete_endpoint(s, endpoint_id=endpoint_id)
+        return endpoints.delete_endpoint(s, endpoint_id=endpoint_id)
 
 
-def send_test(endpoint_id: int) -> Any:
+def send_test(endpoint_id: int) -> dict:
+    """Queue a sample alert to one endpoint; the server's delivery worker sends it (it polls every second)."""
     from server.webhooks import endpoints
     with _session(write=True) as s:
-        return _plain(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings, now=time.time()))
+        return endpoints.delivery_to_dict(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings,
+                                                              now=time.time()))
 
 
 def list_deliveries(*, limit: int = 50) -> list[dict]:
     from server.webhooks import endpoints
     with _session() as s:
-        return _unwrap(endpoints.list_deliveries(s, limit=limit), "deliveries")
+        return [endpoints.delivery_to_dict(d) for d in endpoints.list_deliveries(s, limit=limit)]
 
 
 def get_rule_config(project: str) -> Any:

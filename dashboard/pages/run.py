@@ -286,18 +286,26 @@ def _notices(run_id: int, origin: Optional[dict]) -> list:
     State("run-id", "data"),
     State("run-summary-sig", "data"),
 )
-def refresh_summary(_tick, _acked, run_id, previous_sig):
+def refresh_summary(_tick, _acked, run_id, previous):
     run = gateway.get_run(run_id)
     if run is None:
         return no_update, no_update, no_update, no_update
     alerts = gateway.list_alerts(run_id=run_id)
     origin = _nan_origin(run_id)
-    sig = [run.get("status"), run.get("last_step"), str(run.get("last_loss")), int(time.time() // 5),
-           figures.alerts_signature(alerts), origin and origin.get("step")]
-    if sig == previous_sig:
+    # Each part is redrawn only when what it shows changed, so an open "evidence"
+    # or a button under the pointer is not replaced every tick.
+    sig = {"header": [run.get("status"), run.get("last_step"), str(run.get("last_loss")), run.get("health"),
+                      int(time.time() // 5), figures.alerts_signature(alerts)],
+           "notices": [origin and origin.get("step"), run.get("last_step") if run.get("status") == "running" else 0],
+           "alerts": figures.alerts_signature(alerts)}
+    previous = previous or {}
+    header = _header(run, alerts) if sig["header"] != previous.get("header") else no_update
+    notices = _notices(run_id, origin) if sig["notices"] != previous.get("notices") else no_update
+    panel = (alert_list(alerts, ack_type="run-ack", empty="No alerts for this run.")
+             if sig["alerts"] != previous.get("alerts") else no_update)
+    if header is no_update and notices is no_update and panel is no_update:
         return no_update, no_update, no_update, no_update
-    return (_header(run, alerts), _notices(run_id, origin),
-            alert_list(alerts, ack_type="run-ack", empty="No alerts for this run."), sig)
+    return header, notices, panel, sig
 
 
 @callback(

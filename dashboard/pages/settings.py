@@ -18,13 +18,21 @@ FORMATS = ("json", "slack", "discord")
 SEVERITIES = ("info", "warning", "critical")
 
 
+def _projects() -> list[str]:
+    return sorted({r.get("project", "") for r in gateway.list_runs()} | {"default"})
+
+
 def layout(**_query):
+    projects = _projects()
+    first = next((p for p in projects if p != "default"), "default")
+    options = [{"label": p, "value": p} for p in projects]
     return html.Div([
         html.H1("Settings", className="gw-title"),
         html.Section([
             html.H2("Webhook endpoints", className="gw-subtitle"),
-            html.P("Alerts at or above the chosen severity are POSTed to each endpoint (HMAC-signed when a secret "
-                   "is set). Server-wide endpoints from GRADWATCH_WEBHOOK_URLS are listed too.", className="gw-muted"),
+            html.P("Alerts of a project at or above the chosen severity are POSTed to its endpoints (HMAC-signed "
+                   "when a secret is set). Server-wide endpoints (GRADWATCH_WEBHOOK_URLS) are listed too.",
+                   className="gw-muted"),
             html.Div([
                 dcc.Input(id="settings-webhook-url", type="url", placeholder="https://hooks.example.com/…",
                           className="gw-input gw-input-url"),
@@ -32,7 +40,8 @@ def layout(**_query):
                              className="gw-dropdown"),
                 dcc.Dropdown(id="settings-webhook-severity", options=[{"label": f"≥ {s}", "value": s} for s in SEVERITIES],
                              value="info", clearable=False, className="gw-dropdown"),
-                dcc.Dropdown(id="settings-webhook-project", placeholder="all projects", clearable=True,
+                dcc.Dropdown(id="settings-webhook-project", placeholder="project", clearable=False,
+                             options=options, value=first,
                              className="gw-dropdown"),
                 dcc.Input(id="settings-webhook-secret", type="password", placeholder="HMAC secret (optional)",
                           className="gw-input"),
@@ -47,6 +56,7 @@ def layout(**_query):
             html.H2("Rule thresholds", className="gw-subtitle"),
             html.Div([
                 dcc.Dropdown(id="settings-rules-project", placeholder="choose a project", clearable=False,
+                             options=options, value=first,
                              className="gw-dropdown"),
                 html.Span("Defaults come from the rule catalogue (and the server's rules file); values changed here "
                           "are stored per project and apply to the next ingested step.", className="gw-muted"),
@@ -63,7 +73,7 @@ def layout(**_query):
 
 # --------------------------------------------------------------------------- webhooks
 
-def endpoints_table(endpoints: list[dict], projects: dict) -> html.Table:
+def endpoints_table(endpoints: list[dict]) -> html.Table:
     head = html.Thead(html.Tr([html.Th(h) for h in ("URL", "Format", "Min severity", "Project", "Secret", "")]))
     rows = []
     for e in endpoints:
@@ -72,8 +82,8 @@ def endpoints_table(endpoints: list[dict], projects: dict) -> html.Table:
             html.Td(e.get("url", ""), className="gw-endpoint-url"),
             html.Td(e.get("format", "json")),
             html.Td(e.get("min_severity", "info")),
-            html.Td(e.get("project") or projects.get(e.get("project_id")) or "all projects"),
-            html.Td("yes" if e.get("secret") or e.get("has_secret") else "—"),
+            html.Td("all projects (server-wide)" if e.get("server_wide") else (e.get("project") or "—")),
+            html.Td("yes" if e.get("has_secret") else "—"),
             html.Td([html.Button("Send test", id={"type": "settings-test", "index": eid}, n_clicks=0,
                                  className="gw-button"), " ",
                      html.Button("Delete", id={"type": "settings-delete", "index": eid}, n_clicks=0,
@@ -114,16 +124,15 @@ def deliveries_table(deliveries: list[dict]) -> html.Table:
     State("settings-sig", "data"),
 )
 def refresh_webhooks(_tick, _changed, previous_sig):
-    endpoints = gateway.list_endpoints()
+    projects = _projects()
+    endpoints = gateway.list_endpoints(projects)
     deliveries = gateway.list_deliveries(limit=50)
-    projects = sorted({r.get("project", "") for r in gateway.list_runs()} | {"default"})
-    sig = [[[e.get("id"), e.get("url"), e.get("format"), e.get("min_severity")] for e in endpoints],
+    sig = [[[e.get("id"), e.get("url"), e.get("format"), e.get("min_severity"), e.get("project")] for e in endpoints],
            [[d.get("id"), d.get("status"), d.get("attempts")] for d in deliveries], projects]
     if sig == previous_sig:
         return no_update, no_update, no_update, no_update, no_update
-    project_names = {e.get("project_id"): e.get("project") for e in endpoints}
     options = [{"label": p, "value": p} for p in projects]
-    return endpoints_table(endpoints, project_names), deliveries_table(deliveries), options, options, sig
+    return endpoints_table(endpoints), deliveries_table(deliveries), options, options, sig
 
 
 @callback(
@@ -150,11 +159,11 @@ def webhook_action(_add, _tests, _deletes, url, fmt, severity, project, secret, 
     try:
         if trig == "settings-webhook-add":
             url = (url or "").strip()
-            if not url.startswith(("http://", "https://")):
-                return "Enter an http:// or https:// URL.", error, no_update, no_update
+            if not project:
+                return "Choose the project whose alerts go to this endpoint.", error, no_update, no_update
             gateway.create_endpoint(url=url, format=fmt or "json", min_severity=severity or "info",
-                                    project=project or None, secret=secret or None)
-            return f"Added {url}.", ok, (changed or 0) + 1, ""
+                                    project=project, secret=secret or None)
+            return f"Added {url} for project {project}.", ok, (changed or 0) + 1, ""
         if trig.get("type") == "settings-test":
             gateway.send_test(int(trig["index"]))
             return "Test delivery queued; it shows in the delivery log below.", ok, (changed or 0) + 1, no_update

@@ -1,0 +1,140 @@
+"""The run page in headless Chromium: every chart drawn with the run's data, live
+appends without a reload, a NaN raising an alert on screen, zoom refetching at
+full resolution, and no console errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.conftest import save_screenshot, wait_until
+from tests.dashboard.conftest import (approx_list, click, graph, mark_page, same_page, severe_console_entries, text_of, texts,
+                                      trace, wait_trace)
+from tests.dashboard.runs_feed import MODULE_NAMES, PARAM_NAMES, ingest, make_steps
+
+pytestmark = pytest.mark.browser
+
+
+def test_finished_run_page_draws_every_chart_with_its_data(dash_server, browser):
+    steps = make_steps(300, overflow_every=70, layers_every=10)
+    steps[120]["loss"] = "NaN"   # a NaN step must show as a marker, not vanish
+    run_id = ingest(dash_server, project="vision", run="resnet-finished", steps=steps, status="finished",
+                    events=[{"step": 120, "kind": "nan_origin", "data": {"module": "blocks.1.mlp",
+                                                                       "where": "activation"}}])
+
+    browser.get(f"{dash_server.url}/runs/{run_id}")
+
+    # Loss: one point per step (300 steps < the chart's bucket budget: raw), the NaN step a gap...
+    loss = wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 300, what="loss drawn")
+    assert loss["x"] == list(range(300))
+    expected = [None if i == 120 else steps[i]["loss"] for i in range(300)]
+    assert approx_list(loss["y"], expected)
+    # ...and a marker on the NaN rug.
+    assert trace(graph(browser, "run-graph-loss"), "NaN / Inf")["x"] == [120]
+
+    grad = graph(browser, "run-graph-grad_norm")
+    assert approx_list(trace(grad, "grad norm")["y"], [s["grad_norm"] for s in steps])
+    assert set(trace(grad, "clip max_norm")["y"]) == {1.0}
+    assert trace(grad, "clipped step")["x"] == [s["step"] for s in steps if s["clipped"]]
+    assert grad["ytype"] == "log"
+
+    scale = graph(browser, "run-graph-loss_scale")
+    assert scale["ytype"] == "log"
+    assert approx_list(trace(scale, "loss scale")["y"], [s["loss_scale"] for s in steps])
+    overflow_steps = [s["step"] for s in steps if s["overflow"]]
+    assert overflow_steps == [70, 140, 210, 280]
+    assert trace(scale, "overflow (skipped step)")["x"] == overflow_steps
+    assert approx_list(trace(scale, "overflow (skipped step)")["y"], [65536.0 / 2 ** k for k in range(4)])
+
+    lr = graph(browser, "run-graph-lr")
+    assert approx_list(trace(lr, "lr")["y"], [s["lr"] for s in steps])
+    ema = graph(browser, "run-graph-ema_divergence")
+    assert approx_list(trace(ema, "EMA divergence")["y"], [s["ema_divergence"] for s in steps])
+    mem = graph(browser, "run-graph-memory")
+    assert approx_list(trace(mem, "peak allocated")["y"], [s["mem_peak"] / (1 << 30) for s in steps], rel=1e-5)
+
+    # Per-layer heatmaps: layer names on y, one column per sampled step, log10 values.
+    heat = wait_until(lambda: (g := graph(browser, "run-heatmap-grad_norm")) and g["data"][0]["y"] and g,
+                      timeout=15, what="grad-norm heatmap")
+    cell = heat["data"][0]
+    assert cell["y"] == PARAM_NAMES
+    assert cell["x"] == list(range(0, 300, 10))
+    assert math.isclose(cell["z"][2][3], math.log10(steps[30]["layers"]["grad_norm"][2]), rel_tol=1e-5)
+    act = graph(browser, "run-heatmap-act_std")
+    assert act["data"][0]["y"] == MODULE_NAMES
+
+    # The NaN origin is named, and the loss NaN raised an alert whose card shows diagnosis and actions.
+    wait_until(lambda: "blocks.1.mlp" in text_of(browser, "run-nan-origin"), timeout=15, what="NaN origin notice")
+    card = wait_until(lambda: texts(browser, "#run-alerts .gw-alert[data-rule='A1']"),
+                      timeout=15, what="A1 alert card")[0]
+    assert "loss_nonfinite" in card and "DIAGNOSIS" in card.upper() and "WHAT TO DO" in card.upper()
+    # Every chart marks the alert's step.
+    assert 120 in [s["x0"] for s in graph(browser, "run-graph-lr")["shapes"]]
+
+    save_screenshot(browser, "run-page")
+    assert severe_console_entries(browser) == []
+
+
+def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(dash_server, browser):
+    steps = make_steps(200, seed=3)
+    run_id = ingest(dash_server, project="nlp", run="gpt-live", steps=steps)
+    browser.get(f"{dash_server.url}/runs/{run_id}")
+    wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 200, what="initial 200 steps")
+    mark_page(browser)
+
+    more = make_steps(30, start=200, seed=4)
+    ingest(dash_server, project="nlp", run="gpt-live", steps=more, meta=False)
+    loss = wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 230, what="30 appended steps")
+    assert loss["x"] == list(range(230))
+    assert approx_list(loss["y"][200:], [s["loss"] for s in more])
+    assert len(wait_trace(browser, "run-graph-grad_norm", "grad norm", lambda t: len(t["x"]) == 230)["y"]) == 230
+
+    bad = make_steps(1, start=230, seed=5)
+    bad[0]["loss"] = "NaN"
+    ingest(dash_server, project="nlp", run="gpt-live", steps=bad, meta=False)
+    wait_until(lambda: browser.find_elements("css selector", "#run-alerts .gw-alert[data-rule='A1']"),
+               timeout=15, what="A1 alert card on the live page")
+    wait_trace(browser, "run-graph-loss", "NaN / Inf", lambda t: t["x"] == [230], what="NaN marker at step 230")
+    wait_until(lambda: 230 in [s["x0"] for s in graph(browser, "run-graph-loss")["shapes"]], timeout=15,
+               what="alert line on the loss chart")
+    assert same_page(browser), "the page reloaded"
+    save_screenshot(browser, "run-page-live-nan")
+
+    # Acknowledge from the alerts panel.
+    click(browser, "#run-alerts .gw-alert[data-rule='A1'] .gw-ack")
+    wait_until(lambda: dash_server.get(f"/api/v1/alerts?run={run_id}&rule=A1")[1]["alerts"][0]["acknowledged"],
+               timeout=10, what="alert acknowledged in the database")
+    wait_until(lambda: texts(browser, "#run-alerts .gw-alert[data-rule='A1'] .gw-ack") == ["acknowledged"],
+               timeout=10, what="button shows the acknowledgement")
+    assert severe_console_entries(browser) == []
+
+
+def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(dash_server, browser):
+    steps = make_steps(6000, seed=7, layers_every=0)
+    steps[2345]["loss"] = 50.0          # a one-step spike must survive downsampling
+    steps[4321]["grad_norm"] = "NaN"    # and so must a NaN marker
+    run_id = ingest(dash_server, project="vision", run="long-run", steps=steps, status="finished", batch=2000)
+    browser.get(f"{dash_server.url}/runs/{run_id}")
+
+    loss = wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) > 0, what="downsampled loss")
+    assert len(loss["x"]) < 6000 / 2, "the whole run should arrive downsampled"
+    assert max(y for y in loss["y"] if y is not None) == pytest.approx(50.0)
+    nan_x = trace(graph(browser, "run-graph-grad_norm"), "NaN / Inf")["x"]
+    assert len(nan_x) == 1 and nan_x[0] <= 4321 < nan_x[0] + 10
+
+    # Zoom the loss chart: every chart follows, and the visible range comes back raw.
+    browser.execute_script(
+        "Plotly.relayout(document.querySelector('#run-graph-loss .js-plotly-plot'), "
+        "{'xaxis.range[0]': 2300, 'xaxis.range[1]': 2400});")
+    loss = wait_trace(browser, "run-graph-loss", "loss",
+                      lambda t: t["x"] and t["x"][0] >= 2290 and len(t["x"]) >= 100, what="full-resolution zoom")
+    assert list(range(2300, 2401)) == [x for x in loss["x"] if 2300 <= x <= 2400]
+    assert approx_list([y for x, y in zip(loss["x"], loss["y"]) if 2300 <= x <= 2400],
+                       [steps[i]["loss"] for i in range(2300, 2401)])
+    for other in ("run-graph-grad_norm", "run-graph-lr", "run-graph-loss_scale"):
+        wait_until(lambda: (g := graph(browser, other)) and abs(g["xrange"][0] - 2300) < 1
+                   and abs(g["xrange"][1] - 2400) < 1, timeout=10, what=f"{other} follows the zoom")
+    grad = trace(graph(browser, "run-graph-grad_norm"), "grad norm")
+    assert [x for x in grad["x"] if 2300 <= x <= 2400] == list(range(2300, 2401))
+    save_screenshot(browser, "run-page-zoomed")
+    assert severe_console_entries(browser) == []
