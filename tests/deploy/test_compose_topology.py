@@ -1,0 +1,265 @@
+"""The docker-compose topology, started without Docker: PostgreSQL + migrations + the server replicas.
+
+``docker-compose.yml`` is parsed (tests/deploy/compose_topology.py) and its
+services are started in its own dependency order with its own commands,
+environment and replica count — only host names, ports and the database name
+are rewritten. Then the topology has to work: health checks answer, batches of
+one run sent through both replicas in interleaved order (with a project token,
+since the file turns auth on) are all stored exactly once.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import threading
+import uuid
+
+import pytest
+
+from tests.conftest import REPO_ROOT, free_port, http_json, missing_part, wait_until
+from tests.deploy import compose_topology as ct
+
+pytestmark = pytest.mark.postgres
+
+
+def _base_env(data_dir) -> dict[str, str]:
+    """The process environment a container would have: no GRADWATCH_* leaking in from this shell."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
+    env.update(GRADWATCH_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    return env
+
+
+def _batch(run: str, steps: range, project: str) -> dict:
+    return {
+        "batch_id": uuid.uuid4().hex,
+        "project": project,
+        "run": run,
+        "rank": 0,
+        "world_size": 1,
+        "steps": [{"step": s, "time": 1_764_400_000.0 + s, "loss": 3.0 / (1 + s), "grad_norm": 0.5 + s % 7,
+                   "lr": 1e-3, "loss_scale": 65536.0, "overflow": False, "overflow_count": 0} for s in steps],
+    }
+
+
+def _token_from(stdout: str) -> str:
+    lines = [ln.strip() for ln in stdout.strip().splitlines() if ln.strip()]
+    assert lines, "token create printed nothing"
+    if len(lines) == 1 and " " not in lines[0]:
+        return lines[0]
+    m = re.search(r"(?i)token\S*\s*[:=]\s*(\S+)", stdout)
+    if m:
+        return m.group(1)
+    candidates = re.findall(r"\b[A-Za-z0-9_\-\.]{24,}\b", stdout)
+    assert candidates, f"no token found in: {stdout!r}"
+    return candidates[-1]
+
+
+class ComposeProcesses:
+    """The compose services as processes on this machine."""
+
+    def __init__(self, topology: ct.Topology, pg_url: str, tmp_path):
+        self.topology = topology
+        self.pg_url = pg_url
+        self.tmp_path = tmp_path
+        self.replicas: list[tuple[subprocess.Popen, int, object]] = []
+        self.server_env: dict[str, str] = {}
+
+    def service_env(self, name: str, data_dir) -> dict[str, str]:
+        service = self.topology.services[name]
+        env = _base_env(data_dir)
+        env.update(service.environment)
+        if "GRADWATCH_DATABASE_URL" in env:
+            env["GRADWATCH_DATABASE_URL"] = ct.rewrite_database_url(
+                env["GRADWATCH_DATABASE_URL"], self.topology.services["postgres"], self.pg_url)
+        return env
+
+    def run_to_completion(self, name: str) -> subprocess.CompletedProcess:
+        service = self.topology.services[name]
+        data_dir = self.tmp_path / f"{name}-data"
+        data_dir.mkdir(exist_ok=True)
+        return subprocess.run(ct.console_script(service.command), env=self.service_env(name, data_dir),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    def start_replicas(self, name: str) -> None:
+        service = self.topology.services[name]
+        container_port = service.container_port()
+        assert container_port, f"{name} publishes no port"
+        for i in range(service.replicas):
+            port = free_port()
+            data_dir = self.tmp_path / f"{name}-{i + 1}-data"
+            data_dir.mkdir(exist_ok=True)
+            env = self.service_env(name, data_dir)
+            self.server_env = env
+            argv = ct.rewrite_listen(ct.console_script(service.command), port)
+            log = open(data_dir / "server.log", "wb")
+            proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.replicas.append((proc, port, data_dir / "server.log"))
+
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for _, port, _ in self.replicas]
+
+    def healthcheck(self, name: str, index: int) -> subprocess.CompletedProcess:
+        service = self.topology.services[name]
+        _, port, _ = self.replicas[index]
+        argv = ct.healthcheck_argv(service.healthcheck, service.container_port(), port)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    def wait_healthy(self, name: str) -> None:
+        for i, (proc, _, log) in enumerate(self.replicas):
+            def ok(i=i, proc=proc, log=log):
+                if proc.poll() is not None:
+                    raise AssertionError(f"replica {i + 1} exited with {proc.returncode}:\n{log.read_text()}")
+                return self.healthcheck(name, i).returncode == 0
+            wait_until(ok, timeout=60, interval=0.3, what=f"replica {i + 1} health check")
+
+    def stop(self) -> None:
+        for proc, _, _ in self.replicas:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@pytest.fixture
+def compose(pg_url, tmp_path):
+    topo = ct.load(env={})   # a clean shell: the file's own defaults
+    procs = ComposeProcesses(topo, pg_url, tmp_path)
+    yield procs
+    procs.stop()
+
+
+def test_compose_file_describes_postgres_migrations_and_replicas():
+    topo = ct.load(env={})
+    assert {"postgres", "migrate", "server"} <= set(topo.services)
+    pg, migrate, server = (topo.services[n] for n in ("postgres", "migrate", "server"))
+    # a named volume keeps the data; PostgreSQL has a health check the migration waits for
+    volumes = [str(v).split(":")[0] for v in pg.spec.get("volumes", [])]
+    assert volumes and all(v in (topo.raw.get("volumes") or {}) for v in volumes)
+    assert pg.healthcheck and migrate.depends_on == {"postgres": "service_healthy"}
+    # replicas start only after the migration finished, and are health-checked
+    assert server.depends_on.get("migrate") == "service_completed_successfully"
+    assert server.replicas >= 2 and server.healthcheck
+    assert topo.start_order().index("migrate") < topo.start_order().index("server")
+    # configuration by environment, shared by the migration and the replicas
+    assert migrate.environment["GRADWATCH_DATABASE_URL"] == server.environment["GRADWATCH_DATABASE_URL"]
+    assert server.environment["GRADWATCH_AUTH"] == "on"
+    assert ct.load(env={"GRADWATCH_AUTH": "off"}).services["server"].environment["GRADWATCH_AUTH"] == "off"
+    assert "--migrate" not in server.command, "replicas must not migrate on their own; the migrate service does"
+
+
+def test_compose_topology_runs_without_docker(compose):
+    topo = compose.topology
+    order = topo.start_order()
+    assert order.index("postgres") < order.index("migrate") < order.index("server")
+
+    # Before `migrate` has run, a replica refuses to start and says what to do (why depends_on matters).
+    proc = subprocess.run(
+        ct.rewrite_listen(ct.console_script(topo.services["server"].command), free_port()),
+        env=compose.service_env("server", compose.tmp_path), cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "gradwatch db upgrade" in proc.stdout + proc.stderr
+
+    # migrate: the one-shot service's own command, to completion, exit 0
+    done = compose.run_to_completion("migrate")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # server: deploy.replicas processes with the service's command and environment; health checks pass
+    compose.start_replicas("server")
+    assert len(compose.replicas) == topo.services["server"].replicas >= 2
+    compose.wait_healthy("server")
+    urls = compose.urls()
+    for url in urls:
+        status, body = http_json("GET", url + "/api/health")
+        assert status == 200 and body["database"] == "postgresql"
+
+    project, run = "compose", f"topology-{uuid.uuid4().hex[:6]}"
+    headers = {}
+    if compose.server_env.get("GRADWATCH_AUTH") == "on":
+        created = subprocess.run(ct.console_script(["gradwatch", "token", "create", "--project", project]),
+                                 env=compose.server_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert created.returncode == 0, created.stdout + created.stderr
+        headers = {"Authorization": f"Bearer {_token_from(created.stdout)}"}
+        status, body = http_json("POST", urls[0] + "/api/v1/ingest", _batch(run, range(0, 1), project))
+        assert status == 401, f"auth is on in the compose file: a batch without a token must be refused ({body})"
+
+    # 12 batches of 25 steps: the first two race each other (both replicas create the run at once),
+    # the rest alternate replicas; two are retried through the other replica.
+    batches = [_batch(run, range(i * 25, (i + 1) * 25), project) for i in range(12)]
+    results: list = [None, None]
+
+    def send(i: int) -> None:
+        results[i] = http_json("POST", urls[i % 2] + "/api/v1/ingest", batches[i], headers=headers)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for status, body in results:
+        assert status == 200 and body["accepted"] == 25 and body["duplicate"] is False, body
+    run_ids = {results[0][1]["run_id"], results[1][1]["run_id"]}
+    assert len(run_ids) == 1, f"both replicas must write into one run, got {run_ids}"
+    for i in range(2, 12):
+        status, body = http_json("POST", urls[i % 2] + "/api/v1/ingest", batches[i], headers=headers)
+        assert status == 200 and body["duplicate"] is False, body
+    for i in (3, 8):   # a retry that lands on the other replica is recognised
+        status, body = http_json("POST", urls[(i + 1) % 2] + "/api/v1/ingest", batches[i], headers=headers)
+        assert status == 200 and body["duplicate"] is True, body
+
+    run_id = run_ids.pop()
+    expected = {s["step"]: s["loss"] for b in batches for s in b["steps"]}
+    for url in urls:   # every replica reads the same, complete data
+        status, body = http_json("GET", f"{url}/api/v1/runs/{run_id}/series?signal=loss&max_points=100000",
+                                 headers=headers)
+        assert status == 200, body
+        got = {p["step"]: float(p["last"]) for p in body["steps"]}
+        assert got == pytest.approx(expected) and len(body["steps"]) == 300
+        status, body = http_json("GET", f"{url}/api/v1/runs?project={project}", headers=headers)
+        assert [r["last_step"] for r in body["runs"] if r["id"] == run_id] == [299]
+
+    # in the database itself: each step stored once, each batch id once
+    import psycopg
+
+    with psycopg.connect(compose.pg_url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        steps, distinct = conn.execute(
+            "SELECT count(*), count(DISTINCT step) FROM steps WHERE run_id = %s", (run_id,)).fetchone()
+        n_batches = conn.execute("SELECT count(*) FROM ingest_batches WHERE run_id = %s", (run_id,)).fetchone()[0]
+    assert (steps, distinct, n_batches) == (300, 300, 12)
+
+    # the health checks still answer after the load
+    for i in range(len(compose.replicas)):
+        assert compose.healthcheck("server", i).returncode == 0
+
+
+def test_docker_compose_accepts_the_file(tmp_path):
+    """``docker compose config`` (or v1 ``docker-compose config``) validates the file without an engine."""
+    candidates = []
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            candidates.append(["docker", "compose"])
+    if shutil.which("docker-compose"):
+        candidates.append(["docker-compose"])
+    if not candidates:
+        missing_part("docker compose or docker-compose")
+    for tool in candidates:
+        proc = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=60, env={**os.environ, "COMPOSE_PROJECT_NAME": "gradwatch"})
+        assert proc.returncode == 0, f"{' '.join(tool)} config rejected docker-compose.yml:\n{proc.stderr}"
+        rendered = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config"], capture_output=True, text=True,
+                                  cwd=tmp_path, timeout=60)
+        assert rendered.returncode == 0
+        # the tool resolves the anchors and defaults the same way the topology test does
+        import yaml
+
+        tool_view = yaml.safe_load(rendered.stdout)["services"]["server"]["environment"]
+        ours = ct.load(env={k: v for k, v in os.environ.items() if k.startswith("GRADWATCH_")}).services["server"]
+        assert tool_view["GRADWATCH_DATABASE_URL"] == ours.environment["GRADWATCH_DATABASE_URL"]
+        assert tool_view["GRADWATCH_AUTH"] == ours.environment["GRADWATCH_AUTH"]
