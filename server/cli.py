@@ -117,7 +117,13 @@ def _add_rules(subparsers) -> None:
     rules_cli.add_subparser(subparsers)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve, add_db, _add_demo, _add_rules]
+def _add_export(subparsers) -> None:
+    from . import export
+
+    export.add_subparser(subparsers)
+
+
+SUBCOMMANDS: list[Callable] = [add_serve, add_db, _add_demo, _add_rules, _add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:
