@@ -1,12 +1,24 @@
 """A real gradwatch server (SQLite) shared by the integration tests of one module, and readers for it."""
 from __future__ import annotations
 
+import importlib
 import math
 import uuid
 
 import pytest
 
-from tests.conftest import LiveServer, free_port, http_json
+from tests.conftest import IN_CI, LiveServer, free_port
+
+
+def require(module: str):
+    """Import a framework a test module drives: skip the module without it, fail under CI=true."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        what = f"{module} (pip install -e '.[test]')"
+        if IN_CI:
+            pytest.fail(f"{what} is required when CI=true", pytrace=False)
+        pytest.skip(f"{what} not available", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from tests.integrations.conftest import assert_close, require, run_of, series
+
+transformers = require("transformers")
+require("accelerate")
 
 from agent.integrations.hf import GradwatchCallback, watch  # noqa: E402
-from tests.integrations.conftest import assert_close, run_of, series  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 

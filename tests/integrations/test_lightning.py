@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-L = pytest.importorskip("lightning.pytorch")
+from tests.integrations.conftest import assert_close, require, run_of, series
+
+L = require("lightning.pytorch")
 
 from agent.integrations.lightning import GradwatchCallback  # noqa: E402
-from tests.integrations.conftest import assert_close, run_of, series  # noqa: E402
 
 
 class TinyModule(L.LightningModule):
