@@ -87,6 +87,7 @@ class Panel:
     smoothed: bool = False
     flags: tuple[Flag, ...] = ()
     y_title: str = ""
+    include_zero: bool = False  # absolute quantities: a constant LR reads as a level, not as noise
 
     @property
     def signals(self) -> tuple[str, ...]:
@@ -113,13 +114,15 @@ PANELS: tuple[Panel, ...] = (
           log_y=True, flags=(Flag("clipped", "clipped step", "grad_norm", symbol="circle-open"),)),
     Panel("loss_scale", "Loss scale (log)", (Line("loss_scale", "loss scale", theme.PALETTE[2]),), log_y=True,
           flags=(Flag("overflow", "overflow (skipped step)", "loss_scale"),)),
-    Panel("lr", "Learning rate", (Line("lr", "lr", theme.PALETTE[3]),)),
+    Panel("lr", "Learning rate", (Line("lr", "lr", theme.PALETTE[3]),), include_zero=True),
     Panel("ema_divergence", "EMA divergence ‖θ_ema − θ‖ / ‖θ‖",
           (Line("ema_divergence", "EMA divergence", theme.PALETTE[4]),), log_y=True),
     Panel("throughput", "Throughput",
-          (Line("samples_per_s", "samples/s", theme.PALETTE[5]), Line("tokens_per_s", "tokens/s", theme.PALETTE[6]))),
-    Panel("step_time", "Step time (s)", (Line("step_time", "step time", theme.PALETTE[7]),)),
-    Panel("memory", "Device memory, peak (GiB)", (Line("mem_peak", "peak allocated", theme.PALETTE[8], scale=GIB),)),
+          (Line("samples_per_s", "samples/s", theme.PALETTE[5]), Line("tokens_per_s", "tokens/s", theme.PALETTE[6])),
+          include_zero=True),
+    Panel("step_time", "Step time (s)", (Line("step_time", "step time", theme.PALETTE[7]),), include_zero=True),
+    Panel("memory", "Device memory, peak (GiB)", (Line("mem_peak", "peak allocated", theme.PALETTE[8], scale=GIB),),
+          include_zero=True),
 )
 PANELS_BY_KEY = {p.key: p for p in PANELS}
 SERIES_SIGNALS: tuple[str, ...] = tuple(dict.fromkeys(s for p in PANELS for s in p.signals))
@@ -275,6 +278,8 @@ def series_figure(panel: Panel, series: dict, *, alerts: Sequence[dict] = (), sm
                    "marker": {"symbol": "x", "size": 10, "color": theme.NAN_COLOUR, "line": {"width": 1}},
                    "hovertemplate": "non-finite at step %{x}<extra></extra>"})
     layout = theme.base_layout(panel.title, log_y=panel.log_y, y_title=panel.y_title)
+    if panel.include_zero:
+        layout["yaxis"]["autorangeoptions"] = {"include": [0]}
     layout["xaxis"].update(_x_axis(x_range))
     layout["shapes"] = alert_shapes(alerts)
     if not has_data:
@@ -411,6 +416,8 @@ COMPARE_PANELS: tuple[tuple[str, str, bool], ...] = (
     ("samples_per_s", "Throughput (samples/s)", False),
 )
 
+ZERO_BASED = {"lr", "samples_per_s", "tokens_per_s", "step_time", "mem_peak"}
+
 
 def compare_figure(signal: str, title: str, runs: Sequence[tuple[str, dict]], *, log_y: bool = False) -> dict:
     """One signal of several runs overlaid: ``runs`` is ``[(label, {"bucket_size", "steps"})]``."""
@@ -430,6 +437,8 @@ def compare_figure(signal: str, title: str, runs: Sequence[tuple[str, dict]], *,
                    "marker": {"symbol": "x", "size": 10, "color": nan_colour or theme.NAN_COLOUR},
                    "hovertemplate": "%{text}: non-finite at step %{x}<extra></extra>"})
     layout = theme.base_layout(title, log_y=log_y)
+    if signal in ZERO_BASED:
+        layout["yaxis"]["autorangeoptions"] = {"include": [0]}
     return {"data": traces, "layout": layout}
 
 

@@ -41,7 +41,7 @@ def base_layout(title: str, *, height: int = CHART_HEIGHT, log_y: bool = False, 
         "hovermode": "x unified",
         "hoverlabel": {"bgcolor": BG, "bordercolor": BORDER},
         "xaxis": {**axis, "title": {"text": ""}, "showspikes": True, "spikecolor": MUTED, "spikethickness": 1},
-        "yaxis": {**axis, "type": "log" if log_y else "linear", "title": {"text": y_title}, "exponentformat": "power"
+        "yaxis": {**axis, "automargin": True, "type": "log" if log_y else "linear", "title": {"text": y_title}, "exponentformat": "power"
                   if log_y else "none"},
         # Hidden 0..1 axis for markers that must sit on the chart whatever the
         # main axis is (log axes cannot show a NaN, a rug can).
