@@ -22,8 +22,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from .models import STEP_SIGNALS, CustomScalar, IngestBatch, LayerStat, Project, Run, RunEvent, Step
+from .models import STEP_SIGNALS, CustomScalar, IngestBatch, LayerRollup, LayerStat, Project, Run, RunEvent, Step, StepRollup
 from .numbers import json_safe, null_mask
+from .rollups import layer_partials, step_partials
 from .rules.engine import evaluate_batch
 from .schemas import IngestBatchIn
 from .settings import Settings
@@ -112,23 +113,34 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     rank = batch.rank
     values = 0
     if steps:
-        session.execute(_insert(session, Step).on_conflict_do_nothing(), [_step_row(run.id, rank, s) for s in steps])
-        values += len(steps) * len(STEP_SIGNALS)
+        # RETURNING tells which steps are new: a step already stored (sent again
+        # under another batch id) is neither doubled nor rolled up twice.
+        new_steps = set(session.scalars(
+            _insert(session, Step).on_conflict_do_nothing().returning(Step.step),
+            [_step_row(run.id, rank, s) for s in steps],
+        ).all())
+        fresh = [s for s in steps if s.step in new_steps]
+        values += len(fresh) * len(STEP_SIGNALS)
         custom_rows = []
         layer_rows = []
-        for s in steps:
+        by_stat: dict[str, tuple[list[int], list[bytes]]] = {}
+        for s in fresh:
             for key, v in s.custom.items():
                 nan = v is not None and v != v
                 custom_rows.append({"run_id": run.id, "key": key, "rank": rank, "step": s.step,
                                     "value": None if nan else v, "is_nan": nan})
             for stat, blob in s.layers.items():
                 layer_rows.append({"run_id": run.id, "stat": stat, "rank": rank, "step": s.step, "values": blob})
+                st, bl = by_stat.setdefault(stat, ([], []))
+                st.append(s.step)
+                bl.append(blob)
                 values += len(blob) // 4
         if custom_rows:
             session.execute(_insert(session, CustomScalar).on_conflict_do_nothing(), custom_rows)
             values += len(custom_rows)
         if layer_rows:
             session.execute(_insert(session, LayerStat).on_conflict_do_nothing(), layer_rows)
+        _write_rollups(session, run_id=run.id, rank=rank, fresh=fresh, by_stat=by_stat)
 
     if batch.events:
         session.execute(
@@ -150,6 +162,32 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         enqueued = enqueue_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
     return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
                          alerts_enqueued=enqueued, values_written=values)
+
+
+def _write_rollups(session: Session, *, run_id: int, rank: int, fresh: list, by_stat: dict) -> None:
+    if not fresh:
+        return
+    step_arr = np.fromiter((s.step for s in fresh), dtype=np.int64, count=len(fresh))
+    raw = [[_as_float(getattr(s, name)) for name in STEP_SIGNALS] for s in fresh]
+    vals = np.array(raw, dtype=np.float64)  # None -> NaN
+    measured = np.array([[v is not None for v in row] for row in raw], dtype=bool)
+    session.execute(
+        _insert(session, StepRollup),
+        [{"run_id": run_id, "rank": rank, "level": lvl, "bucket": b, "data": blob}
+         for lvl, b, blob in step_partials(step_arr, vals, measured)],
+    )
+    layer_rollups = []
+    for stat, (st, blobs) in by_stat.items():
+        for lvl, b, blob in layer_partials(np.array(st, dtype=np.int64), blobs):
+            layer_rollups.append({"run_id": run_id, "stat": stat, "rank": rank, "level": lvl, "bucket": b, "data": blob})
+    if layer_rollups:
+        session.execute(_insert(session, LayerRollup), layer_rollups)
+
+
+def _as_float(v) -> Optional[float]:
+    if v is None:
+        return None
+    return float(v)
 
 
 def _update_run(run: Run, *, batch: IngestBatchIn, steps: list, now: float) -> None:

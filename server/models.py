@@ -145,6 +145,52 @@ class LayerStat(Base):
     values: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+# Rollup levels (steps per rollup bucket). A query whose bucket is at least a
+# level reads that level's partial aggregates instead of the raw rows, so a
+# chart or heatmap over a million steps reads thousands of rows, not millions
+# (docs/architecture.md, "Storage").
+ROLLUP_LEVELS = (16, 256, 4096)
+
+
+class StepRollup(Base):
+    """Partial aggregates of every step signal over one rollup bucket, from one batch.
+
+    Insert-only: each batch adds one row per (level, bucket) it touches, so
+    replicas never update a shared row; a query merges the partials.
+    ``data`` is float64[6, len(STEP_SIGNALS)]: min, max (NaN skipped), count
+    (measured, NaN included), nonfinite, last_step, last_value (server/rollups.py).
+    """
+
+    __tablename__ = "step_rollups"
+    __table_args__ = (Index("ix_step_rollups_lookup", "run_id", "rank", "level", "bucket"),)
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    level: Mapped[int] = mapped_column(Integer)
+    bucket: Mapped[int] = mapped_column(BigInteger)      # step // level
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class LayerRollup(Base):
+    """Partial per-layer aggregates of one statistic over one rollup bucket, from one batch.
+
+    ``data`` is a float64 last_step header then float32[6, n_layers]: min, max,
+    sum, count (finite or inf), nan count, last value (server/rollups.py).
+    """
+
+    __tablename__ = "layer_rollups"
+    __table_args__ = (Index("ix_layer_rollups_lookup", "run_id", "stat", "rank", "level", "bucket"),)
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    stat: Mapped[str] = mapped_column(String(32))
+    rank: Mapped[int] = mapped_column(Integer)
+    level: Mapped[int] = mapped_column(Integer)
+    bucket: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class RunEvent(Base):
     """Discrete events the agent reports: NaN origin, drops, top grad norms."""
 

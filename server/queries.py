@@ -25,8 +25,9 @@ import numpy as np
 from sqlalchemy import Integer, and_, case, cast, func, literal, or_, select
 from sqlalchemy.orm import Session
 
-from .models import STEP_SIGNALS, Alert, CustomScalar, LayerStat, Project, Run, RunEvent, Step
+from .models import STEP_SIGNALS, Alert, CustomScalar, LayerRollup, LayerStat, Project, Run, RunEvent, Step, StepRollup
 from .numbers import NULL_F32_BITS
+from .rollups import choose_level, layer_partial_arrays, merge_step_partials
 
 DEFAULT_STALL_SECONDS = 300.0
 PARAM_STATS = ("grad_norm", "weight_norm", "update_ratio")
@@ -260,26 +261,54 @@ def get_series(session: Session, *, run_id: int, signal: str, start: Optional[in
     measured steps and of non-finite ones (NaN markers survive). With
     ``since``: raw steps after that step, for live tails (bucketed only if
     there are more than ``max_points`` of them). Raises ``UnknownSignal``.
+
+    Buckets of at least 16 steps are read from the rollups
+    (server/rollups.py): the bucket size is then a multiple of the rollup
+    level and bucket boundaries are aligned to it.
     """
+    _signal_source(signal)  # validate before touching the database
+    if since is not None:
+        start = max(since + 1, start or 0)
+    bucket, points = _series_points(session, run_id=run_id, signal=signal, rank=rank, start=start, end=end,
+                                    max_points=max_points)
+    return Series(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points)
+
+
+def _series_points(session: Session, *, run_id: int, signal: str, rank: int, start: Optional[int],
+                   end: Optional[int], max_points: int, bounds: Optional[tuple[int, int]] = None):
     max_points = max(1, int(max_points))
     table, col, nanflag, extra = _signal_source(signal)
     base = [table.run_id == run_id, table.rank == rank, *extra]
-    if since is not None:
-        start = max(since + 1, start or 0)
-    lo, hi = _step_bounds(session, table, run_id, rank, extra)
+    lo, hi = bounds if bounds is not None else _step_bounds(session, table, run_id, rank, extra)
     if lo is None:
-        return Series(run_id=run_id, signal=signal, rank=rank, bucket_size=1, points=[])
+        return 1, []
     start = lo if start is None else max(start, lo)
     end = hi if end is None else min(end, hi)
     if end < start:
-        return Series(run_id=run_id, signal=signal, rank=rank, bucket_size=1, points=[])
+        return 1, []
     where = [*base, table.step >= start, table.step <= end]
     bucket = max(1, math.ceil((end - start + 1) / max_points))
     if bucket == 1:
-        return Series(run_id=run_id, signal=signal, rank=rank, bucket_size=1,
-                      points=_raw_points(session, table, col, nanflag, where))
-    return Series(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket,
-                  points=_bucketed_points(session, table, col, nanflag, where, base, start, bucket))
+        return 1, _raw_points(session, table, col, nanflag, where)
+    level = choose_level(bucket) if table is Step else 0
+    if level:
+        bucket = math.ceil(bucket / level) * level
+        start0 = (start // level) * level
+        rows = session.execute(
+            select(StepRollup.bucket, StepRollup.data).where(
+                StepRollup.run_id == run_id, StepRollup.rank == rank, StepRollup.level == level,
+                StepRollup.bucket >= start // level, StepRollup.bucket <= end // level,
+            ).order_by(StepRollup.bucket)
+        ).all()
+        merged = merge_step_partials(rows, signal_index=STEP_SIGNALS.index(signal), level=level, start0=start0,
+                                     bucket_size=bucket)
+        points = []
+        for first, mn, mx, last, cnt, nf in merged:
+            if cnt == 0:
+                mn = mx = None
+            points.append(SeriesPoint(step=first, min=mn, max=mx, last=last, count=cnt, nonfinite=nf))
+        return bucket, points
+    return bucket, _bucketed_points(session, table, col, nanflag, where, base, start, bucket)
 
 
 def _bucketed_points(session, table, col, nanflag, where, base, start: int, bucket: int) -> list[SeriesPoint]:
@@ -319,29 +348,25 @@ def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Seque
                      start: Optional[int] = None, end: Optional[int] = None, max_points: int = 2000,
                      rank: int = 0) -> list[Series]:
     """Several runs × signals on one shared step axis (same buckets), for comparison."""
-    if start is None or end is None:
-        lo_all, hi_all = None, None
-        for signal in signals:
-            table, _, _, extra = _signal_source(signal)
-            for run_id in run_ids:
-                lo, hi = _step_bounds(session, table, run_id, rank, extra)
-                if lo is not None:
-                    lo_all = lo if lo_all is None else min(lo_all, lo)
-                    hi_all = hi if hi_all is None else max(hi_all, hi)
-        start = lo_all if start is None else start
-        end = hi_all if end is None else end
+    sources = {signal: _signal_source(signal) for signal in signals}
+    lo_all = hi_all = None
+    for signal, (table, _, _, extra) in sources.items():
+        for run_id in run_ids:
+            lo, hi = _step_bounds(session, table, run_id, rank, extra)
+            if lo is not None:
+                lo_all = lo if lo_all is None else min(lo_all, lo)
+                hi_all = hi if hi_all is None else max(hi_all, hi)
     out = []
+    if lo_all is not None:
+        lo_all = lo_all if start is None else max(start, lo_all)
+        hi_all = hi_all if end is None else min(end, hi_all)
     for run_id in run_ids:
         for signal in signals:
-            if start is None or end is None:
+            if lo_all is None:
                 out.append(Series(run_id=run_id, signal=signal, rank=rank, bucket_size=1, points=[]))
                 continue
-            bucket = max(1, math.ceil((end - start + 1) / max(1, max_points)))
-            table, col, nanflag, extra = _signal_source(signal)
-            base = [table.run_id == run_id, table.rank == rank, *extra]
-            where = [*base, table.step >= start, table.step <= end]
-            points = (_raw_points(session, table, col, nanflag, where) if bucket == 1
-                      else _bucketed_points(session, table, col, nanflag, where, base, start, bucket))
+            bucket, points = _series_points(session, run_id=run_id, signal=signal, rank=rank, start=lo_all,
+                                            end=hi_all, max_points=max_points, bounds=(lo_all, hi_all))
             out.append(Series(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points))
     return out
 
@@ -396,64 +421,110 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
         return empty
     max_steps, max_layers = max(1, int(max_steps)), max(1, int(max_layers))
     bucket = max(1, math.ceil((end - start + 1) / max_steps))
-    rows = session.execute(
-        select(LayerStat.step, LayerStat.values).where(*base, LayerStat.step >= start, LayerStat.step <= end)
-        .order_by(LayerStat.step)
-    ).all()
-    return _matrix_from_rows(run_id, stat, rank, agg, names, rows, start, bucket, max_layers)
+    level = choose_level(bucket)
+    if level:
+        bucket = math.ceil(bucket / level) * level
+        start0 = (start // level) * level
+        rows = session.execute(
+            select(LayerRollup.bucket, LayerRollup.data).where(
+                LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
+                LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level,
+            ).order_by(LayerRollup.bucket)
+        ).all()
+        width = max([len(names)] + [(len(d) - 8) // 24 for _, d in rows])
+        buckets, last_step, arr = layer_partial_arrays(rows, width)
+        cols = (buckets * level - start0) // bucket
+    else:
+        start0 = start
+        rows = session.execute(
+            select(LayerStat.step, LayerStat.values).where(*base, LayerStat.step >= start, LayerStat.step <= end)
+            .order_by(LayerStat.step)
+        ).all()
+        width = max([len(names)] + [len(v) // 4 for _, v in rows])
+        last_step, arr = _raw_layer_partials(rows, width)
+        cols = (last_step.astype(np.int64) - start0) // bucket
+    if len(rows) == 0:
+        return empty
+    return _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers)
 
 
-def _matrix_from_rows(run_id, stat, rank, agg, names, rows, start, bucket, max_layers) -> LayerMatrix:
-    width = max([len(names)] + [len(v) // 4 for _, v in rows])
-    steps = np.fromiter((s for s, _ in rows), dtype=np.int64, count=len(rows))
-    mat = np.full((len(rows), width), np.float32(np.nan), dtype="<f4").view("<u4")
-    mat[:] = NULL_F32_BITS
+def _raw_layer_partials(rows, width: int):
+    """Raw rows as one-step partials: last_step (r,), arrays (r, 6, width)."""
+    r = len(rows)
+    bits = np.full((r, width), NULL_F32_BITS, dtype="<u4")
     for i, (_, blob) in enumerate(rows):
-        arr = np.frombuffer(blob, dtype="<u4")
-        mat[i, : len(arr)] = arr
-    measured = mat != NULL_F32_BITS
-    vals = mat.view("<f4").astype(np.float64)
-    vals[~measured] = np.nan
+        a = np.frombuffer(blob, dtype="<u4")
+        bits[i, : len(a)] = a
+    vals = bits.view("<f4")
+    measured = bits != NULL_F32_BITS
     isnan = np.isnan(vals) & measured
-    cols = (steps - start) // bucket
-    ucols, inverse = np.unique(cols, return_inverse=True)
-    ncol = len(ucols)
+    ok = measured & ~isnan
+    arr = np.empty((r, 6, width), dtype="<f4")
+    clean = np.where(ok, vals, np.float32(np.nan))
+    arr[:, 0] = clean
+    arr[:, 1] = clean
+    arr[:, 2] = np.where(ok, vals, np.float32(0))
+    arr[:, 3] = ok
+    arr[:, 4] = isnan
+    arr[:, 5] = vals
+    arr[:, 5].view("<u4")[:] = bits
+    last_step = np.fromiter((st for st, _ in rows), dtype=np.float64, count=r)
+    return last_step, arr
+
+
+def _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers) -> LayerMatrix:
+    """Merge partials (r, 6, W), sorted by column, into cells (rows: layer groups, columns: buckets)."""
+    order = np.lexsort((last_step, cols))
+    cols, last_step, arr = cols[order], last_step[order], arr[order]
+    r, _, width = arr.shape
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(cols)) + 1))
+    cnt = np.add.reduceat(arr[:, 3], starts, axis=0)
+    nan = np.add.reduceat(arr[:, 4], starts, axis=0)
+    if agg == "last":
+        # per layer: the latest partial in the column where the layer was measured
+        meas = arr[:, 5].view("<u4") != NULL_F32_BITS
+        idx = np.where(meas, np.arange(r)[:, None], -1)
+        best = np.maximum.reduceat(idx, starts, axis=0)  # rows are sorted by last_step within a column
+        has = best >= 0
+        val = np.where(has, arr[np.where(has, best, 0), 5, np.arange(width)[None, :]], np.nan).astype(np.float64)
+        measured_cell = has
+        nan_cell = has & np.isnan(val)
+        val = np.where(nan_cell, np.nan, val)
+    else:
+        if agg == "max":
+            val = np.fmax.reduceat(arr[:, 1], starts, axis=0)
+        elif agg == "min":
+            val = np.fmin.reduceat(arr[:, 0], starts, axis=0)
+        else:
+            sm = np.add.reduceat(arr[:, 2].astype(np.float64), starts, axis=0)
+            val = np.where(cnt > 0, sm / np.maximum(cnt, 1), np.nan)
+        val = val.astype(np.float64)
+        measured_cell = (cnt + nan) > 0
+        nan_cell = nan > 0
+    # layer groups
     group = max(1, math.ceil(width / max_layers))
-    nrow = math.ceil(width / group) if width else 0
-    layer_row = np.arange(width) // group
-    # flatten (step row, layer) -> (matrix row, column) cells and reduce
-    cell = (layer_row[None, :] * ncol + inverse[:, None]).ravel()
-    v = vals.ravel()
-    m = measured.ravel()
-    has_flat = np.bincount(cell[m], minlength=nrow * ncol) > 0
-    nan_flat = np.bincount(cell[isnan.ravel()], minlength=nrow * ncol) > 0
-    finite_sel = m & ~isnan.ravel()
-    fc, fv = cell[finite_sel], v[finite_sel]
-    res = np.full(nrow * ncol, np.nan)
-    if agg == "max":
-        tmp = np.full(nrow * ncol, -np.inf); np.maximum.at(tmp, fc, fv); ok = np.bincount(fc, minlength=nrow * ncol) > 0
-        res[ok] = tmp[ok]
-    elif agg == "min":
-        tmp = np.full(nrow * ncol, np.inf); np.minimum.at(tmp, fc, fv); ok = np.bincount(fc, minlength=nrow * ncol) > 0
-        res[ok] = tmp[ok]
-    elif agg == "mean":
-        n = np.bincount(fc, minlength=nrow * ncol); s = np.bincount(fc, weights=fv, minlength=nrow * ncol)
-        ok = n > 0; res[ok] = s[ok] / n[ok]
-    else:  # last: the value of the latest measured step row in the cell
-        order = np.arange(len(cell))
-        tmp = np.full(nrow * ncol, -1); np.maximum.at(tmp, fc, order[finite_sel]); ok = tmp >= 0
-        res[ok] = v[tmp[ok]]
-    res[nan_flat] = np.nan
-    values: list[list[Optional[float]]] = []
-    res2 = res.reshape(nrow, ncol)
-    has2 = has_flat.reshape(nrow, ncol)
-    for r in range(nrow):
-        row = res2[r].tolist()
-        hr = has2[r].tolist()
-        values.append([x if h else None for x, h in zip(row, hr)])
-    layers = [names[r * group] if r * group < len(names) else f"#{r * group}" for r in range(nrow)]
+    gstarts = np.arange(0, width, group)
+    if group > 1:
+        meas_g = np.logical_or.reduceat(measured_cell, gstarts, axis=1)
+        nan_g = np.logical_or.reduceat(nan_cell, gstarts, axis=1)
+        if agg == "min":
+            val_g = np.fmin.reduceat(val, gstarts, axis=1)
+        elif agg == "mean":
+            ok = ~np.isnan(val)
+            n_g = np.add.reduceat(ok.astype(np.float64), gstarts, axis=1)
+            s_g = np.add.reduceat(np.where(ok, val, 0.0), gstarts, axis=1)
+            val_g = np.where(n_g > 0, s_g / np.maximum(n_g, 1), np.nan)
+        else:  # max, and last (the largest of the group's latest values)
+            val_g = np.fmax.reduceat(val, gstarts, axis=1)
+    else:
+        meas_g, nan_g, val_g = measured_cell, nan_cell, val
+    val_g = np.where(nan_g, np.nan, val_g)
+    values = [[(x if m else None) for x, m in zip(row_v, row_m)]
+              for row_v, row_m in zip(val_g.T.tolist(), meas_g.T.tolist())]
+    layers = [names[g] if g < len(names) else f"#{g}" for g in gstarts.tolist()]
+    steps_out = [int(start0 + c * bucket) for c in cols[starts].tolist()]
     return LayerMatrix(run_id=run_id, stat=stat, rank=rank, agg=agg, bucket_size=bucket, layer_group_size=group,
-                       steps=[int(start + c * bucket) for c in ucols.tolist()], layers=layers, values=values)
+                       steps=steps_out, layers=layers, values=values)
 
 
 # --------------------------------------------------------------------------- alerts and events
