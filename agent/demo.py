@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     monitor = agent.attach(model, scaler, optimizer=optimizer, ema=ema, project=args.project,
                            run=args.run, server=args.server)
-    print(f"[demo] training run {monitor.run!r} for {args.steps} steps", flush=True)
+    print(f"[demo] training run {monitor.config.run!r} for {args.steps} steps", flush=True)
     try:
         for step in range(args.steps):
             lr = args.lr * (100.0 if 0 <= args.lr_jump_at <= step < args.lr_jump_at + 50 else 1.0)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.step_delay)
     finally:
         monitor.close()
-    print(f"[demo] finished run {monitor.run!r}", flush=True)
+    print(f"[demo] finished run {monitor.config.run!r}", flush=True)
     return 0
 
 
