@@ -26,7 +26,7 @@ from server.webhooks.formats import alert_payload, guess_format, render
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 300.0
 TTL_S = 24 * 3600.0
-LEASE_S = 30.0
+LEASE_S = 10.0      # > the worker's request timeout (5 s): a claim is never taken twice while in flight
 CLAIM_LIMIT = 50
 
 
