@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
+import collections
 import threading
 import time
 import uuid
@@ -75,7 +75,11 @@ class Sender:
         self.meta = meta
         self.clock = clock
         self.warn = warn or OnceLogger()
-        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        # A deque, not a queue.Queue: append/popleft are atomic and wake nobody, so the
+        # training thread never hands the GIL to the sender at submit time.
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self.poll_interval = min(0.05, config.flush_interval)
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
         self._start_lock = threading.Lock()
@@ -103,10 +107,10 @@ class Sender:
             return
         if self._thread is None:
             self._start()
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
+        if len(self._queue) >= self.config.queue_size:
             self.queue_drops += 1
+            return
+        self._queue.append(item)
 
     def _start(self) -> None:
         with self._start_lock:
@@ -132,13 +136,8 @@ class Sender:
         if self._thread is None:
             self._start()
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._queue.put(marker, timeout=0.05)
-                break
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    return False
+        self._queue.append(marker)   # markers are never dropped
+        self._wake.set()
         try:
             return marker.done.wait(max(0.0, deadline - time.monotonic()))
         except RuntimeError:  # interpreter shutting down
@@ -150,46 +149,44 @@ class Sender:
         next_tick = self.clock() + self.config.flush_interval
         while True:
             try:
-                item = self._queue.get(timeout=max(0.0, min(next_tick - self.clock(), 1.0)))
-            except queue.Empty:
-                item = None
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 return
             try:
-                if isinstance(item, StepRecord):
-                    self._take(item)
-                elif isinstance(item, dict):
-                    self._events.append(item)
-                elif isinstance(item, _Marker):
-                    self._drain_queue()
-                    self._ship(status=item.status if item.kind == "stop" else None, final=item.kind == "stop")
-                    item.done.set()
-                    if item.kind == "stop":
-                        return
-                    continue
+                stop = self._drain_queue()
+                if stop:
+                    return
                 now = self.clock()
                 if now >= next_tick or len(self._steps) >= self.config.max_batch_steps:
                     self._ship()
                     next_tick = now + self.config.flush_interval
-                elif self._retry_at and now >= self._retry_at:
+                if self._retry_at and self.clock() >= self._retry_at:
                     self._replay()
             except Exception as e:  # noqa: BLE001 - the sender must outlive any bug of its own
                 self.warn.warning("sender:" + type(e).__name__, "gradwatch: sender error (continuing): %r", e)
 
-    def _drain_queue(self) -> None:
+    def _drain_queue(self) -> bool:
+        """Take everything submitted so far; True when a stop marker was handled."""
         while True:
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
+                item = self._queue.popleft()
+            except IndexError:
+                return False
             if isinstance(item, StepRecord):
-                self._take(item, ship_critical=False)
+                self._take(item)
+                time.sleep(0)   # let the training thread have the GIL back between records
             elif isinstance(item, dict):
                 self._events.append(item)
             elif isinstance(item, _Marker):
-                item.done.set()
+                try:
+                    self._ship(status=item.status if item.kind == "stop" else None, final=item.kind == "stop")
+                finally:
+                    item.done.set()
+                if item.kind == "stop":
+                    return True
 
-    def _take(self, record: StepRecord, ship_critical: bool = True) -> None:
+    def _take(self, record: StepRecord) -> None:
         try:
             step, events, critical = self.assembler.assemble(record)
         except Exception as e:  # noqa: BLE001
@@ -198,7 +195,7 @@ class Sender:
             return
         self._steps.append(step)
         self._events.extend(events)
-        if critical and ship_critical:
+        if critical:
             self._ship()  # critical steps do not wait for the next tick
 
     def _count_drop(self, reason: str, steps: int) -> None:
@@ -210,10 +207,11 @@ class Sender:
         if new_queue_drops:
             self._queue_drops_seen += new_queue_drops
             self._count_drop("queue full", new_queue_drops)
-        if not self._steps and not self._events and status is None and not self._drops:
-            if self._retry_at:
+        if not self._steps and not self._events and status is None:
+            if self._retry_at or (self._drops and self.spool.has_backlog()):
                 self._replay()
-            return
+            if not self._drops or self.spool.has_backlog():
+                return   # drops alone are reported once the backlog is through
         steps, events, drops = self._steps, self._events, self._drops
         self._steps, self._events, self._drops = [], [], {}
         events = events + [{"step": None, "kind": "dropped", "data": {"steps": n, "reason": reason}}
@@ -230,7 +228,6 @@ class Sender:
         else:
             for reason, n in drops.items():  # not reported after all: report them later
                 self._drops[reason] = self._drops.get(reason, 0) + n
-                self.dropped_steps -= n
             self._count_drop(self._drop_reason(), len(steps))
 
     def _drop_reason(self) -> str:
@@ -250,7 +247,13 @@ class Sender:
             return True
         self.warn.warning("spool", "gradwatch: spool not usable (%s); sending without it", self.spool.last_error)
         if self.spool.has_backlog():
-            return False  # sending past the backlog would break the order
+            self._replay(force=final)            # the server may be back: make room
+            if self.spool.has_backlog():
+                return False  # sending past the backlog would break the order
+            if self.spool.append(body):
+                self.spooled_batches += 1
+                self._replay(force=True)
+                return True
         delivery = self.transport.post(body)
         if delivery.accepted:
             self.delivered_batches += 1

@@ -90,3 +90,88 @@ def checklist_step(model, opt, scaler, x, y, ema=None, max_norm=1.0, amp=False):
     if ema is not None:
         ema.update(model)
     return loss.detach(), total
+
+
+# --------------------------------------------------------------------------- reading a real server back
+
+def find_run(srv, project: str, run: str) -> Optional[dict]:
+    status, body = srv.get(f"/api/v1/runs?project={project}&name={run}")
+    if status != 200:
+        return None
+    return next((r for r in body["runs"] if r["name"] == run and r["project"] == project), None)
+
+
+def stored_counts(srv, project: str, run: str, signal: str = "loss", rank: int = 0) -> dict[int, int]:
+    """step → how many rows the server holds for it (raw, one bucket per step)."""
+    r = find_run(srv, project, run)
+    if r is None:
+        return {}
+    status, body = srv.get(f"/api/v1/runs/{r['id']}/series?signal={signal}&max_points=100000&rank={rank}")
+    assert status == 200, body
+    assert body["bucket_size"] == 1, body["bucket_size"]
+    return {b["step"]: b["count"] for b in body["steps"]}
+
+
+def stored_events(srv, project: str, run: str, kind: Optional[str] = None) -> list[dict]:
+    r = find_run(srv, project, run)
+    if r is None:
+        return []
+    status, body = srv.get(f"/api/v1/runs/{r['id']}/events" + (f"?kind={kind}" if kind else ""))
+    assert status == 200, body
+    return body["events"]
+
+
+def spooled_steps(directory) -> list[int]:
+    """Step numbers held in a spool directory tree, in file order."""
+    from pathlib import Path
+    out = []
+    for d in sorted({p.parent for p in Path(directory).rglob("*.json")}):
+        for p in sorted(d.glob("*.json")):
+            out.extend(s["step"] for s in json.loads(p.read_bytes())["steps"])
+    return out
+
+
+class StubbornServer:
+    """A real HTTP server on loopback that answers every POST with ``status``, or never answers (hang)."""
+
+    def __init__(self, status: int = 500, hang: bool = False, port: Optional[int] = None):
+        import http.server
+        import socket
+        import time as _time
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.requests: list[dict] = []
+        self._stop = threading.Event()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                owner.requests.append(dict(self.headers.items()))
+                if hang:
+                    owner._stop.wait(60)
+                    return
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.shutdown()
+        self._server.server_close()

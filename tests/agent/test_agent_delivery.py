@@ -1,0 +1,222 @@
+"""Delivery to a real server: batching, the disk spool, outages, slow and failing servers, drops."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import agent
+from agent.sync import sync_spool
+from agent_helpers import (StubbornServer, TinyNet, batches, checklist_step, find_run, spooled_steps,
+                           stored_counts, stored_events)
+from tests.conftest import free_port, wait_until
+
+
+def _train(monitor_args: dict, steps: int, model=None, opt=None, scaler=None, times=None):
+    model = model or TinyNet()
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = scaler or torch.amp.GradScaler("cpu")
+    monitor = agent.attach(model, scaler, **monitor_args)
+    for x, y in batches(steps):
+        t0 = time.perf_counter()
+        checklist_step(model, opt, scaler, x, y)
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+    return monitor, model, opt, scaler
+
+
+def test_steps_meta_and_finished_status_reach_a_real_server(server_factory, sqlite_url, tmp_path):
+    srv = server_factory(sqlite_url)
+    monitor, *_ = _train({"server": srv.url, "project": "deliv", "run": "basic",
+                          "spool_dir": str(tmp_path / "spool")}, 25)
+    monitor.close()
+    assert stored_counts(srv, "deliv", "basic") == {i: 1 for i in range(25)}
+    run = find_run(srv, "deliv", "basic")
+    assert run["status"] == "finished"
+    status, detail = srv.get(f"/api/v1/runs/{run['id']}")
+    assert detail["param_names"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert spooled_steps(tmp_path / "spool") == []     # delivered batches leave no files behind
+
+
+def test_server_down_mid_run_every_step_arrives_exactly_once(server_factory, sqlite_url, tmp_path):
+    srv = server_factory(sqlite_url)
+    args = {"server": srv.url, "project": "deliv", "run": "outage", "spool_dir": str(tmp_path / "spool"),
+            "flush_interval": 0.05, "http_timeout": 1.0}
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = agent.attach(model, scaler, **args)
+    phases: dict[str, list[float]] = {"up": [], "down": [], "back": []}
+    data = iter(batches(300))
+
+    def run(phase: str, n: int) -> None:
+        for _ in range(n):
+            x, y = next(data)
+            t0 = time.perf_counter()
+            checklist_step(model, opt, scaler, x, y)
+            phases[phase].append(time.perf_counter() - t0)
+
+    run("up", 100)
+    wait_until(lambda: len(stored_counts(srv, "deliv", "outage")) >= 50, what="first steps stored")
+    srv.kill()                        # as a crash would
+    run("down", 100)
+    time.sleep(0.3)                   # let the sender spool the outage's batches
+    assert spooled_steps(tmp_path / "spool"), "batches made during the outage are on disk"
+    srv.start()
+    run("back", 100)
+    monitor.close(timeout=20)
+    counts = stored_counts(srv, "deliv", "outage")
+    assert counts == {i: 1 for i in range(300)}
+    assert spooled_steps(tmp_path / "spool") == []
+    assert monitor.dropped_steps == 0
+    print("median step time (ms): " + ", ".join(
+        f"{k}={1000 * statistics.median(v):.2f}" for k, v in phases.items()))
+
+
+def test_outage_batches_are_replayed_in_order(tmp_path):
+    """Order check at the transport: the spool is replayed oldest first, before any new batch."""
+    from agent_helpers import RecordingTransport
+    rec = RecordingTransport(status=0)                 # "connection refused"
+    monitor, model, opt, scaler = _train({"transport": rec, "spool_dir": str(tmp_path / "spool"),
+                                          "flush_interval": 0.02, "run": "order"}, 30)
+    wait_until(lambda: len(spooled_steps(tmp_path / "spool")) >= 25, what="spooled")
+    rec.status = 200
+    for x, y in batches(30, seed=1):
+        checklist_step(model, opt, scaler, x, y)
+    monitor.close(timeout=10)
+    sent = [s["step"] for s in rec.steps]
+    assert sent == list(range(60))
+
+
+def test_server_answering_500_does_not_block_training_and_the_spool_keeps_everything(tmp_path, server_factory,
+                                                                                      sqlite_url):
+    bad = StubbornServer(status=500)
+    times: list[float] = []
+    try:
+        monitor, *_ = _train({"server": bad.url, "project": "deliv", "run": "five-hundred", "token": "tok-1",
+                              "spool_dir": str(tmp_path / "spool"), "flush_interval": 0.05}, 60, times=times)
+        monitor.close(timeout=3)
+    finally:
+        bad.stop()
+    assert bad.requests, "the agent did try the server"
+    assert bad.requests[0].get("Authorization") == "Bearer tok-1"
+    assert sorted(spooled_steps(tmp_path / "spool")) == list(range(60))
+    print(f"step time with a 500-answering server: median {1000 * statistics.median(times):.2f} ms, "
+          f"max {1000 * max(times):.2f} ms")
+    # The spool left behind is uploaded later by `gradwatch sync`.
+    srv = server_factory(sqlite_url)
+    result = sync_spool(tmp_path / "spool", srv.url, progress=False)
+    assert result.ok and result.steps == 60
+    assert stored_counts(srv, "deliv", "five-hundred") == {i: 1 for i in range(60)}
+
+
+def test_hanging_server_does_not_block_training(tmp_path):
+    hung = StubbornServer(hang=True)
+    times: list[float] = []
+    try:
+        monitor, *_ = _train({"server": hung.url, "run": "hang", "spool_dir": str(tmp_path / "spool"),
+                              "flush_interval": 0.05, "http_timeout": 2.0}, 80, times=times)
+        t0 = time.perf_counter()
+        monitor.close(timeout=1.0)
+        close_s = time.perf_counter() - t0
+    finally:
+        hung.stop()
+    assert sorted(spooled_steps(tmp_path / "spool")) == list(range(80))
+    print(f"step time with a hanging server: median {1000 * statistics.median(times):.2f} ms, "
+          f"max {1000 * max(times):.2f} ms; close took {close_s:.2f} s")
+
+
+def test_unwritable_spool_counts_drops_and_reports_them_when_the_server_returns(server_factory, sqlite_url,
+                                                                                 tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the spool directory should be")
+    port = free_port()
+    monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
+                                          "run": "nospool", "spool_dir": str(blocker / "spool"),
+                                          "flush_interval": 0.05, "http_timeout": 0.5}, 40)
+    assert monitor.flush(timeout=5)
+    assert monitor.dropped_steps == 40
+    srv = server_factory(sqlite_url, port=port)
+    for x, y in batches(10, seed=3):
+        checklist_step(model, opt, scaler, x, y)
+    monitor.close(timeout=10)
+    assert set(stored_counts(srv, "deliv", "nospool")) == set(range(40, 50))
+    dropped = stored_events(srv, "deliv", "nospool", kind="dropped")
+    assert sum(e["data"]["steps"] for e in dropped) == 40
+
+
+def test_full_spool_drops_are_counted_and_reported_to_the_server(server_factory, sqlite_url, tmp_path):
+    port = free_port()
+    monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
+                                          "run": "tiny-spool", "spool_dir": str(tmp_path / "spool"),
+                                          "spool_max_mb": 0.01, "flush_interval": 0.02,
+                                          "http_timeout": 0.5}, 120)
+    assert monitor.flush(timeout=5)
+    kept = spooled_steps(tmp_path / "spool")
+    dropped = monitor.dropped_steps
+    assert kept and dropped and len(kept) + dropped == 120
+    srv = server_factory(sqlite_url, port=port)
+    wait_until(lambda: spooled_steps(tmp_path / "spool") == [], timeout=15, what="spool replayed")
+    for x, y in batches(5, seed=4):
+        checklist_step(model, opt, scaler, x, y)
+    monitor.close(timeout=10)
+    counts = stored_counts(srv, "deliv", "tiny-spool")
+    assert set(counts) == set(kept) | set(range(120, 125))
+    events = stored_events(srv, "deliv", "tiny-spool", kind="dropped")
+    assert sum(e["data"]["steps"] for e in events) == dropped
+    assert all(e["data"]["reason"] == "spool full" for e in events)
+
+
+def test_a_nonfinite_loss_is_sent_at_once_not_at_the_next_flush_tick(server_factory, sqlite_url, tmp_path):
+    srv = server_factory(sqlite_url)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = agent.attach(model, scaler, server=srv.url, project="deliv", run="critical",
+                           spool_dir=str(tmp_path / "spool"), flush_interval=60.0)
+    data = batches(6)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        checklist_step(model, opt, scaler, x, y)
+    t0 = time.perf_counter()
+    counts = wait_until(lambda: stored_counts(srv, "deliv", "critical"), timeout=10, what="critical step")
+    print(f"critical step visible after {time.perf_counter() - t0:.3f} s (flush interval 60 s)")
+    assert 3 in counts
+    monitor.close()
+
+
+def test_offline_mode_writes_only_the_spool_and_sync_uploads_it_once(server_factory, sqlite_url, tmp_path):
+    spool = tmp_path / "offline-spool"
+    monitor, *_ = _train({"mode": "offline", "server": "http://127.0.0.1:9", "project": "deliv",
+                          "run": "offline", "spool_dir": str(spool), "flush_interval": 0.02}, 30)
+    monitor.close()
+    files = sorted(spool.rglob("*.json"))
+    assert sorted(spooled_steps(spool)) == list(range(30))
+    keep = files[0].read_bytes()
+    srv = server_factory(sqlite_url)
+    progress = tmp_path / "progress.txt"
+    with open(progress, "w") as out:
+        result = sync_spool(spool, srv.url, progress=True, out=out)
+    assert result.ok and result.sent == len(files) and result.steps == 30
+    assert "batches" in progress.read_text()
+    assert stored_counts(srv, "deliv", "offline") == {i: 1 for i in range(30)}
+    assert list(spool.rglob("*.json")) == []
+    files[0].write_bytes(keep)                 # a batch sent twice is answered as a duplicate
+    again = sync_spool(spool, srv.url, progress=False)
+    assert again.duplicates == 1 and again.sent == 0
+    assert stored_counts(srv, "deliv", "offline") == {i: 1 for i in range(30)}
+
+
+def test_sync_stops_at_an_unreachable_server_and_keeps_the_files(tmp_path):
+    spool = tmp_path / "s"
+    monitor, *_ = _train({"mode": "offline", "run": "later", "spool_dir": str(spool)}, 5)
+    monitor.close()
+    before = sorted(p.name for p in spool.rglob("*.json"))
+    result = sync_spool(spool, f"http://127.0.0.1:{free_port()}", progress=False, timeout=1)
+    assert result.failed == len(before) and not result.ok
+    assert sorted(p.name for p in spool.rglob("*.json")) == before
