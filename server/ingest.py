@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from sqlalchemy import select, update
@@ -22,8 +22,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from .models import STEP_SIGNALS, CustomScalar, IngestBatch, LayerRollup, LayerStat, Project, Run, RunEvent, Step, StepRollup
-from .numbers import json_safe, null_mask
+from .models import STEP_SIGNALS, IngestBatch, Project, Run, RunEvent, Step
+from .numbers import NULL_F32_BITS, json_safe, null_mask
 from .rollups import layer_partials, step_partials
 from .rules.engine import evaluate_batch
 from .schemas import IngestBatchIn
@@ -66,22 +66,51 @@ def _get_or_create_run(session: Session, *, project: Project, name: str, world_s
     ).one()
 
 
-def _step_row(run_id: int, rank: int, s) -> dict[str, Any]:
-    row: dict[str, Any] = {"run_id": run_id, "rank": rank, "step": s.step, "time": s.time}
+_STEP_COLUMNS = ("run_id", "rank", "step", "time", *STEP_SIGNALS, "nan_mask")
+
+
+def _step_row(run_id: int, rank: int, s) -> tuple:
+    row: list[Any] = [run_id, rank, s.step, s.time]
     mask = 0
     for name in STEP_SIGNALS:
         v = getattr(s, name)
-        if v is not None and name not in _BOOL_SIGNALS and isinstance(v, float) and v != v:
+        if v is not None and v != v:
             mask |= _NAN_BIT[name]
             v = None
-        row[name] = v
-    row["nan_mask"] = mask
-    return row
+        row.append(v)
+    row.append(mask)
+    return tuple(row)
+
+
+def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list[tuple]) -> None:
+    """Plain multi-row insert through the driver, inside the session's transaction.
+
+    Only for rows known to be new (the caller holds the run's lock and has
+    filtered out stored steps): PostgreSQL gets ``COPY`` (an order of
+    magnitude faster than INSERT), SQLite an ``executemany``.
+    """
+    if not rows:
+        return
+    conn = session.connection()
+    cols = ", ".join(f'"{c}"' for c in columns)
+    if conn.dialect.name == "postgresql":
+        raw = conn.connection.driver_connection
+        with raw.cursor() as cur, cur.copy(f"COPY {table} ({cols}) FROM STDIN") as copy:
+            for r in rows:
+                copy.write_row(r)
+    else:
+        marks = ", ".join("?" * len(columns))
+        conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({marks})", rows)
+
+
+_NULL_BYTES = np.array([NULL_F32_BITS], dtype="<u4").tobytes()
 
 
 def _layers_for_rules(blob: bytes) -> list[Optional[float]]:
     arr = np.frombuffer(blob, dtype="<f4")
     values = arr.astype(np.float64).tolist()
+    if _NULL_BYTES not in blob:  # fast path: every layer measured
+        return values
     nulls = null_mask(arr)
     if nulls.any():
         for i in np.flatnonzero(nulls).tolist():
@@ -113,13 +142,17 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     rank = batch.rank
     values = 0
     if steps:
-        # RETURNING tells which steps are new: a step already stored (sent again
-        # under another batch id) is neither doubled nor rolled up twice.
-        new_steps = set(session.scalars(
-            _insert(session, Step).on_conflict_do_nothing().returning(Step.step),
-            [_step_row(run.id, rank, s) for s in steps],
+        # Batches of one run are serialised (the run row is locked above), so the
+        # steps already stored can be read and skipped: a step sent again under
+        # another batch id is neither doubled nor rolled up twice.
+        stored = set(session.scalars(
+            select(Step.step).where(Step.run_id == run.id, Step.rank == rank,
+                                    Step.step >= steps[0].step, Step.step <= steps[-1].step)
         ).all())
-        fresh = [s for s in steps if s.step in new_steps]
+        fresh = [s for s in steps if s.step not in stored] if stored else _dedupe(steps)
+        if stored:
+            fresh = _dedupe(fresh)
+        bulk_insert(session, "steps", _STEP_COLUMNS, [_step_row(run.id, rank, s) for s in fresh])
         values += len(fresh) * len(STEP_SIGNALS)
         custom_rows = []
         layer_rows = []
@@ -127,19 +160,16 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         for s in fresh:
             for key, v in s.custom.items():
                 nan = v is not None and v != v
-                custom_rows.append({"run_id": run.id, "key": key, "rank": rank, "step": s.step,
-                                    "value": None if nan else v, "is_nan": nan})
+                custom_rows.append((run.id, key, rank, s.step, None if nan else v, nan))
             for stat, blob in s.layers.items():
-                layer_rows.append({"run_id": run.id, "stat": stat, "rank": rank, "step": s.step, "values": blob})
+                layer_rows.append((run.id, stat, rank, s.step, blob))
                 st, bl = by_stat.setdefault(stat, ([], []))
                 st.append(s.step)
                 bl.append(blob)
                 values += len(blob) // 4
-        if custom_rows:
-            session.execute(_insert(session, CustomScalar).on_conflict_do_nothing(), custom_rows)
-            values += len(custom_rows)
-        if layer_rows:
-            session.execute(_insert(session, LayerStat).on_conflict_do_nothing(), layer_rows)
+        bulk_insert(session, "custom_scalars", ("run_id", "key", "rank", "step", "value", "is_nan"), custom_rows)
+        values += len(custom_rows)
+        bulk_insert(session, "layer_stats", ("run_id", "stat", "rank", "step", "values"), layer_rows)
         _write_rollups(session, run_id=run.id, rank=rank, fresh=fresh, by_stat=by_stat)
 
     if batch.events:
@@ -171,17 +201,23 @@ def _write_rollups(session: Session, *, run_id: int, rank: int, fresh: list, by_
     raw = [[_as_float(getattr(s, name)) for name in STEP_SIGNALS] for s in fresh]
     vals = np.array(raw, dtype=np.float64)  # None -> NaN
     measured = np.array([[v is not None for v in row] for row in raw], dtype=bool)
-    session.execute(
-        _insert(session, StepRollup),
-        [{"run_id": run_id, "rank": rank, "level": lvl, "bucket": b, "data": blob}
-         for lvl, b, blob in step_partials(step_arr, vals, measured)],
-    )
+    bulk_insert(session, "step_rollups", ("run_id", "rank", "level", "bucket", "data"),
+                [(run_id, rank, lvl, b, blob) for lvl, b, blob in step_partials(step_arr, vals, measured)])
     layer_rollups = []
     for stat, (st, blobs) in by_stat.items():
         for lvl, b, blob in layer_partials(np.array(st, dtype=np.int64), blobs):
-            layer_rollups.append({"run_id": run_id, "stat": stat, "rank": rank, "level": lvl, "bucket": b, "data": blob})
-    if layer_rollups:
-        session.execute(_insert(session, LayerRollup), layer_rollups)
+            layer_rollups.append((run_id, stat, rank, lvl, b, blob))
+    bulk_insert(session, "layer_rollups", ("run_id", "stat", "rank", "level", "bucket", "data"), layer_rollups)
+
+
+def _dedupe(steps: list) -> list:
+    """Steps are sorted; keep the first of any repeated step index within one batch."""
+    out, last = [], None
+    for s in steps:
+        if s.step != last:
+            out.append(s)
+            last = s.step
+    return out
 
 
 def _as_float(v) -> Optional[float]:
