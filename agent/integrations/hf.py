@@ -18,6 +18,10 @@ What it attaches to, when training begins:
 * the ``GradScaler`` Accelerate uses with ``fp16=True`` on a GPU (none in
   bf16 / fp32, where no loss scaling happens).
 
+gradwatch's step numbers are the Trainer's (``state.global_step`` − 1): a
+run resumed from a checkpoint under the same run name continues where it
+stopped instead of writing over its first steps.
+
 The loss: with a scaler the agent sees every tensor Accelerate passes to
 ``scaler.scale()``. Without one, the callback reports the value each
 ``Trainer.training_step`` returns — the loss already divided for gradient
@@ -99,6 +103,7 @@ class GradwatchCallback(TrainerCallback):
         except Exception:  # noqa: BLE001 - never hurt the host process
             log.exception("gradwatch: attach failed; training continues unmonitored")
             return
+        _continue_at(self.monitor, state.global_step)
         if self.scaler is None:
             if trainer is None:
                 log.warning("gradwatch: could not find the Trainer this callback belongs to; the loss is not "
@@ -154,6 +159,12 @@ def watch(trainer: Trainer, **attach_kwargs: Any) -> GradwatchCallback:
     callback = GradwatchCallback(**attach_kwargs).bind(trainer)
     trainer.add_callback(callback)
     return callback
+
+
+def _continue_at(monitor: Any, global_step: int) -> None:
+    """Number gradwatch's steps like the Trainer's: a run resumed from a checkpoint continues at its step."""
+    if global_step and hasattr(monitor, "step"):
+        monitor.step = int(global_step)
 
 
 def _explicit_run_name(args) -> Optional[str]:

@@ -15,6 +15,9 @@ What it attaches to, when training starts:
 * the precision plugin's ``GradScaler`` (``trainer.precision_plugin.scaler``,
   present with ``precision="16-mixed"``; none in bf16 / fp32).
 
+gradwatch's step numbers are Lightning's (``trainer.global_step`` − 1), so a
+fit resumed from a checkpoint continues the run's steps.
+
 The loss: with a scaler the agent sees every tensor Lightning passes to
 ``scaler.scale()``. Without one, the callback sums the tensors Lightning
 back-propagates (``on_before_backward``: the ``training_step`` loss divided
@@ -77,6 +80,10 @@ class GradwatchCallback(Callback):
             raise  # bad configuration: say so before training starts
         except Exception:  # noqa: BLE001 - never hurt the host process
             log.exception("gradwatch: attach failed; training continues unmonitored")
+            return
+        if trainer.global_step and hasattr(self.monitor, "step"):
+            # resumed from a checkpoint: continue the run's step numbers instead of writing over them
+            self.monitor.step = int(trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # The agent closes a step's record at the model's next forward call, but

@@ -125,6 +125,28 @@ def test_watch_binds_an_existing_trainer_and_reports_the_run_name(gw_server, tmp
     assert detail["param_names"] == [n for n, p in trainer.model.named_parameters() if p.requires_grad]
 
 
+def test_a_run_resumed_from_a_checkpoint_continues_its_steps(gw_server, tmp_path, run_name):
+    def trainer_for(max_steps: int):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_steps=max_steps, learning_rate=5e-3, logging_steps=1, report_to=[], save_strategy="steps",
+            save_steps=3, use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        cb = GradwatchCallback(project="hf", run=run_name, server=gw_server.url, flush_interval=0.1)
+        return transformers.Trainer(model=PlainRegressor(), args=args, train_dataset=TokenDataset(64),
+                                    callbacks=[cb])
+
+    trainer_for(3).train()
+    resumed = trainer_for(5)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert resumed.state.global_step == 5
+
+    run = run_of(gw_server, "hf", run_name)
+    loss = series(gw_server, run["id"], "loss")
+    assert sorted(loss) == [0, 1, 2, 3, 4], "the resumed steps follow the first ones instead of replacing them"
+    resumed_log = [e["loss"] for e in resumed.state.log_history if "loss" in e and e.get("step", 0) > 3]
+    assert_close([loss[3], loss[4]], resumed_log, what="resumed loss")
+
+
 def test_agent_import_does_not_import_the_frameworks(tmp_path):
     import subprocess
 
