@@ -5,7 +5,7 @@
     .venv/bin/python bench/query.py --steps 200000 --reuse   # smaller run / keep the data
 
 The run is written in-process through ``server.ingest.ingest_batch`` (the
-server's own write path, 1,000-step batches, validation skipped), then a real
+server's own write path, 1,000-step batches, validation and rules skipped), then a real
 ``gradwatch serve`` answers HTTP queries on loopback:
 
 - series: ``/api/v1/runs/<id>/series?signal=loss&max_points=2000`` over the whole run,
@@ -70,7 +70,7 @@ def build_run(db_url: str, steps: int, batch_steps: int = 1000) -> int:
         batch = IngestBatchIn.model_construct(batch_id=f"bench-{lo}", project="bench", run="million", rank=0,
                                               world_size=1, meta=meta, steps=step_objs, events=[], status=None)
         with database.write_sessionmaker() as session:
-            out = ingest_batch(session, batch=batch, settings=settings, now=time.time())
+            out = ingest_batch(session, batch=batch, settings=settings, now=time.time(), evaluate_rules=False)
             session.commit()
             run_id = out.run_id
         if (lo // batch_steps) % 100 == 0:

@@ -58,6 +58,13 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.database = database
     app.state.auth = None
     app.state.metrics = None
+    if settings.auth:
+        from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
+
+        auth = Auth(database.sessionmaker, load_session_secret(settings))
+        app.state.auth = auth
+        add_login_routes(app, auth)
+        app.add_middleware(AuthMiddleware, auth=auth)
 
     for router in (health.router, ingest.router, runs.router, alerts.router, webhooks.router):
         app.include_router(router)

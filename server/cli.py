@@ -52,7 +52,9 @@ def run_serve(args) -> int:
         database.dispose()
         _eprint(f"gradwatch: refusing to start: {e}")
         return 2
-    if not settings.auth:
+    if settings.auth:
+        _eprint(f"gradwatch: auth is on: the API needs a project token, the dashboard a login at /login")
+    else:
         where = "only this machine can reach it" if settings.host in ("127.0.0.1", "localhost", "::1") else \
             f"ANYONE who can reach {settings.host} can read and write data"
         _eprint(f"gradwatch: auth is off (GRADWATCH_AUTH=on to require project tokens); "
@@ -103,6 +105,79 @@ def run_db_check(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- token
+
+def add_token(subparsers) -> None:
+    p = subparsers.add_parser("token", help="project API tokens (used when GRADWATCH_AUTH=on)")
+    sub = p.add_subparsers(dest="token_command", required=True)
+    create = sub.add_parser("create", help="create a token for a project (created if new); prints it once")
+    create.add_argument("--project", required=True)
+    create.add_argument("--name", default="", help="a label, e.g. who or what uses it")
+    create.add_argument("--db", help="database URL (default: as for serve)")
+    create.set_defaults(func=run_token_create)
+    lst = sub.add_parser("list", help="list tokens (ids, projects, labels; never the secrets)")
+    lst.add_argument("--project")
+    lst.add_argument("--db")
+    lst.set_defaults(func=run_token_list)
+    rm = sub.add_parser("delete", help="revoke a token by id")
+    rm.add_argument("id", type=int)
+    rm.add_argument("--db")
+    rm.set_defaults(func=run_token_delete)
+
+
+def _token_db(args):
+    from .db import open_database, upgrade
+
+    settings = Settings.from_env(db=args.db)
+    if settings.embedded_db:
+        upgrade(settings.database_url)
+    return open_database(settings.database_url)
+
+
+def run_token_create(args) -> int:
+    from .tokens import create_token
+
+    database = _token_db(args)
+    try:
+        with database.write_sessionmaker() as session:
+            secret = create_token(session, project=args.project, name=args.name)
+            session.commit()
+    finally:
+        database.dispose()
+    print(secret)
+    _eprint(f"gradwatch: token for project {args.project!r} (shown once; only its hash is stored)")
+    return 0
+
+
+def run_token_list(args) -> int:
+    from .tokens import list_tokens
+
+    database = _token_db(args)
+    try:
+        with database.sessionmaker() as session:
+            for t in list_tokens(session, project=args.project):
+                print(f"{t.id}\t{t.project}\t{t.name}")
+    finally:
+        database.dispose()
+    return 0
+
+
+def run_token_delete(args) -> int:
+    from .tokens import delete_token
+
+    database = _token_db(args)
+    try:
+        with database.write_sessionmaker() as session:
+            ok = delete_token(session, token_id=args.id)
+            session.commit()
+    finally:
+        database.dispose()
+    if not ok:
+        _eprint(f"gradwatch: no token {args.id}")
+        return 1
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 def _add_demo(subparsers) -> None:
@@ -123,7 +198,7 @@ def _add_export(subparsers) -> None:
     export.add_subparser(subparsers)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve, add_db, _add_demo, _add_rules, _add_export]
+SUBCOMMANDS: list[Callable] = [add_serve, add_db, add_token, _add_demo, _add_rules, _add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
 from ..schemas import IngestBatchIn, IngestResult
-from .deps import SettingsDep
+from .deps import SettingsDep, get_read_scope
 
 router = APIRouter(tags=["ingest"])
 
@@ -74,7 +74,8 @@ _BATCH_SCHEMA_REF = {"$ref": "#/components/schemas/IngestBatchIn"}
     "/api/v1/ingest",
     response_model=IngestResult,
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _BATCH_SCHEMA_REF}}}},
-    responses={400: {"description": "not JSON / not gzip"}, 413: {"description": "body too large"},
+    responses={400: {"description": "not JSON / not gzip"}, 401: {"description": "token missing or invalid"},
+               403: {"description": "token of another project"}, 413: {"description": "body too large"},
                422: {"description": "a field is invalid; detail names it"}},
 )
 async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
@@ -85,8 +86,7 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
     started = time.perf_counter()
     raw = await read_body(request, limit=settings.max_body_bytes)
     app = request.app
-    auth = getattr(app.state, "auth", None)
-    token_project = auth.project_for_request(request) if auth is not None else None
+    token_project = get_read_scope(request)
 
     def work():
         body = decode_body(raw, request.headers.get("content-encoding", ""), limit=settings.max_decoded_bytes)
@@ -96,8 +96,9 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
             batch = IngestBatchIn.model_validate(body)
         except ValidationError as e:
             raise HTTPException(422, format_validation_error(e)) from None
-        if auth is not None:
-            auth.check_project(token_project, batch.project)
+        if token_project is not None and batch.project != token_project:
+            raise HTTPException(403, f"project: this token is for project {token_project!r}, "
+                                     f"not {batch.project!r}")
         return _write(app, batch, settings)
 
     outcome = await run_in_threadpool(work)

@@ -1,0 +1,198 @@
+"""Authentication when ``GRADWATCH_AUTH=on``: project tokens for the API, a session cookie for the dashboard.
+
+- API (``/api/...`` except ``/api/health``): ``Authorization: Bearer <token>``
+  (or the dashboard's session cookie). The token's project is put in the
+  ASGI scope; routes limit reads to it and ingest refuses other projects.
+- Dashboard (everything else): a signed session cookie set by ``POST /login``
+  (the user pastes a project token); requests without one are redirected to
+  ``/login`` (Dash's own JSON endpoints get 401). ``/logout`` clears it.
+
+Tokens are looked up by SHA-256 (server/tokens.py) and cached briefly.
+The cookie is ``<base64 project>.<expiry>.<HMAC-SHA256>`` keyed by
+``GRADWATCH_SESSION_SECRET`` (set it to the same value on every replica) or,
+without it, a random key kept in the data directory.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import html
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+from urllib.parse import parse_qs, quote
+
+from anyio import to_thread
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse
+
+from .settings import Settings
+from .tokens import project_for_token
+
+COOKIE = "gw_session"
+SESSION_SECONDS = 7 * 24 * 3600
+SCOPE_KEY = "gradwatch.project"
+_OPEN_PATHS = ("/api/health", "/login", "/logout", "/metrics", "/favicon.ico")
+
+
+def load_session_secret(settings: Settings) -> bytes:
+    if settings.session_secret:
+        return settings.session_secret.encode()
+    path = Path(settings.data_dir) / "session_secret"
+    try:
+        return path.read_bytes().strip()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        secret = secrets.token_hex(32).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+        return secret
+    except OSError:
+        return secrets.token_hex(32).encode()
+
+
+class Auth:
+    """Token checks with a short cache; cookie signing."""
+
+    def __init__(self, sessionmaker, secret: bytes, *, cache_seconds: float = 30.0):
+        self._sessionmaker = sessionmaker
+        self._secret = secret
+        self._cache: dict[str, tuple[Optional[str], float]] = {}
+        self._lock = threading.Lock()
+        self._cache_seconds = cache_seconds
+
+    # -- tokens
+    def project_for(self, token: str) -> Optional[str]:
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit and hit[1] > now:
+            return hit[0]
+        with self._sessionmaker() as session:
+            project = project_for_token(session, token=token)
+        with self._lock:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[key] = (project, now + self._cache_seconds)
+        return project
+
+    # -- cookies
+    def sign(self, project: str, *, now: Optional[float] = None) -> str:
+        expiry = int((now or time.time()) + SESSION_SECONDS)
+        p64 = base64.urlsafe_b64encode(project.encode()).decode().rstrip("=")
+        payload = f"{p64}.{expiry}"
+        mac = hmac.new(self._secret, payload.encode(), hashlib.sha256).hexdigest()
+        return f"{payload}.{mac}"
+
+    def verify(self, cookie: str) -> Optional[str]:
+        try:
+            p64, expiry, mac = cookie.strip('"').split(".")
+            want = hmac.new(self._secret, f"{p64}.{expiry}".encode(), hashlib.sha256).hexdigest()
+            if not hmac.compare_digest(mac, want) or int(expiry) < time.time():
+                return None
+            return base64.urlsafe_b64decode((p64 + "=" * (-len(p64) % 4)).encode()).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+
+def _bearer(headers: dict[bytes, bytes]) -> Optional[str]:
+    value = headers.get(b"authorization", b"").decode("latin-1")
+    if value[:7].lower() == "bearer ":
+        return value[7:].strip() or None
+    token = headers.get(b"x-gradwatch-token", b"").decode("latin-1").strip()
+    return token or None
+
+
+def _cookie(headers: dict[bytes, bytes]) -> Optional[str]:
+    raw = headers.get(b"cookie", b"").decode("latin-1")
+    for part in raw.split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == COOKIE:
+            return v
+    return None
+
+
+class AuthMiddleware:
+    """Pure ASGI middleware: runs before the routers and before the Dash mount."""
+
+    def __init__(self, app, auth: Auth):
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        project = None
+        token = _bearer(headers)
+        if token:
+            project = await to_thread.run_sync(self.auth.project_for, token)
+        if project is None:
+            cookie = _cookie(headers)
+            if cookie:
+                project = self.auth.verify(cookie)
+        if project is None:
+            if path.startswith("/api/") or path.startswith("/_dash-"):
+                detail = "invalid token" if token else "authentication required: send Authorization: Bearer <token>"
+                resp = JSONResponse({"detail": detail}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            else:
+                resp = RedirectResponse("/login?next=" + quote(path or "/"), status_code=303)
+            return await resp(scope, receive, send)
+        scope[SCOPE_KEY] = project
+        return await self.app(scope, receive, send)
+
+
+def project_of(request: Request) -> Optional[str]:
+    return request.scope.get(SCOPE_KEY)
+
+
+_LOGIN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>gradwatch — sign in</title>
+<style>body{{font-family:system-ui,sans-serif;background:#0f1115;color:#e6e6e6;display:flex;justify-content:center;
+padding-top:12vh}}form{{background:#181b22;padding:2em;border-radius:8px;min-width:22em}}input{{width:100%;
+padding:.5em;margin:.5em 0 1em;box-sizing:border-box}}button{{padding:.5em 1.5em}}.err{{color:#ff6b6b}}</style>
+</head><body><form method="post" action="/login"><h2>gradwatch</h2>
+<label for="token">Project token</label><input id="token" name="token" type="password" autofocus
+placeholder="gw_…  (gradwatch token create --project NAME)">
+<input type="hidden" name="next" value="{next}"><div class="err">{error}</div>
+<button id="login-submit" type="submit">Sign in</button></form></body></html>"""
+
+
+def _safe_next(value: str) -> str:
+    return value if value.startswith("/") and not value.startswith("//") else "/"
+
+
+def add_login_routes(app, auth: Auth) -> None:
+    """``GET/POST /login`` and ``/logout`` (registered before the Dash mount)."""
+
+    @app.get("/login", include_in_schema=False)
+    async def login_form(next: str = "/"):  # noqa: A002 - query parameter name
+        return HTMLResponse(_LOGIN_PAGE.format(next=html.escape(_safe_next(next)), error=""))
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request):
+        body = (await request.body())[:10_000].decode(errors="replace")
+        form = {k: v[0] for k, v in parse_qs(body).items()}
+        nxt = _safe_next(form.get("next", "/"))
+        token = form.get("token", "").strip()
+        project = await to_thread.run_sync(auth.project_for, token) if token else None
+        if project is None:
+            page = _LOGIN_PAGE.format(next=html.escape(nxt), error="Unknown token.")
+            return HTMLResponse(page, status_code=401)
+        resp = RedirectResponse(nxt, status_code=303)
+        resp.set_cookie(COOKIE, auth.sign(project), max_age=SESSION_SECONDS, httponly=True, samesite="lax")
+        return resp
+
+    @app.get("/logout", include_in_schema=False)
+    async def logout():
+        resp = RedirectResponse("/login", status_code=303)
+        resp.delete_cookie(COOKIE)
+        return resp
