@@ -24,11 +24,16 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class MissingVariable(ValueError):
+    """``${VAR:?message}`` with VAR unset: compose refuses the file with that message."""
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:
-    """Compose variable substitution: ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``$VAR``, ``$$``."""
+    """Compose variable substitution: ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``,
+    ``${VAR:?error}``, ``${VAR?error}``, ``$VAR``, ``$$``."""
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -45,6 +50,11 @@ def interpolate(value: Any, env: Mapping[str, str]) -> Any:
             return env.get(name) or default
         if op == "-":
             return env.get(name, default)
+        if op in (":?", "?"):
+            value = env.get(name)
+            if value is None or (op == ":?" and value == ""):
+                raise MissingVariable(f"{name}: {default}")
+            return value
         return env.get(name, "")
 
     return _VAR.sub(sub, value)

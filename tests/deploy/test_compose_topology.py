@@ -21,7 +21,8 @@ import pytest
 from tests.conftest import REPO_ROOT, free_port, http_json, missing_part, wait_until
 from tests.deploy import compose_topology as ct
 
-pytestmark = pytest.mark.postgres
+# What a user exports before `docker compose up` (the file refuses to start without it).
+COMPOSE_ENV = {"GRADWATCH_SESSION_SECRET": "0123456789abcdef" * 4}
 
 
 def _base_env(data_dir) -> dict[str, str]:
@@ -127,14 +128,16 @@ class ComposeProcesses:
 
 @pytest.fixture
 def compose(pg_url, tmp_path):
-    topo = ct.load(env={})   # a clean shell: the file's own defaults
+    topo = ct.load(env=COMPOSE_ENV)   # a clean shell: the file's own defaults plus the required secret
     procs = ComposeProcesses(topo, pg_url, tmp_path)
     yield procs
     procs.stop()
 
 
 def test_compose_file_describes_postgres_migrations_and_replicas():
-    topo = ct.load(env={})
+    with pytest.raises(ct.MissingVariable, match="GRADWATCH_SESSION_SECRET"):
+        ct.load(env={})   # replicas must share the cookie-signing secret: no silent per-replica default
+    topo = ct.load(env=COMPOSE_ENV)
     assert {"postgres", "migrate", "server"} <= set(topo.services)
     pg, migrate, server = (topo.services[n] for n in ("postgres", "migrate", "server"))
     # a named volume keeps the data; PostgreSQL has a health check the migration waits for
@@ -148,10 +151,13 @@ def test_compose_file_describes_postgres_migrations_and_replicas():
     # configuration by environment, shared by the migration and the replicas
     assert migrate.environment["GRADWATCH_DATABASE_URL"] == server.environment["GRADWATCH_DATABASE_URL"]
     assert server.environment["GRADWATCH_AUTH"] == "on"
-    assert ct.load(env={"GRADWATCH_AUTH": "off"}).services["server"].environment["GRADWATCH_AUTH"] == "off"
+    assert ct.load(env={**COMPOSE_ENV, "GRADWATCH_AUTH": "off"}).services["server"].environment["GRADWATCH_AUTH"] \
+        == "off"
+    assert server.environment["GRADWATCH_SESSION_SECRET"] == COMPOSE_ENV["GRADWATCH_SESSION_SECRET"]
     assert "--migrate" not in server.command, "replicas must not migrate on their own; the migrate service does"
 
 
+@pytest.mark.postgres
 def test_compose_topology_runs_without_docker(compose):
     topo = compose.topology
     order = topo.start_order()
@@ -233,9 +239,48 @@ def test_compose_topology_runs_without_docker(compose):
         n_batches = conn.execute("SELECT count(*) FROM ingest_batches WHERE run_id = %s", (run_id,)).fetchone()[0]
     assert (steps, distinct, n_batches) == (300, 300, 12)
 
+    if headers:
+        # a dashboard login made through one replica is honoured by the other (shared session secret)
+        cookie = _login(urls[0], headers["Authorization"].split(" ", 1)[1])
+        for url in urls[::-1]:
+            status, location = _get_raw(url + "/api/v1/runs", cookie)
+            assert status == 200, f"{url} refused the session cookie made by {urls[0]} ({status} {location})"
+
     # the health checks still answer after the load
     for i in range(len(compose.replicas)):
         assert compose.healthcheck("server", i).returncode == 0
+
+
+def _login(url: str, token: str) -> str:
+    """POST the dashboard's login form; the session cookie it sets."""
+    import http.client
+    from urllib.parse import urlencode, urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn.request("POST", "/login", body=urlencode({"token": token, "next": "/"}),
+                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 303, f"login failed with {resp.status}"
+    cookie = resp.getheader("Set-Cookie")
+    conn.close()
+    assert cookie
+    return cookie.split(";", 1)[0]
+
+
+def _get_raw(url: str, cookie: str) -> tuple[int, str]:
+    """GET without following redirects (a redirect to /login means "not logged in")."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers={"Cookie": cookie})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, resp.getheader("Location") or ""
 
 
 def test_docker_compose_accepts_the_file(tmp_path):
@@ -249,17 +294,23 @@ def test_docker_compose_accepts_the_file(tmp_path):
         candidates.append(["docker-compose"])
     if not candidates:
         missing_part("docker compose or docker-compose")
+    shell = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
     for tool in candidates:
+        unset = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                               cwd=tmp_path, timeout=60, env=shell)
+        assert unset.returncode != 0 and "GRADWATCH_SESSION_SECRET" in unset.stderr, \
+            "without the shared session secret the file must be refused, with a message naming it"
+        env = {**shell, **COMPOSE_ENV}
         proc = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=60, env={**os.environ, "COMPOSE_PROJECT_NAME": "gradwatch"})
+                              cwd=tmp_path, timeout=60, env=env)
         assert proc.returncode == 0, f"{' '.join(tool)} config rejected docker-compose.yml:\n{proc.stderr}"
         rendered = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config"], capture_output=True, text=True,
-                                  cwd=tmp_path, timeout=60)
+                                  cwd=tmp_path, timeout=60, env=env)
         assert rendered.returncode == 0
         # the tool resolves the anchors and defaults the same way the topology test does
         import yaml
 
         tool_view = yaml.safe_load(rendered.stdout)["services"]["server"]["environment"]
-        ours = ct.load(env={k: v for k, v in os.environ.items() if k.startswith("GRADWATCH_")}).services["server"]
-        assert tool_view["GRADWATCH_DATABASE_URL"] == ours.environment["GRADWATCH_DATABASE_URL"]
-        assert tool_view["GRADWATCH_AUTH"] == ours.environment["GRADWATCH_AUTH"]
+        ours = ct.load(env=env).services["server"]
+        for key in ("GRADWATCH_DATABASE_URL", "GRADWATCH_AUTH", "GRADWATCH_SESSION_SECRET", "GRADWATCH_PUBLIC_URL"):
+            assert tool_view[key] == ours.environment[key], key
