@@ -8,8 +8,9 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .api import alerts, health, ingest, runs, webhooks
+from .api import alerts, health, ingest, runs, webhooks, metrics as metrics_api
 from .db import Database, open_database, schema_problem
+from .metrics import IngestMetrics
 from .schemas import IngestBatchIn
 from .settings import Settings
 
@@ -57,7 +58,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.settings = settings
     app.state.database = database
     app.state.auth = None
-    app.state.metrics = None
+    app.state.metrics = IngestMetrics()
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 
@@ -66,7 +67,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
         add_login_routes(app, auth)
         app.add_middleware(AuthMiddleware, auth=auth)
 
-    for router in (health.router, ingest.router, runs.router, alerts.router, webhooks.router):
+    for router in (health.router, metrics_api.router, ingest.router, runs.router, alerts.router, webhooks.router):
         app.include_router(router)
 
     def openapi():

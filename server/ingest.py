@@ -41,6 +41,7 @@ class IngestOutcome:
     duplicate: bool
     alerts_enqueued: int = 0
     values_written: int = 0
+    rows_written: int = 0
 
 
 def _insert(session: Session, table):
@@ -82,7 +83,7 @@ def _step_row(run_id: int, rank: int, s) -> tuple:
     return tuple(row)
 
 
-def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list[tuple]) -> None:
+def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list[tuple]) -> int:
     """Plain multi-row insert through the driver, inside the session's transaction.
 
     Only for rows known to be new (the caller holds the run's lock and has
@@ -90,7 +91,7 @@ def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list
     magnitude faster than INSERT), SQLite an ``executemany``.
     """
     if not rows:
-        return
+        return 0
     conn = session.connection()
     cols = ", ".join(f'"{c}"' for c in columns)
     if conn.dialect.name == "postgresql":
@@ -101,6 +102,7 @@ def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list
     else:
         marks = ", ".join("?" * len(columns))
         conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({marks})", rows)
+    return len(rows)
 
 
 _NULL_BYTES = np.array([NULL_F32_BITS], dtype="<u4").tobytes()
@@ -146,6 +148,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     steps = sorted(batch.steps, key=lambda s: s.step)
     rank = batch.rank
     values = 0
+    rows = 1  # the ingest_batches row
     if steps:
         # Batches of one run are serialised (the run row is locked above), so the
         # steps already stored can be read and skipped: a step sent again under
@@ -157,7 +160,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         fresh = [s for s in steps if s.step not in stored] if stored else _dedupe(steps)
         if stored:
             fresh = _dedupe(fresh)
-        bulk_insert(session, "steps", _STEP_COLUMNS, [_step_row(run.id, rank, s) for s in fresh])
+        rows += bulk_insert(session, "steps", _STEP_COLUMNS, [_step_row(run.id, rank, s) for s in fresh])
         values += len(fresh) * len(STEP_SIGNALS)
         custom_rows = []
         layer_rows = []
@@ -172,10 +175,10 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
                 st.append(s.step)
                 bl.append(blob)
                 values += len(blob) // 4
-        bulk_insert(session, "custom_scalars", ("run_id", "key", "rank", "step", "value", "is_nan"), custom_rows)
+        rows += bulk_insert(session, "custom_scalars", ("run_id", "key", "rank", "step", "value", "is_nan"), custom_rows)
         values += len(custom_rows)
-        bulk_insert(session, "layer_stats", ("run_id", "stat", "rank", "step", "values"), layer_rows)
-        _write_rollups(session, run_id=run.id, rank=rank, fresh=fresh, by_stat=by_stat)
+        rows += bulk_insert(session, "layer_stats", ("run_id", "stat", "rank", "step", "values"), layer_rows)
+        rows += _write_rollups(session, run_id=run.id, rank=rank, fresh=fresh, by_stat=by_stat)
 
     if batch.events:
         session.execute(
@@ -188,7 +191,8 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     session.flush()
 
     if not evaluate_rules:
-        return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False, values_written=values)
+        return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False, values_written=values,
+                             rows_written=rows)
     wire_steps = [_wire_step(s) for s in steps]
     wire_events = [e.model_dump() for e in batch.events]
     alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
@@ -198,23 +202,24 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         session.flush()
         enqueued = enqueue_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
     return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
-                         alerts_enqueued=enqueued, values_written=values)
+                         alerts_enqueued=enqueued, values_written=values, rows_written=rows + len(batch.events))
 
 
-def _write_rollups(session: Session, *, run_id: int, rank: int, fresh: list, by_stat: dict) -> None:
+def _write_rollups(session: Session, *, run_id: int, rank: int, fresh: list, by_stat: dict) -> int:
     if not fresh:
-        return
+        return 0
     step_arr = np.fromiter((s.step for s in fresh), dtype=np.int64, count=len(fresh))
     raw = [[_as_float(getattr(s, name)) for name in STEP_SIGNALS] for s in fresh]
     vals = np.array(raw, dtype=np.float64)  # None -> NaN
     measured = np.array([[v is not None for v in row] for row in raw], dtype=bool)
-    bulk_insert(session, "step_rollups", ("run_id", "rank", "level", "bucket", "data"),
+    n = bulk_insert(session, "step_rollups", ("run_id", "rank", "level", "bucket", "data"),
                 [(run_id, rank, lvl, b, blob) for lvl, b, blob in step_partials(step_arr, vals, measured)])
     layer_rollups = []
     for stat, (st, blobs) in by_stat.items():
         for lvl, b, blob in layer_partials(np.array(st, dtype=np.int64), blobs):
             layer_rollups.append((run_id, stat, rank, lvl, b, blob))
-    bulk_insert(session, "layer_rollups", ("run_id", "stat", "rank", "level", "bucket", "data"), layer_rollups)
+    return n + bulk_insert(session, "layer_rollups", ("run_id", "stat", "rank", "level", "bucket", "data"),
+                           layer_rollups)
 
 
 def _dedupe(steps: list) -> list:

@@ -84,8 +84,12 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
     Idempotent on ``batch_id``; ``Content-Encoding: gzip`` accepted.
     """
     started = time.perf_counter()
-    raw = await read_body(request, limit=settings.max_body_bytes)
     app = request.app
+    try:
+        raw = await read_body(request, limit=settings.max_body_bytes)
+    except HTTPException:
+        app.state.metrics.observe_batch(seconds=time.perf_counter() - started, rejected=True)
+        raise
     token_project = get_read_scope(request)
 
     def work():
@@ -101,13 +105,16 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
                                      f"not {batch.project!r}")
         return _write(app, batch, settings)
 
-    outcome = await run_in_threadpool(work)
+    metrics = app.state.metrics
+    try:
+        outcome = await run_in_threadpool(work)
+    except HTTPException:
+        metrics.observe_batch(seconds=time.perf_counter() - started, rejected=True)
+        raise
     if outcome.alerts_enqueued:
         app.state.delivery_worker.wake()
-    metrics = getattr(app.state, "metrics", None)
-    if metrics is not None:
-        metrics.observe_batch(seconds=time.perf_counter() - started, steps=outcome.accepted,
-                              values=outcome.values_written, duplicate=outcome.duplicate)
+    metrics.observe_batch(seconds=time.perf_counter() - started, steps=outcome.accepted,
+                          values=outcome.values_written, rows=outcome.rows_written, duplicate=outcome.duplicate)
     return IngestResult(run_id=outcome.run_id, accepted=outcome.accepted, duplicate=outcome.duplicate)
 
 

@@ -1,0 +1,88 @@
+"""Prometheus text-format metrics: per-process ingest counters plus database-wide gauges.
+
+Counters live in the process (each replica is scraped on its own); open
+alerts and webhook deliveries are read from the database at scrape time, so
+they agree across replicas.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from .models import Alert, WebhookDelivery
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class IngestMetrics:
+    """Thread-safe counters and a latency histogram for the ingest route."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.batches = {"accepted": 0, "duplicate": 0, "rejected": 0}
+        self.steps = 0
+        self.values = 0
+        self.rows = 0
+        self.latency_counts = [0] * len(LATENCY_BUCKETS)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+
+    def observe_batch(self, *, seconds: float, steps: int = 0, values: int = 0, rows: int = 0,
+                      duplicate: bool = False, rejected: bool = False) -> None:
+        with self._lock:
+            self.batches["rejected" if rejected else "duplicate" if duplicate else "accepted"] += 1
+            if not (rejected or duplicate):
+                self.steps += steps
+                self.values += values
+                self.rows += rows
+            for i, bound in enumerate(LATENCY_BUCKETS):
+                if seconds <= bound:
+                    self.latency_counts[i] += 1
+            self.latency_sum += seconds
+            self.latency_count += 1
+
+    def lines(self) -> Iterable[str]:
+        with self._lock:
+            yield "# HELP gradwatch_ingest_batches_total Ingest requests by outcome."
+            yield "# TYPE gradwatch_ingest_batches_total counter"
+            for k, v in self.batches.items():
+                yield f'gradwatch_ingest_batches_total{{result="{k}"}} {v}'
+            for name, value, doc in (
+                ("gradwatch_ingest_steps_total", self.steps, "Steps stored by this process."),
+                ("gradwatch_ingest_values_total", self.values, "Metric values stored (scalars + per-layer values)."),
+                ("gradwatch_ingest_rows_written_total", self.rows, "Database rows inserted by ingest."),
+            ):
+                yield f"# HELP {name} {doc}"
+                yield f"# TYPE {name} counter"
+                yield f"{name} {value}"
+            yield "# HELP gradwatch_ingest_batch_seconds Ingest request latency (read, validate, write, commit)."
+            yield "# TYPE gradwatch_ingest_batch_seconds histogram"
+            for bound, n in zip(LATENCY_BUCKETS, self.latency_counts):
+                yield f'gradwatch_ingest_batch_seconds_bucket{{le="{bound}"}} {n}'
+            yield f'gradwatch_ingest_batch_seconds_bucket{{le="+Inf"}} {self.latency_count}'
+            yield f"gradwatch_ingest_batch_seconds_sum {self.latency_sum:.6f}"
+            yield f"gradwatch_ingest_batch_seconds_count {self.latency_count}"
+
+
+def database_lines(session: Session) -> Iterable[str]:
+    yield "# HELP gradwatch_alerts_open Firing alerts, by severity."
+    yield "# TYPE gradwatch_alerts_open gauge"
+    counts = dict(session.execute(
+        select(Alert.severity, func.count()).where(Alert.status == "firing").group_by(Alert.severity)).all())
+    for sev in sorted({"info", "warning", "critical", *counts}):
+        yield f'gradwatch_alerts_open{{severity="{sev}"}} {counts.get(sev, 0)}'
+    yield "# HELP gradwatch_webhook_deliveries Webhook outbox rows, by status."
+    yield "# TYPE gradwatch_webhook_deliveries gauge"
+    by_status = dict(session.execute(
+        select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)).all())
+    for st in sorted({"pending", "delivered", "expired", *by_status}):
+        yield f'gradwatch_webhook_deliveries{{status="{st}"}} {by_status.get(st, 0)}'
+    # every attempt of an undelivered row failed; a delivered row failed all but its last attempt
+    failed_attempts = session.scalar(select(func.coalesce(func.sum(case(
+        (WebhookDelivery.status == "delivered", WebhookDelivery.attempts - 1), else_=WebhookDelivery.attempts)), 0)))
+    yield "# HELP gradwatch_webhook_delivery_failures_total Failed webhook delivery attempts (all replicas)."
+    yield "# TYPE gradwatch_webhook_delivery_failures_total counter"
+    yield f"gradwatch_webhook_delivery_failures_total {int(failed_attempts or 0)}"
