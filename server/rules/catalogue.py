@@ -156,14 +156,15 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "C1", "loss_oscillation", "warning", "8.C",
-        "robust spread (MAD) of the loss over {window} steps > {spread_ratio:g}x its median, with no downward trend",
+        "robust spread (MAD) of the loss over {window} steps > {spread_ratio:g}x its median, with no downward trend, "
+        "while the loss is still above {converged_fraction:.0%} of its starting level",
         "The loss oscillates without converging.",
         (
             "Lower the learning rate 5-10x.",
             "Increase the batch size (or the gradient-accumulation steps).",
             "Use a gentler LR schedule (cosine decay, or a slower step decay).",
         ),
-        {"window": 200, "spread_ratio": 0.5, "min_history": 100},
+        {"window": 200, "spread_ratio": 0.5, "min_history": 100, "converged_fraction": 0.2},
     ),
     RuleSpec(
         "C2", "clip_saturation", "warning", "8.C",
@@ -235,7 +236,8 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "E3", "update_ratio", "warning", "—",
-        "median per-layer update ratio ||dtheta|| / ||theta|| over {window} steps > {high:g} or < {low:g} (healthy ~1e-3)",
+        "median per-layer update ratio ||dtheta|| / ||theta|| of the weights (not biases / norm gains) over {window} steps "
+        "> {high:g} or < {low:g} (healthy ~1e-3)",
         "The size of the updates relative to the weights is far from the healthy ~1e-3.",
         (
             "Above 1e-2: the learning rate is far too high; lower it.",

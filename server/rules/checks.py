@@ -429,6 +429,8 @@ class LossOscillation(Rule):
             return None
         self.win.push(loss)
         state["n"] = state.get("n", 0) + 1
+        if state["n"] <= 20:
+            state.setdefault("start", []).append(loss)      # the run's starting level
         if len(self.win) < cfg["min_history"] or state["n"] % self.EVERY:
             return None
         vals = self.win.values
@@ -437,11 +439,14 @@ class LossOscillation(Rule):
         first, last = median(vals[:third]), median(vals[-third:])
         spread = mad / abs(med) if med else math.inf
         falling = last < first - 0.5 * mad
-        if spread > cfg["spread_ratio"] and not falling:
+        start = median(state["start"])
+        # a run whose loss already fell far below its start has converged: noise there is not oscillation
+        converged = abs(med) < cfg["converged_fraction"] * abs(start)
+        if spread > cfg["spread_ratio"] and not falling and not converged:
             ev = {"loss_median": med, "loss_mad": mad, "spread_ratio": spread, "first_third_median": first,
-                  "last_third_median": last, "window": len(vals)}
+                  "last_third_median": last, "window": len(vals), "start_loss_median": start}
             return Hit(ev, f"Loss oscillates: robust spread {spread:.2f}x its median {fmt(med)}, no downward trend "
-                           f"({fmt(first)} -> {fmt(last)})")
+                           f"({fmt(first)} -> {fmt(last)}), still at {abs(med) / abs(start):.0%} of its start")
         return False
 
 
@@ -694,22 +699,27 @@ class UpdateRatio(Rule):
         values = _layer(st, "update_ratio")
         if not values or st.get("overflow"):
             return None
-        finite_vals = [x for x in (num(v) for v in values) if x is not None and math.isfinite(x)]
-        if not finite_vals:
+        # weights only: a bias or a norm layer's gain starting at 0 / 1 has a meaningless ratio early on
+        keep = [i for i in range(len(values)) if not _name(ctx.param_names, i).endswith("bias")
+                and not any(_name(ctx.param_names, i).startswith(b + ".") for b in ctx.bn_names)]
+        pairs = [(num(values[i]), i) for i in (keep or range(len(values)))]
+        pairs = [(x, i) for x, i in pairs if x is not None and math.isfinite(x)]
+        if not pairs:
             return None
         step = st["step"]
         window = int(cfg["window"])
         hist = state.setdefault("hist", [])
-        hist.append([step, median(finite_vals)])
+        hist.append([step, median(x for x, _ in pairs)])
         while hist and hist[0][0] <= step - window:
             hist.pop(0)
-        if len(hist) < cfg["min_samples"]:
+        state.setdefault("first", step)
+        # judged over a whole window: the first steps of any run move the weights fastest
+        if len(hist) < cfg["min_samples"] or step - state["first"] < window - 1:
             return None
         med = median(p[1] for p in hist)
         if med > cfg["high"] or med < cfg["low"]:
             direction = "high" if med > cfg["high"] else "low"
-            per_layer = sorted(((num(v) or 0.0, i) for i, v in enumerate(values)
-                                if finite(num(v))), reverse=(direction == "high"))[:5]
+            per_layer = sorted(pairs, reverse=(direction == "high"))[:5]
             return Hit({"median_update_ratio": med, "direction": direction, "samples": len(hist),
                         "layers": [[_name(ctx.param_names, i), x] for x, i in per_layer]},
                        f"Median update ratio {fmt(med)} over {window} steps is too {direction} "

@@ -36,7 +36,7 @@ from server.rules.catalogue import RULES, SEVERITIES, find_rule
 _INT_KEYS = {"window", "steps", "consecutive", "halvings", "min_history", "clear_steps", "cooldown_steps",
              "critical_consecutive", "warmup_steps", "min_samples", "max_names"}
 # settings that may be 0
-_MAY_BE_ZERO = {"cooldown_steps", "warmup_steps", "min_improvement", "min_rise", "converged_drop", "low", "min_history", "fraction"}
+_MAY_BE_ZERO = {"cooldown_steps", "warmup_steps", "min_improvement", "min_rise", "converged_drop", "converged_fraction", "low", "min_history", "fraction"}
 
 
 class RuleConfigError(ValueError):

@@ -93,10 +93,14 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
     nan_origin = (engine_row.state if engine_row is not None else
                   (rows[_ENGINE].state if _ENGINE in rows else {})).get("nan_origin")
 
-    # data arrived: a stalled run is alive again
-    if run.status == "stalled" and steps:
-        run.status = "running"
-        _resolve_stall(session, rows.get("F2") if rank == 0 else session.get(RuleState, (run.id, 0, "F2")), now)
+    # data arrived: a stalled run is alive again (F2 lives on rank 0's state)
+    if steps:
+        if run.status == "stalled":
+            run.status = "running"
+        if rank == 0:
+            _resolve_stall(session, rows.get("F2"), now)
+        elif run.status == "stalled":
+            _resolve_stall(session, session.get(RuleState, (run.id, 0, "F2")), now)
 
     for cls in RULE_CLASSES:
         rule = cls()

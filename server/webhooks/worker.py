@@ -35,7 +35,13 @@ class DeliveryWorker:
         self.settings = settings
         self.poll_interval = poll_interval
         stall = float(getattr(settings, "stall_seconds", 300.0) or 300.0)
-        # check several times per timeout, at most every 5 s (rules files may set a smaller F2 timeout)
+        try:  # a rules file may give some project a smaller F2 timeout
+            rf = rules_file_of(settings)
+            for table in ([rf.every_project] + list(rf.projects.values())) if rf else []:
+                stall = min(stall, float(table.get("F2", {}).get("timeout_s") or stall))
+        except Exception:  # noqa: BLE001 - reported by start()
+            pass
+        # check several times per timeout, at most every 5 s
         self.stall_interval = stall_interval if stall_interval is not None else max(0.2, min(5.0, stall / 4))
         self.request_timeout = request_timeout
         engine = sessionmaker.kw.get("bind")
