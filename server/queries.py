@@ -227,10 +227,15 @@ def _signal_source(signal: str):
 
 
 def _step_bounds(session: Session, table, run_id: int, rank: int, extra) -> tuple[Optional[int], Optional[int]]:
-    lo, hi = session.execute(
-        select(func.min(table.step), func.max(table.step)).where(table.run_id == run_id, table.rank == rank, *extra)
-    ).one()
-    return lo, hi
+    return _bounds(session, table.step, [table.run_id == run_id, table.rank == rank, *extra])
+
+
+def _bounds(session: Session, col, where) -> tuple[Optional[int], Optional[int]]:
+    """min and max of an indexed column as two scalar subqueries: SQLite answers a lone
+    min() or max() with one index seek, but min() and max() together with a full scan."""
+    lo = select(func.min(col)).where(*where).scalar_subquery()
+    hi = select(func.max(col)).where(*where).scalar_subquery()
+    return tuple(session.execute(select(lo, hi)).one())
 
 
 def _value(v, nan: bool) -> Optional[float]:
@@ -294,7 +299,7 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
     if level:
         bucket = math.ceil(bucket / level) * level
         start0 = (start // level) * level
-        rows = session.execute(
+        rows = session.connection().execute(  # Core, not ORM: thousands of plain rows
             select(StepRollup.bucket, StepRollup.data).where(
                 StepRollup.run_id == run_id, StepRollup.rank == rank, StepRollup.level == level,
                 StepRollup.bucket >= start // level, StepRollup.bucket <= end // level,
@@ -410,7 +415,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
         return None
     names = layer_names_for(run, stat)
     base = [LayerStat.run_id == run_id, LayerStat.stat == stat, LayerStat.rank == rank]
-    lo, hi = session.execute(select(func.min(LayerStat.step), func.max(LayerStat.step)).where(*base)).one()
+    lo, hi = _bounds(session, LayerStat.step, base)
     empty = LayerMatrix(run_id=run_id, stat=stat, rank=rank, agg=agg, bucket_size=1, layer_group_size=1,
                         steps=[], layers=names[:max_layers], values=[])
     if lo is None:
@@ -425,7 +430,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     if level:
         bucket = math.ceil(bucket / level) * level
         start0 = (start // level) * level
-        rows = session.execute(
+        rows = session.connection().execute(  # Core, not ORM: thousands of plain rows
             select(LayerRollup.bucket, LayerRollup.data).where(
                 LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
                 LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level,

@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import JSONResponse
 
 from .. import queries
 from ..numbers import to_wire
 from ..schemas import (
     EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
-    SeriesPointOut,
 )
 from .deps import ReadScopeDep, SessionDep, SettingsDep
 
@@ -25,12 +25,11 @@ def _run_out(r: queries.RunSummary, cls=RunOut, **extra):
                open_alerts=r.open_alerts, health=r.health, world_size=r.world_size, **extra)
 
 
-def _series_out(s: queries.Series) -> SeriesOut:
-    return SeriesOut(
-        run_id=s.run_id, signal=s.signal, rank=s.rank, bucket_size=s.bucket_size,
-        steps=[SeriesPointOut(step=p.step, min=to_wire(p.min), max=to_wire(p.max), last=to_wire(p.last),
-                              count=p.count, nonfinite=p.nonfinite) for p in s.points],
-    )
+def _series_out(s: queries.Series) -> dict:
+    """SeriesOut as a plain dict: thousands of points skip per-item model validation."""
+    return {"run_id": s.run_id, "signal": s.signal, "rank": s.rank, "bucket_size": s.bucket_size,
+            "steps": [{"step": p.step, "min": to_wire(p.min), "max": to_wire(p.max), "last": to_wire(p.last),
+                       "count": p.count, "nonfinite": p.nonfinite} for p in s.points]}
 
 
 def _check_run(session, scope: Optional[str], run_id: int) -> None:
@@ -67,7 +66,7 @@ def get_series(run_id: int, session: SessionDep, scope: ReadScopeDep,
                signal: Annotated[str, Query(min_length=1, max_length=210)] = "loss",
                start: StepParam = None, end: StepParam = None,
                max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000,
-               since: Annotated[Optional[int], Query(ge=-1, le=2**62)] = None, rank: RankParam = 0) -> SeriesOut:
+               since: Annotated[Optional[int], Query(ge=-1, le=2**62)] = None, rank: RankParam = 0) -> JSONResponse:
     """A signal in at most ``max_points`` buckets (min/max/last/count/nonfinite); ``since`` for live tails."""
     _check_run(session, scope, run_id)
     try:
@@ -75,7 +74,7 @@ def get_series(run_id: int, session: SessionDep, scope: ReadScopeDep,
                                max_points=max_points, since=since, rank=rank)
     except queries.UnknownSignal as e:
         raise HTTPException(422, f"signal: {e}") from None
-    return _series_out(s)
+    return JSONResponse(_series_out(s))
 
 
 @router.get("/api/v1/series", response_model=SeriesMultiOut,
@@ -84,7 +83,7 @@ def get_series_multi(session: SessionDep, scope: ReadScopeDep,
                      runs: Annotated[list[int], Query(min_length=1, max_length=50)],
                      signals: Annotated[list[str], Query(min_length=1, max_length=20)],
                      start: StepParam = None, end: StepParam = None,
-                     max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000, rank: RankParam = 0) -> SeriesMultiOut:
+                     max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000, rank: RankParam = 0) -> JSONResponse:
     """Several runs' series on one shared step axis: ``?runs=1&runs=2&signals=loss``."""
     for run_id in runs:
         _check_run(session, scope, run_id)
@@ -93,7 +92,7 @@ def get_series_multi(session: SessionDep, scope: ReadScopeDep,
                                        max_points=max_points, rank=rank)
     except queries.UnknownSignal as e:
         raise HTTPException(422, f"signals: {e}") from None
-    return SeriesMultiOut(series=[_series_out(s) for s in out])
+    return JSONResponse({"series": [_series_out(s) for s in out]})
 
 
 @router.get("/api/v1/runs/{run_id}/layers", response_model=LayerMatrixOut,
@@ -104,16 +103,16 @@ def get_layer_matrix(run_id: int, session: SessionDep, scope: ReadScopeDep,
                      max_steps: Annotated[int, Query(ge=1, le=10_000)] = 500,
                      max_layers: Annotated[int, Query(ge=1, le=10_000)] = 200,
                      rank: RankParam = 0,
-                     agg: Annotated[str, Query(pattern="^(max|min|mean|last)$")] = "max") -> LayerMatrixOut:
+                     agg: Annotated[str, Query(pattern="^(max|min|mean|last)$")] = "max") -> JSONResponse:
     """Layer × step matrix of one per-layer statistic, downsampled on both axes."""
     _check_run(session, scope, run_id)
     m = queries.get_layer_matrix(session, run_id=run_id, stat=stat, start=start, end=end, max_steps=max_steps,
                                  max_layers=max_layers, rank=rank, agg=agg)
     if m is None:
         raise HTTPException(404, f"run {run_id} not found")
-    return LayerMatrixOut(run_id=m.run_id, stat=m.stat, rank=m.rank, agg=m.agg, bucket_size=m.bucket_size,
-                          layer_group_size=m.layer_group_size, steps=m.steps, layers=m.layers,
-                          values=[[to_wire(v) for v in row] for row in m.values])
+    return JSONResponse({"run_id": m.run_id, "stat": m.stat, "rank": m.rank, "agg": m.agg,
+                         "bucket_size": m.bucket_size, "layer_group_size": m.layer_group_size, "steps": m.steps,
+                         "layers": m.layers, "values": [[to_wire(v) for v in row] for row in m.values]})
 
 
 @router.get("/api/v1/runs/{run_id}/events", response_model=EventListOut,
