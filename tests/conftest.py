@@ -348,3 +348,15 @@ def save_screenshot(drv, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     drv.save_screenshot(str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def isolated_agent_spool(tmp_path: Path, monkeypatch) -> Path:
+    """Each test gets its own agent spool (inherited by the processes it starts).
+
+    The default spool under ~/.cache is replayed into whatever server answers
+    next: a leftover from an earlier test must never leak into this one.
+    """
+    spool = tmp_path / "agent-spool"
+    monkeypatch.setenv("GRADWATCH_SPOOL_DIR", str(spool))
+    return spool
