@@ -146,6 +146,12 @@ def b2_lr_too_low() -> Loop:
     return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-7), regression_data(6), F.mse_loss, steps=150)
 
 
+def b2_lr_too_low_default_window() -> Loop:
+    torch.manual_seed(26)
+    model = mlp()
+    return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-7), regression_data(26), F.mse_loss, steps=510)
+
+
 def b3_scale_collapse() -> Loop:
     """fp16 gradients that overflow at any scale >= 1: the scaler halves below 1."""
     torch.manual_seed(7)
@@ -341,6 +347,8 @@ SCENARIOS = [
     Scenario("absurd_init_scale", "A5", DEFAULT, a5_absurd_init_scale, "fp16, GradScaler(init_scale=2**40)"),
     Scenario("saturated_sigmoid", "B1", DEFAULT, b1_saturated_sigmoid, "output sigmoid saturated (bias init 100)"),
     Scenario("lr_too_low", "B2", SHORT, b2_lr_too_low, "Adam at lr 1e-7 (B2 window 100)"),
+    Scenario("lr_too_low_default_window", "B2", DEFAULT, b2_lr_too_low_default_window,
+             "Adam at lr 1e-7, B2 at its default 500-step window"),
     Scenario("scale_collapse", "B3", DEFAULT, b3_scale_collapse, "fp16 grads that overflow at any scale >= 1"),
     Scenario("lr_schedule_to_zero", "B4", DEFAULT, b4_lr_schedule_to_zero, "linear decay to 0 at step 80"),
     Scenario("detached_branch", "B5", DEFAULT, b5_detached_branch, "a stray .detach() on one branch"),
