@@ -198,7 +198,13 @@ def _add_export(subparsers) -> None:
     export.add_subparser(subparsers)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve, add_db, add_token, _add_demo, _add_rules, _add_export]
+def _add_webhooks(subparsers) -> None:
+    from .webhooks import cli as webhooks_cli
+
+    webhooks_cli.add_subparser(subparsers)
+
+
+SUBCOMMANDS: list[Callable] = [add_serve, add_db, add_token, _add_demo, _add_rules, _add_export, _add_webhooks]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,11 +19,11 @@ from typing import Any, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.models import STEP_SIGNALS, Alert, Project, Run, RuleState, Step
+from server.models import STEP_SIGNALS, Alert, Project, Run, RuleOverride, RuleState, Step
 from server.rules.alerts import Episode, Hit
 from server.rules.catalogue import RULES_BY_ID
 from server.rules.checks import RULE_CLASSES, Context
-from server.rules.config import effective_config
+from server.rules.config import effective_config, rules_file_of
 from server.rules.stats import enc, fmt, median, num
 
 log = logging.getLogger("gradwatch.rules")
@@ -230,10 +230,22 @@ def check_stalled_runs(session: Session, *, settings: Any, now: Optional[float] 
     """
     now = time.time() if now is None else now
     default_timeout = RULES_BY_ID["F2"].params["timeout_s"]
-    # the smallest timeout any project may use bounds the query; per-project settings decide
-    candidates = session.execute(
-        select(Run, Project.name).join(Project, Project.id == Run.project_id).where(Run.status == "running")
-    ).all()
+    # the smallest timeout any project may have bounds the query; each project's own setting decides
+    timeouts = [float(getattr(settings, "stall_seconds", None) or default_timeout)]
+    rf = rules_file_of(settings)
+    if rf is not None:
+        for table in [rf.every_project, *rf.projects.values()]:
+            if table.get("F2", {}).get("timeout_s"):
+                timeouts.append(float(table["F2"]["timeout_s"]))
+    for cfg_row in session.scalars(select(RuleOverride.config).where(RuleOverride.rule == "F2")):
+        if (cfg_row or {}).get("timeout_s"):
+            timeouts.append(float(cfg_row["timeout_s"]))
+    q = (select(Run, Project.name).join(Project, Project.id == Run.project_id)
+         .where(Run.status == "running", Run.last_seen < now - min(timeouts)))
+    if session.bind.dialect.name == "postgresql":
+        # two replicas checking at once: the second skips the runs the first is handling
+        q = q.with_for_update(skip_locked=True, of=Run)
+    candidates = session.execute(q).all()
     if not candidates:
         return []
     notify: list[Alert] = []

@@ -9,6 +9,8 @@ import hashlib
 import hmac
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 import time
@@ -145,6 +147,20 @@ def test_endpoint_api_test_delivery_ack_and_rule_overrides(server_factory, sqlit
     assert srv.get("/api/v1/webhooks?project=p")[1]["endpoints"] == []
     assert http_json("DELETE", f"{srv.url}/api/v1/webhooks/{ep['id']}")[0] == 404
     _ack_and_rule_overrides_api(srv)
+
+    # the CLI works on the same database; the running server's worker sends what it queues
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "server", "webhooks", "--db", sqlite_url, *args], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=60, env={**os.environ, **srv.env})
+    out = cli("add", "--project", "p", "--url", webhook_receiver.url + "/cli", "--format", "discord")
+    assert out.returncode == 0, out.stderr
+    endpoint_id = int(re.search(r"endpoint (\d+)", out.stdout).group(1))
+    assert cli("test", str(endpoint_id)).returncode == 0
+    hit = webhook_receiver.wait_for(lambda r: r.path.endswith("/cli"))
+    assert hit.json()["embeds"][0]["title"] == "A1 loss_nonfinite" and "[TEST]" in hit.json()["content"]
+    log = cli("log", "--endpoint", str(endpoint_id))
+    assert "alert test" in log.stdout
+    assert cli("delete", str(endpoint_id)).returncode == 0 and cli("delete", str(endpoint_id)).returncode == 1
 
 
 def test_run_stalled_fires_and_resolves(server_factory, sqlite_url, webhook_receiver):
