@@ -5,7 +5,9 @@ from tests.cli.cli_helpers import batch, gradwatch
 from tests.conftest import http_json
 
 
-def test_token_create_list_delete_and_the_server_accepting_it(server_factory, db_url, tmp_path):
+def test_token_create_list_delete_and_the_server_accepting_it(server_factory, sqlite_url, tmp_path):
+    # (PostgreSQL: the compose topology test creates its token with this command too)
+    db_url = sqlite_url
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
     body = batch("r1", [{"step": 0, "time": 1.0, "loss": 1.0}], project="vision")
     status, _ = http_json("POST", srv.url + "/api/v1/ingest", body)

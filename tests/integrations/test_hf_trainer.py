@@ -79,18 +79,21 @@ def framework_log(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 
 
-@pytest.mark.parametrize("model_kind,accumulation,bf16", [
-    ("gpt2", 2, False),        # model normalises by num_items_in_batch (loss scaled for accumulation)
-    ("gpt2", 1, True),         # bf16 autocast on CPU, no accumulation
-    ("plain", 3, False),       # Trainer divides the loss by the accumulation steps itself
+@pytest.mark.parametrize("model_kind,accumulation,bf16,bind", [
+    ("gpt2", 2, False, False),     # model normalises by num_items_in_batch (loss scaled for accumulation)
+    ("gpt2", 1, True, False),      # bf16 autocast on CPU, no accumulation
+    ("plain", 3, False, True),     # Trainer divides the loss by the accumulation steps; watch(trainer)
 ])
 def test_trainer_steps_and_loss_match_the_trainers_own_log(gw_server, tmp_path, run_name, model_kind,
-                                                           accumulation, bf16):
+                                                           accumulation, bf16, bind):
     model = tiny_gpt2() if model_kind == "gpt2" else PlainRegressor()
     max_steps = 5
-    cb = GradwatchCallback(project="hf", run=run_name, server=gw_server.url, flush_interval=0.1)
-    trainer, cb = train(model, tmp_path, accumulation=accumulation, bf16=bf16, max_steps=max_steps, callback=cb)
+    settings = dict(project="hf", run=run_name, server=gw_server.url, flush_interval=0.1)
+    cb = settings if bind else GradwatchCallback(**settings)
+    trainer, cb = train(model, tmp_path, accumulation=accumulation, bf16=bf16, max_steps=max_steps, callback=cb,
+                        bind=bind)
 
+    assert isinstance(cb, GradwatchCallback) and cb in trainer.callback_handler.callbacks
     assert trainer.state.global_step == max_steps
     assert cb.monitor is None, "the monitor is closed when training ends"
     assert "training_step" not in trainer.__dict__, "the training_step wrapper is removed after train()"
@@ -110,16 +113,6 @@ def test_trainer_steps_and_loss_match_the_trainers_own_log(gw_server, tmp_path, 
     assert_close([lr[s] for s in steps], framework_log(trainer, "learning_rate"), what="learning rate")
     clip = series(gw_server, run["id"], "clip_max_norm")
     assert set(clip.values()) == {1.0}, "the Trainer's max_grad_norm is seen as the clipping threshold"
-
-
-def test_watch_binds_an_existing_trainer_and_reports_the_run_name(gw_server, tmp_path, run_name):
-    trainer, cb = train(PlainRegressor(), tmp_path, accumulation=2, bf16=False, max_steps=3,
-                        callback=dict(project="hf", run=run_name, server=gw_server.url, flush_interval=0.1),
-                        bind=True)
-    assert isinstance(cb, GradwatchCallback) and cb in trainer.callback_handler.callbacks
-    run = run_of(gw_server, "hf", run_name)
-    loss = series(gw_server, run["id"], "loss")
-    assert_close([loss[s] for s in sorted(loss)], framework_log(trainer, "loss"), what="loss")
     status, detail = gw_server.get(f"/api/v1/runs/{run['id']}")
     assert status == 200
     assert detail["param_names"] == [n for n, p in trainer.model.named_parameters() if p.requires_grad]
