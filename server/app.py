@@ -70,6 +70,8 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     for router in (health.router, metrics_api.router, ingest.router, runs.router, alerts.router, webhooks.router):
         app.include_router(router)
 
+    _add_error_handlers(app)
+
     def openapi():
         if app.openapi_schema:
             return app.openapi_schema
@@ -87,6 +89,25 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
         # Mounted last so every API route above wins; the Dash app gets the rest.
         _mount_dashboard(app, database, settings)
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Values the database cannot hold are the client's problem (422), on every route."""
+    from fastapi.responses import JSONResponse
+    from sqlalchemy.exc import DataError, StatementError
+
+    async def out_of_range(request, exc):
+        return JSONResponse({"detail": f"a value is out of range or cannot be stored: {type(exc).__name__}"},
+                            status_code=422)
+
+    async def statement_error(request, exc):
+        if isinstance(exc, DataError) or isinstance(getattr(exc, "orig", None), (OverflowError, ValueError)):
+            return await out_of_range(request, exc)
+        raise exc
+
+    app.add_exception_handler(OverflowError, out_of_range)
+    app.add_exception_handler(DataError, out_of_range)
+    app.add_exception_handler(StatementError, statement_error)
 
 
 def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi.responses import JSONResponse
 
 from .. import queries
@@ -17,6 +17,7 @@ router = APIRouter(tags=["runs"])
 
 StepParam = Annotated[Optional[int], Query(ge=0, le=2**62)]
 RankParam = Annotated[int, Query(ge=0, le=1_000_000)]
+RunId = Annotated[int, Path(ge=0, le=2**62)]
 
 
 def _run_out(r: queries.RunSummary, cls=RunOut, **extra):
@@ -51,7 +52,7 @@ def list_runs(session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
 
 
 @router.get("/api/v1/runs/{run_id}", response_model=RunDetailOut, responses={404: {"description": "no such run"}})
-def get_run(run_id: int, session: SessionDep, settings: SettingsDep, scope: ReadScopeDep) -> RunDetailOut:
+def get_run(run_id: RunId, session: SessionDep, settings: SettingsDep, scope: ReadScopeDep) -> RunDetailOut:
     _check_run(session, scope, run_id)
     r = queries.get_run(session, run_id=run_id, stall_seconds=settings.stall_seconds)
     if r is None:
@@ -62,7 +63,7 @@ def get_run(run_id: int, session: SessionDep, settings: SettingsDep, scope: Read
 
 @router.get("/api/v1/runs/{run_id}/series", response_model=SeriesOut,
             responses={404: {"description": "no such run"}, 422: {"description": "unknown signal"}})
-def get_series(run_id: int, session: SessionDep, scope: ReadScopeDep,
+def get_series(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                signal: Annotated[str, Query(min_length=1, max_length=210)] = "loss",
                start: StepParam = None, end: StepParam = None,
                max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000,
@@ -80,7 +81,7 @@ def get_series(run_id: int, session: SessionDep, scope: ReadScopeDep,
 @router.get("/api/v1/series", response_model=SeriesMultiOut,
             responses={404: {"description": "no such run"}, 422: {"description": "unknown signal"}})
 def get_series_multi(session: SessionDep, scope: ReadScopeDep,
-                     runs: Annotated[list[int], Query(min_length=1, max_length=50)],
+                     runs: Annotated[list[Annotated[int, Query(ge=0, le=2**62)]], Query(min_length=1, max_length=50)],
                      signals: Annotated[list[str], Query(min_length=1, max_length=20)],
                      start: StepParam = None, end: StepParam = None,
                      max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000, rank: RankParam = 0) -> JSONResponse:
@@ -97,7 +98,7 @@ def get_series_multi(session: SessionDep, scope: ReadScopeDep,
 
 @router.get("/api/v1/runs/{run_id}/layers", response_model=LayerMatrixOut,
             responses={404: {"description": "no such run"}})
-def get_layer_matrix(run_id: int, session: SessionDep, scope: ReadScopeDep,
+def get_layer_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                      stat: Annotated[str, Query(pattern=r"^[A-Za-z0-9_.:/-]{1,32}$")] = "grad_norm",
                      start: StepParam = None, end: StepParam = None,
                      max_steps: Annotated[int, Query(ge=1, le=10_000)] = 500,
@@ -117,7 +118,7 @@ def get_layer_matrix(run_id: int, session: SessionDep, scope: ReadScopeDep,
 
 @router.get("/api/v1/runs/{run_id}/events", response_model=EventListOut,
             responses={404: {"description": "no such run"}})
-def list_events(run_id: int, session: SessionDep, scope: ReadScopeDep,
+def list_events(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                 kind: Annotated[Optional[str], Query(max_length=64)] = None) -> EventListOut:
     _check_run(session, scope, run_id)
     return EventListOut(events=[EventOut(**vars(e)) for e in queries.list_events(session, run_id=run_id, kind=kind)])
