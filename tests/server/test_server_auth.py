@@ -10,7 +10,7 @@ from urllib.parse import urlencode, urlsplit
 
 from sqlalchemy import create_engine, text
 
-from conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT
 from gw_payloads import batch, step
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, missing_part
+from tests.conftest import REPO_ROOT, missing_part
 from gw_payloads import batch, step
 
 EXAMPLES = os.environ.get("GRADWATCH_FUZZ_EXAMPLES", "20")
