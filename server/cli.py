@@ -59,11 +59,37 @@ def run_serve(args) -> int:
             f"ANYONE who can reach {settings.host} can read and write data"
         _eprint(f"gradwatch: auth is off (GRADWATCH_AUTH=on to require project tokens); "
                 f"listening on {settings.host}:{settings.port}, {where}")
+    busy = _port_problem(settings.host, settings.port)
+    if busy:
+        database.dispose()
+        _eprint(f"gradwatch: cannot listen on {settings.host}:{settings.port} ({busy}); "
+                f"pass --port with a free port, or stop what is using it")
+        return 2
     _eprint(f"gradwatch: database {database.dialect}; dashboard at http://{settings.host}:{settings.port}/")
     app = create_app(settings, database=database)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                 access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
     return 0
+
+
+def _port_problem(host: str, port: int) -> Optional[str]:
+    """Why ``host:port`` cannot be bound right now (None when it can)."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"unknown host: {e}"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 # --------------------------------------------------------------------------- db
@@ -220,4 +246,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Exception as e:  # noqa: BLE001 - one readable line for the errors a user can fix
+        from sqlalchemy.exc import ArgumentError, OperationalError
+
+        if isinstance(e, OperationalError):
+            first = str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e).splitlines()[0]
+            _eprint(f"gradwatch: cannot use the database: {first}. Check --db / GRADWATCH_DATABASE_URL "
+                    f"and that the database server is running and reachable.")
+            return 1
+        if isinstance(e, ArgumentError):
+            _eprint(f"gradwatch: bad database URL: {e}. Use sqlite:///path/to/file.db or "
+                    f"postgresql://user:password@host:5432/dbname")
+            return 2
+        raise

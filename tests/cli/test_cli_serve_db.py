@@ -54,3 +54,24 @@ def test_db_upgrade_and_check_and_serve_refusing_an_old_schema(db_url, tmp_path)
     assert proc.returncode == 0 and "schema is current" in proc.stdout
     # running the migration again is harmless (every replica's start script may run it)
     assert gradwatch("db", "upgrade", "--db", db_url, data_dir=tmp_path).returncode == 0
+
+
+def test_errors_a_user_can_fix_are_one_line_that_says_what_to_do(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = gradwatch("serve", "--port", str(port), data_dir=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "--port" in proc.stderr
+
+    proc = gradwatch("db", "upgrade", "--db", f"postgresql://nobody@127.0.0.1:{free_port()}/x", data_dir=tmp_path)
+    assert proc.returncode == 1
+    assert "cannot use the database" in proc.stderr and "GRADWATCH_DATABASE_URL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    proc = gradwatch("db", "check", "--db", "not-a-url", data_dir=tmp_path)
+    assert proc.returncode == 2
+    assert "bad database URL" in proc.stderr and "sqlite:///" in proc.stderr
