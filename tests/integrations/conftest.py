@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import uuid
+
+# Tests build tiny models from configs; nothing may be fetched from a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
