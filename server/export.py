@@ -292,10 +292,11 @@ def _open_source(args) -> Source:
     from .settings import Settings
 
     settings = Settings.from_env(db=args.db)
-    if settings.embedded_db and not Path(settings.database_url.split("///", 1)[1]).exists():
-        raise ExportError(f"no database at {settings.database_url}; pass --db URL or --server URL "
-                          f"(or set GRADWATCH_DATABASE_URL)")
-    return DatabaseSource(settings.database_url)
+    url = settings.database_url
+    if url.startswith("sqlite") and "///" in url and not Path(url.split("///", 1)[1]).exists():
+        # (opening it would create an empty file)
+        raise ExportError(f"no database at {url}; pass --db URL or --server URL (or set GRADWATCH_DATABASE_URL)")
+    return DatabaseSource(url)
 
 
 def run(args) -> int:

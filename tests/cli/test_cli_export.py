@@ -107,3 +107,7 @@ def test_export_errors_say_what_to_do(server_factory, sqlite_url, tmp_path):
     assert proc.returncode == 1 and "cannot reach the server" in proc.stderr
     proc = gradwatch("export", str(run_id), data_dir=tmp_path / "empty")
     assert proc.returncode == 1 and "pass --db URL or --server URL" in proc.stderr
+    typo = tmp_path / "typo" / "gradwatch.db"
+    proc = gradwatch("export", str(run_id), "--db", f"sqlite:///{typo}")
+    assert proc.returncode == 1 and f"no database at sqlite:///{typo}" in proc.stderr
+    assert not typo.parent.exists(), "a mistyped path must not leave an empty database behind"
