@@ -81,6 +81,114 @@ def build_run(db_url: str, steps: int, batch_steps: int = 1000) -> int:
     return run_id
 
 
+def compare_layouts(db_url: str, steps: int) -> None:
+    """Write ``steps`` x 150 grad norms in three layouts; time writes and a 500-column heatmap."""
+    from sqlalchemy import text
+
+    from server.db import open_database
+    from server.ingest import bulk_insert
+    from server.rollups import layer_partials
+
+    database = open_database(db_url)
+    rng = np.random.default_rng(1)
+    values = rng.random((steps, LAYERS), dtype=np.float32)
+    blobs = [values[i].tobytes() for i in range(steps)]
+    bucket = max(1, steps // 500)
+    pg = database.dialect == "postgresql"
+    blob_t = "BYTEA" if pg else "BLOB"
+    with database.write_sessionmaker() as s:
+        for ddl in (
+            "DROP TABLE IF EXISTS lay_value", "DROP TABLE IF EXISTS lay_packed", "DROP TABLE IF EXISTS lay_rollup",
+            "CREATE TABLE lay_value (step BIGINT, layer INTEGER, value REAL, PRIMARY KEY (step, layer))",
+            f"CREATE TABLE lay_packed (step BIGINT PRIMARY KEY, vals {blob_t})",
+            f"CREATE TABLE lay_rollup (level INTEGER, bucket BIGINT, data {blob_t})",
+            "CREATE INDEX ix_lay_rollup ON lay_rollup (level, bucket)",
+        ):
+            s.execute(text(ddl))
+        s.commit()
+    results = []
+
+    def write(label, fn):
+        t = time.perf_counter()
+        for lo in range(0, steps, 1000):
+            with database.write_sessionmaker() as s:
+                fn(s, lo, min(lo + 1000, steps))
+                s.commit()
+        dt = time.perf_counter() - t
+        return steps * LAYERS / dt
+
+    def timed(fn, repeat=5):
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            with database.sessionmaker() as s:
+                fn(s)
+            times.append((time.perf_counter() - t) * 1000)
+        return statistics.median(times)
+
+    def w_value(s, lo, hi):
+        rows = [(i, k, float(values[i, k])) for i in range(lo, hi) for k in range(LAYERS)]
+        bulk_insert(s, "lay_value", ("step", "layer", "value"), rows)
+
+    def q_value(s):
+        s.execute(text(f"SELECT step / {bucket} AS b, layer, max(value) FROM lay_value GROUP BY b, layer")).all()
+
+    def w_packed(s, lo, hi):
+        bulk_insert(s, "lay_packed", ("step", "vals"), [(i, blobs[i]) for i in range(lo, hi)])
+
+    def q_packed(s):
+        rows = s.execute(text("SELECT step, vals FROM lay_packed ORDER BY step")).all()
+        arr = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), LAYERS)
+        cols = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)) // bucket
+        np.fmax.reduceat(arr, np.concatenate(([0], np.flatnonzero(np.diff(cols)) + 1)), axis=0)
+
+    def w_rollup(s, lo, hi):
+        w_packed(s, lo, hi)
+        parts = layer_partials(np.arange(lo, hi, dtype=np.int64), blobs[lo:hi])
+        bulk_insert(s, "lay_rollup", ("level", "bucket", "data"), parts)
+
+    def q_rollup(s):
+        from server.models import ROLLUP_LEVELS
+        from server.rollups import layer_partial_arrays
+
+        level = max([lv for lv in ROLLUP_LEVELS if lv <= bucket] or [1])
+        rows = s.execute(text(f"SELECT bucket, data FROM lay_rollup WHERE level = {level} ORDER BY bucket")).all()
+        b, _, arr = layer_partial_arrays([(r[0], r[1]) for r in rows], LAYERS)
+        cols = b * level // (max(1, bucket // level) * level)
+        np.fmax.reduceat(arr[:, 1], np.concatenate(([0], np.flatnonzero(np.diff(cols)) + 1)), axis=0)
+
+    def size(table):
+        with database.sessionmaker() as s:
+            if pg:
+                return s.execute(text(f"SELECT pg_total_relation_size('{table}')")).scalar()
+            try:
+                return s.execute(text(f"SELECT sum(pgsize) FROM dbstat WHERE name = '{table}' OR name LIKE "
+                                      f"'sqlite_autoindex_{table}%' OR name = 'ix_{table}'")).scalar()
+            except Exception:  # noqa: BLE001 - dbstat is optional in SQLite builds
+                return None
+
+    results.append(("row per value (step, layer, value)", write("v", w_value), timed(q_value, 3), size("lay_value")))
+    results.append(("row per step, packed float32[150]", write("p", w_packed), timed(q_packed), size("lay_packed")))
+    with database.write_sessionmaker() as s:
+        s.execute(text("DELETE FROM lay_packed"))
+        s.commit()
+    results.append(("packed + insert-only rollups (chosen)", write("r", w_rollup), timed(q_rollup),
+                    (size("lay_packed") or 0) + (size("lay_rollup") or 0)))
+    scale = 1_000_000 / steps
+    print(f"layouts on {database.dialect}: {steps:,} steps x {LAYERS} layers (x{scale:.0f} for 1M steps)")
+    print(f"{'layout':40s} {'write values/s':>15s} {'heatmap ms':>11s} {'-> 1M ms':>9s} {'bytes/value':>12s}")
+    for label, rate, ms, nbytes in results:
+        bpv = f"{nbytes / (steps * LAYERS):.1f}" if nbytes else "?"
+        est = ms * scale if "rollups" not in label else ms * 1.0
+        print(f"{label:40s} {rate:15,.0f} {ms:11.1f} {est:9.0f} {bpv:>12s}")
+    print("(-> 1M: rows read grow with the run for the first two; the rollup read is bounded by the column count)")
+    with database.write_sessionmaker() as s:
+        for t in ("lay_value", "lay_packed", "lay_rollup"):
+            s.execute(text(f"DROP TABLE IF EXISTS {t}"))
+        s.commit()
+    database.dispose()
+
+
 def find_run(db_url: str):
     from sqlalchemy import select
 
@@ -108,10 +216,18 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--reuse", action="store_true", help="keep an existing benchmark run")
     ap.add_argument("--port", type=int, default=8479)
+    ap.add_argument("--layouts", type=int, metavar="STEPS", default=0,
+                    help="instead: compare storage layouts on STEPS x 150 values (e.g. 20000)")
     args = ap.parse_args()
     from server.settings import normalize_db_url
 
     db = normalize_db_url(args.db)
+    if args.layouts:
+        from server.db import upgrade
+
+        upgrade(db)
+        compare_layouts(db, args.layouts)
+        return 0
     run_id = find_run(db) if args.reuse else None
     if run_id is None:
         if db.startswith("sqlite"):
