@@ -269,7 +269,7 @@ class Monitor:
                                collector, e)
 
     def _on(self, collector: str) -> bool:
-        return collector not in self._disabled and not self.closed and os.getpid() == self._pid
+        return collector not in self._disabled and not self.closed and _process.pid == self._pid
 
     # ------------------------------------------------------------------ step state
 
@@ -306,7 +306,7 @@ class Monitor:
     # ------------------------------------------------------------------ model hooks
 
     def _on_forward_pre(self, module, args, kwargs):
-        if self.closed or os.getpid() != self._pid:
+        if self.closed or _process.pid != self._pid:
             return None
         with self._guard("forward"):
             self._seal_open()
@@ -410,7 +410,9 @@ class Monitor:
             return
         self._pending_scale = s._scale.detach().clone()
         found = [f for state in s._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-        if found:
+        if len(found) == 1:
+            self._pending_found_inf = found[0]   # update() only adds into it when there are several
+        elif found:
             dev = s._scale.device
             self._pending_found_inf = torch.stack([f.to(dev, non_blocking=True).reshape(()) for f in found]).sum()
 
@@ -577,6 +579,12 @@ def _accumulate(target: dict, key: str, value) -> None:
 
 # ---------------------------------------------------------------------- registry, exit, fork
 
+class _Process:
+    """The current pid, refreshed after fork, so hooks compare an attribute instead of calling getpid()."""
+    pid = os.getpid()
+
+
+_process = _Process()
 _registry: dict[int, Monitor] = {}
 _registry_lock = threading.Lock()
 
@@ -615,6 +623,7 @@ def _after_fork_in_child() -> None:
     # DataLoader workers and other forks inherit the hooks but must do nothing:
     # every hook checks the pid; here we only drop the parent's monitors.
     global _registry_lock
+    _process.pid = os.getpid()
     _registry_lock = threading.Lock()
     _registry.clear()
 

@@ -13,6 +13,7 @@ to Python floats once.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional
 
 import torch
@@ -42,7 +43,7 @@ class StepRecord:
         layout: list[tuple[str, int]] = []
         host_vectors = []
         for device, items in by_device.items():
-            flat = [t.detach().reshape(-1).to(torch.float32) for _, t in items]
+            flat = [_flat32(t) for _, t in items]
             layout.extend((key, f.numel()) for (key, _), f in zip(items, flat))
             vec = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
             if device.type == "cpu":
@@ -64,7 +65,9 @@ class StepRecord:
         if self.vector is None:
             return {}
         if self.event is not None:
-            self.event.synchronize()
+            # Poll instead of synchronize(): never a blocking CUDA call, and the GIL is free meanwhile.
+            while not self.event.query():
+                time.sleep(0.0005)
         vectors = self.vector if isinstance(self.vector, list) else [self.vector]
         flat: list[float] = []
         for v in vectors:
@@ -75,6 +78,14 @@ class StepRecord:
             out[key] = flat[pos:pos + n]
             pos += n
         return out
+
+
+def _flat32(t: torch.Tensor) -> torch.Tensor:
+    if t.requires_grad:
+        t = t.detach()
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def finite(x: Optional[float]) -> bool:

@@ -17,3 +17,19 @@ def agent_settings(tmp_path):
     return {"spool_dir": str(tmp_path / "spool"), "project": "tests", "run": "r1", "flush_interval": 0.1}
 
 
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    """One real server (SQLite) for the agent tests that neither stop it nor need its port.
+
+    Each test uses its own run names, so sharing it only saves start-up time.
+    """
+    from tests.conftest import LiveServer, free_port
+
+    data_dir = tmp_path_factory.mktemp("agent-shared-server")
+    srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
+    srv.migrate()
+    srv.start()
+    yield srv
+    srv.stop()

@@ -28,8 +28,8 @@ def _train(monitor_args: dict, steps: int, model=None, opt=None, scaler=None, ti
     return monitor, model, opt, scaler
 
 
-def test_steps_meta_and_finished_status_reach_a_real_server(server_factory, sqlite_url, tmp_path):
-    srv = server_factory(sqlite_url)
+def test_steps_meta_and_finished_status_reach_a_real_server(shared_server, tmp_path):
+    srv = shared_server
     monitor, *_ = _train({"server": srv.url, "project": "deliv", "run": "basic",
                           "spool_dir": str(tmp_path / "spool")}, 25)
     monitor.close()
@@ -50,7 +50,7 @@ def test_server_down_mid_run_every_step_arrives_exactly_once(server_factory, sql
     scaler = torch.amp.GradScaler("cpu")
     monitor = agent.attach(model, scaler, **args)
     phases: dict[str, list[float]] = {"up": [], "down": [], "back": []}
-    data = iter(batches(300))
+    data = iter(batches(150))
 
     def run(phase: str, n: int) -> None:
         for _ in range(n):
@@ -59,17 +59,17 @@ def test_server_down_mid_run_every_step_arrives_exactly_once(server_factory, sql
             checklist_step(model, opt, scaler, x, y)
             phases[phase].append(time.perf_counter() - t0)
 
-    run("up", 100)
-    wait_until(lambda: len(stored_counts(srv, "deliv", "outage")) >= 50, what="first steps stored")
+    run("up", 50)
+    wait_until(lambda: len(stored_counts(srv, "deliv", "outage")) >= 25, what="first steps stored")
     srv.kill()                        # as a crash would
-    run("down", 100)
+    run("down", 50)
     time.sleep(0.3)                   # let the sender spool the outage's batches
     assert spooled_steps(tmp_path / "spool"), "batches made during the outage are on disk"
     srv.start()
-    run("back", 100)
+    run("back", 50)
     monitor.close(timeout=20)
     counts = stored_counts(srv, "deliv", "outage")
-    assert counts == {i: 1 for i in range(300)}
+    assert counts == {i: 1 for i in range(150)}
     assert spooled_steps(tmp_path / "spool") == []
     assert monitor.dropped_steps == 0
     print("median step time (ms): " + ", ".join(
@@ -91,8 +91,7 @@ def test_outage_batches_are_replayed_in_order(tmp_path):
     assert sent == list(range(60))
 
 
-def test_server_answering_500_does_not_block_training_and_the_spool_keeps_everything(tmp_path, server_factory,
-                                                                                      sqlite_url):
+def test_server_answering_500_does_not_block_training_and_the_spool_keeps_everything(tmp_path, shared_server):
     bad = StubbornServer(status=500)
     times: list[float] = []
     try:
@@ -107,7 +106,7 @@ def test_server_answering_500_does_not_block_training_and_the_spool_keeps_everyt
     print(f"step time with a 500-answering server: median {1000 * statistics.median(times):.2f} ms, "
           f"max {1000 * max(times):.2f} ms")
     # The spool left behind is uploaded later by `gradwatch sync`.
-    srv = server_factory(sqlite_url)
+    srv = shared_server
     result = sync_spool(tmp_path / "spool", srv.url, progress=False)
     assert result.ok and result.steps == 60
     assert stored_counts(srv, "deliv", "five-hundred") == {i: 1 for i in range(60)}
@@ -170,8 +169,8 @@ def test_full_spool_drops_are_counted_and_reported_to_the_server(server_factory,
     assert all(e["data"]["reason"] == "spool full" for e in events)
 
 
-def test_a_nonfinite_loss_is_sent_at_once_not_at_the_next_flush_tick(server_factory, sqlite_url, tmp_path):
-    srv = server_factory(sqlite_url)
+def test_a_nonfinite_loss_is_sent_at_once_not_at_the_next_flush_tick(shared_server, tmp_path):
+    srv = shared_server
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu")
@@ -190,7 +189,7 @@ def test_a_nonfinite_loss_is_sent_at_once_not_at_the_next_flush_tick(server_fact
     monitor.close()
 
 
-def test_offline_mode_writes_only_the_spool_and_sync_uploads_it_once(server_factory, sqlite_url, tmp_path):
+def test_offline_mode_writes_only_the_spool_and_sync_uploads_it_once(shared_server, tmp_path):
     spool = tmp_path / "offline-spool"
     monitor, *_ = _train({"mode": "offline", "server": "http://127.0.0.1:9", "project": "deliv",
                           "run": "offline", "spool_dir": str(spool), "flush_interval": 0.02}, 30)
@@ -198,7 +197,7 @@ def test_offline_mode_writes_only_the_spool_and_sync_uploads_it_once(server_fact
     files = sorted(spool.rglob("*.json"))
     assert sorted(spooled_steps(spool)) == list(range(30))
     keep = files[0].read_bytes()
-    srv = server_factory(sqlite_url)
+    srv = shared_server
     progress = tmp_path / "progress.txt"
     with open(progress, "w") as out:
         result = sync_spool(spool, srv.url, progress=True, out=out)
