@@ -114,7 +114,7 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "B2", "loss_plateau", "warning", "8.B",
-        "loss median not improved by {min_improvement:.0%} over the last {window} steps while the grad norm is normal "
+        "loss median of the last quarter of {window} steps not {min_improvement:.0%} below the first quarter's, while the grad norm is normal "
         "(and the loss has not yet fallen {converged_drop:.0%} below its first level: a converged run is not stuck)",
         "The loss does not go down although gradients are normal.",
         (
@@ -217,13 +217,13 @@ RULES: tuple[RuleSpec, ...] = (
     ),
     RuleSpec(
         "E1", "activation_jump", "warning", "7.1",
-        "a module's activation std >= {factor:g}x its rolling median over {window} steps",
+        "a module's activation std >= {factor:g}x the median of its last {history} samples",
         "A layer amplifies its signal: its activation variance jumped.",
         (
             "Inspect that layer (weights, normalisation, residual scaling); pre-norm or a normalisation after it controls the variance.",
             "Lower the learning rate if its weights grew quickly (see E2).",
         ),
-        {"factor": 10.0, "window": 200, "min_history": 5},
+        {"factor": 10.0, "history": 20, "min_history": 5},
     ),
     RuleSpec(
         "E2", "weight_norm_growth", "warning", "7.1",

@@ -73,6 +73,12 @@ class Window:
             del self.values[: len(self.values) - self.size]
         self._since += 1
 
+    def extend(self, xs: list[float]) -> None:
+        self.values.extend(xs)
+        if len(self.values) > self.size:
+            del self.values[: len(self.values) - self.size]
+        self._since += len(xs)
+
     def __len__(self) -> int:
         return len(self.values)
 
@@ -105,6 +111,12 @@ class Rule:
     def begin(self, ctx: Context, state: dict, cfg: dict) -> None:
         """Called once per batch before the steps."""
 
+    def fast(self, ctx: Context, state: dict, cfg: dict, steps: list[dict]) -> bool:
+        """Batch fast path for a rule that is not firing: if the whole batch provably holds no hit,
+        update the state in bulk and return True; otherwise leave the state alone and return False
+        (the engine then walks the steps one by one)."""
+        return False
+
     def event_hits(self, ctx: Context, state: dict, cfg: dict) -> list:
         """Hits that come from the batch's events rather than its steps: [(step, Hit)]."""
         return []
@@ -121,6 +133,24 @@ class LossNonfinite(Rule):
 
     def begin(self, ctx, state, cfg):
         self.gn = Window(state, "gn", 50, refresh=4)
+
+    def fast(self, ctx, state, cfg, steps):
+        losses = [num(st.get("loss")) for st in steps]
+        if any(x is not None and not math.isfinite(x) for x in losses):
+            return False
+        med = median(self.gn.values) if len(self.gn) >= 5 else None
+        push, last = [], None
+        for st, loss in zip(steps, losses):
+            gn = num(st.get("grad_norm"))
+            if loss is None or gn is None:
+                continue
+            last = gn
+            if math.isfinite(gn) and (med is None or gn <= cfg["explode_factor"] * med):
+                push.append(gn)
+        if last is not None:
+            state["prev_gn"] = last if math.isfinite(last) else "NaN"
+        self.gn.extend(push)
+        return True
 
     def observe(self, ctx, state, cfg, st):
         loss = num(st.get("loss"))
@@ -182,6 +212,25 @@ class GradExplosion(Rule):
     def begin(self, ctx, state, cfg):
         self.win = Window(state, "gn", int(cfg["window"]))
 
+    def fast(self, ctx, state, cfg, steps):
+        if len(self.win) < cfg["min_history"]:
+            return False
+        limit = cfg["factor"] * median(self.win.values)
+        push = []
+        for st in steps:
+            gn = num(st.get("grad_norm"))
+            if gn is None:
+                continue
+            if not math.isfinite(gn):
+                if st.get("overflow") or st.get("loss_scale") is not None:
+                    continue
+                return False
+            if gn > limit:
+                return False
+            push.append(gn)
+        self.win.extend(push)
+        return True
+
     def observe(self, ctx, state, cfg, st):
         gn = num(st.get("grad_norm"))
         if gn is None:
@@ -235,6 +284,9 @@ class InputNonfinite(Rule):
     id = "A4"
     needs = ("input_nonfinite",)
 
+    def fast(self, ctx, state, cfg, steps):
+        return not any((num(st.get("input_nonfinite")) or 0) > 0 for st in steps)
+
     def observe(self, ctx, state, cfg, st):
         n = num(st.get("input_nonfinite"))
         if n is None:
@@ -247,6 +299,17 @@ class InputNonfinite(Rule):
 class OverflowStorm(Rule):
     id = "A5"
     needs = ("overflow",)
+
+    def fast(self, ctx, state, cfg, steps):
+        if any(st.get("overflow") for st in steps):
+            return False
+        if any(st.get("overflow") is not None for st in steps):
+            state["consecutive"] = 0
+        skipped = state.get("skipped")
+        if skipped:
+            cutoff = steps[-1]["step"] - int(cfg["window"])
+            state["skipped"] = [s for s in skipped if s > cutoff]
+        return True
 
     def observe(self, ctx, state, cfg, st):
         ov = st.get("overflow")
@@ -276,6 +339,20 @@ class OverflowStorm(Rule):
 class VanishingGrad(Rule):
     id = "B1"
     needs = ("grad_norm",)
+
+    def fast(self, ctx, state, cfg, steps):
+        seen = False
+        for st in steps:
+            gn = num(st.get("grad_norm"))
+            if gn is None or not math.isfinite(gn) or st.get("overflow"):
+                continue
+            if gn < cfg["threshold"]:
+                return False
+            seen = True
+        if seen:
+            state["streak"] = 0
+            state.pop("since", None)
+        return True
 
     def observe(self, ctx, state, cfg, st):
         gn = num(st.get("grad_norm"))
@@ -321,7 +398,9 @@ class LossPlateau(Rule):
             del chunks[: len(chunks) - self.CHUNKS]
         if len(chunks) < self.CHUNKS:
             return None
-        start, end = chunks[0][0], chunks[-1][0]
+        # the first and the last quarter of the window, each as the median of its chunk medians
+        quarter = self.CHUNKS // 4
+        start, end = median(c[0] for c in chunks[:quarter]), median(c[0] for c in chunks[-quarter:])
         improvement = (start - end) / abs(start) if start else 0.0
         gn_normal = not any(bad for _, bad in chunks)
         converged = abs(end) < (1.0 - cfg["converged_drop"]) * abs(state["first"])
@@ -369,6 +448,17 @@ class LrZero(Rule):
     id = "B4"
     needs = ("lr",)
 
+    def fast(self, ctx, state, cfg, steps):
+        lrs = [num(st.get("lr")) for st in steps if st["step"] != 0]
+        lrs = [x for x in lrs if x is not None]
+        if any(x == 0 for x in lrs):
+            return False
+        if lrs:
+            state["peak"] = max(state.get("peak", 0.0), max(lrs))
+            state["streak"] = 0
+            state.pop("since", None)
+        return True
+
     def observe(self, ctx, state, cfg, st):
         lr = num(st.get("lr"))
         if lr is None or st["step"] == 0:
@@ -395,16 +485,21 @@ class DeadParams(Rule):
         values = _layer(st, "grad_norm")
         if not values or st.get("overflow"):
             return None
-        zero_since: dict[str, int] = state.setdefault("zero_since", {})
         step = st["step"]
-        for i, v in enumerate(values):
-            x = num(v)
-            key = str(i)
-            if x is None or x == 0.0:
-                zero_since.setdefault(key, step)
-            elif key in zero_since:
-                del zero_since[key]
-        dead = sorted((int(k) for k, s in zero_since.items() if step - s >= cfg["steps"]))
+        if step - state.get("last", -10**12) < max(1, int(cfg["steps"]) // 10):
+            return None               # looked at every steps/10 steps: enough to time a 50-step silence
+        state["last"] = step
+        zero_since: dict[str, int] = state.setdefault("zero_since", {})
+        # None (no .grad) and 0.0 are falsy, NaN is not: one pass in C, then set arithmetic
+        zero = {str(i) for i, v in enumerate(values) if not v}
+        for key in [k for k in zero_since if k not in zero]:
+            del zero_since[key]
+        for key in zero:
+            if key not in zero_since:
+                zero_since[key] = step
+        if not zero_since:
+            return False
+        dead = sorted(int(k) for k, s0 in zero_since.items() if step - s0 >= cfg["steps"])
         if dead:
             names = [_name(ctx.param_names, i) for i in dead]
             shown = ", ".join(names[: int(cfg["max_names"])]) + (" …" if len(names) > cfg["max_names"] else "")
@@ -423,6 +518,35 @@ class LossOscillation(Rule):
     def begin(self, ctx, state, cfg):
         self.win = Window(state, "loss", int(cfg["window"]), refresh=1)
 
+    def fast(self, ctx, state, cfg, steps):
+        xs = [x for x in (num(st.get("loss")) for st in steps) if x is not None and math.isfinite(x)]
+        n0 = state.get("n", 0)
+        start = list(state.get("start", [])) + xs[: max(0, 20 - n0)]
+        vals = (self.win.values + xs)[-int(cfg["window"]):]
+        crosses = (n0 + len(xs)) // self.EVERY > n0 // self.EVERY
+        if crosses and len(vals) >= cfg["min_history"] and self._condition(vals, start, cfg) is not None:
+            return False              # judge it step by step
+        self.win.extend(xs)
+        state["n"] = n0 + len(xs)
+        if start:
+            state["start"] = start
+        return True
+
+    @staticmethod
+    def _condition(vals, start_vals, cfg):
+        med, mad = median_mad(vals)
+        third = len(vals) // 3
+        first, last = median(vals[:third]), median(vals[-third:])
+        spread = mad / abs(med) if med else math.inf
+        falling = last < first - 0.5 * mad
+        start = median(start_vals)
+        # a run whose loss already fell far below its start has converged: noise there is not oscillation
+        converged = abs(med) < cfg["converged_fraction"] * abs(start)
+        if spread > cfg["spread_ratio"] and not falling and not converged:
+            return {"loss_median": med, "loss_mad": mad, "spread_ratio": spread, "first_third_median": first,
+                    "last_third_median": last, "window": len(vals), "start_loss_median": start}
+        return None
+
     def observe(self, ctx, state, cfg, st):
         loss = num(st.get("loss"))
         if loss is None or not math.isfinite(loss):
@@ -433,26 +557,29 @@ class LossOscillation(Rule):
             state.setdefault("start", []).append(loss)      # the run's starting level
         if len(self.win) < cfg["min_history"] or state["n"] % self.EVERY:
             return None
-        vals = self.win.values
-        med, mad = median_mad(vals)
-        third = len(vals) // 3
-        first, last = median(vals[:third]), median(vals[-third:])
-        spread = mad / abs(med) if med else math.inf
-        falling = last < first - 0.5 * mad
-        start = median(state["start"])
-        # a run whose loss already fell far below its start has converged: noise there is not oscillation
-        converged = abs(med) < cfg["converged_fraction"] * abs(start)
-        if spread > cfg["spread_ratio"] and not falling and not converged:
-            ev = {"loss_median": med, "loss_mad": mad, "spread_ratio": spread, "first_third_median": first,
-                  "last_third_median": last, "window": len(vals), "start_loss_median": start}
-            return Hit(ev, f"Loss oscillates: robust spread {spread:.2f}x its median {fmt(med)}, no downward trend "
-                           f"({fmt(first)} -> {fmt(last)}), still at {abs(med) / abs(start):.0%} of its start")
+        ev = self._condition(self.win.values, state["start"], cfg)
+        if ev is not None:
+            return Hit(ev, f"Loss oscillates: robust spread {ev['spread_ratio']:.2f}x its median "
+                           f"{fmt(ev['loss_median'])}, no downward trend ({fmt(ev['first_third_median'])} -> "
+                           f"{fmt(ev['last_third_median'])}), still at "
+                           f"{abs(ev['loss_median']) / abs(ev['start_loss_median']):.0%} of its start")
         return False
 
 
 class ClipSaturation(Rule):
     id = "C2"
     needs = ("clipped",)
+
+    def fast(self, ctx, state, cfg, steps):
+        window = int(cfg["window"])
+        new = "".join("1" if st.get("clipped") else "0" for st in steps
+                      if st.get("clipped") is not None and not st.get("overflow"))
+        bits = state.get("bits", "") + new
+        # no window inside bits can hold more ones than bits as a whole
+        if len(bits) >= window and bits[-(window + len(new)):].count("1") > cfg["fraction"] * window:
+            return False
+        state["bits"] = bits[-window:]
+        return True
 
     def observe(self, ctx, state, cfg, st):
         clipped = st.get("clipped")
@@ -479,6 +606,17 @@ class LossSpike(Rule):
 
     def begin(self, ctx, state, cfg):
         self.win = Window(state, "loss", int(cfg["window"]))
+
+    def fast(self, ctx, state, cfg, steps):
+        if len(self.win) < cfg["min_history"] or state.get("consecutive"):
+            return False
+        med, mad = median_mad(self.win.values)
+        limit = med + cfg["mad_factor"] * max(mad, 0.01 * abs(med), 1e-12)
+        xs = [x for x in (num(st.get("loss")) for st in steps) if x is not None and math.isfinite(x)]
+        if any(x > limit for x in xs):
+            return False
+        self.win.extend(xs)
+        return True
 
     def observe(self, ctx, state, cfg, st):
         loss = num(st.get("loss"))
@@ -552,6 +690,30 @@ class EmaDivergence(Rule):
     def begin(self, ctx, state, cfg):
         self.win = Window(state, "div", int(cfg["window"]))
 
+    def fast(self, ctx, state, cfg, steps):
+        if len(self.win) < cfg["min_history"]:
+            return False
+        med = median(self.win.values)
+        xs = [x for x in (num(st.get("ema_divergence")) for st in steps) if x is not None and math.isfinite(x)]
+        if med <= 0 or any(x > cfg["factor"] * med for x in xs):
+            return False
+        n0 = state.get("n", 0)
+        if (n0 + len(xs)) // self.EVERY > n0 // self.EVERY and self._oscillating((self.win.values + xs)[-50:]):
+            return False
+        self.win.extend(xs)
+        state["n"] = n0 + len(xs)
+        return True
+
+    @staticmethod
+    def _oscillating(recent: list[float]):
+        if len(recent) < 3:
+            return None
+        med, mad = median_mad(recent)
+        turns = sum(1 for a, b, c in zip(recent, recent[1:], recent[2:]) if (b - a) * (c - b) < 0)
+        if med > 0 and mad / med > 1.0 and turns > 0.5 * len(recent):
+            return {"median": med, "mad": mad, "turns": turns}
+        return None
+
     def observe(self, ctx, state, cfg, st):
         d = num(st.get("ema_divergence"))
         if d is None or not math.isfinite(d):
@@ -562,14 +724,15 @@ class EmaDivergence(Rule):
                 return Hit({"ema_divergence": d, "median": med, "ratio": d / med},
                            f"EMA divergence {fmt(d)} is {d / med:.1f}x its median {fmt(med)}")
             state["n"] = state.get("n", 0) + 1
-            if state["n"] % self.EVERY == 0 and med > 0:
-                # oscillating: the EMA distance swings by more than its own level, back and forth
-                recent = self.win.values[-50:]
-                turns = sum(1 for a, b, c in zip(recent, recent[1:], recent[2:]) if (b - a) * (c - b) < 0)
-                if mad / med > 1.0 and turns > 0.5 * len(recent):
+            if state["n"] % self.EVERY == 0:
+                # oscillating: over the last 50 values the EMA distance swings by more than its own
+                # level, back and forth
+                osc = self._oscillating(self.win.values[-49:] + [d])
+                if osc:
                     self.win.push(d)
-                    return Hit({"ema_divergence": d, "median": med, "mad": mad, "turns": turns, "oscillating": True},
-                               f"EMA divergence oscillates: spread {mad / med:.1f}x its median {fmt(med)}")
+                    return Hit({"ema_divergence": d, **osc, "oscillating": True},
+                               f"EMA divergence oscillates: spread {osc['mad'] / osc['median']:.1f}x its median "
+                               f"{fmt(osc['median'])}")
         self.win.push(d)
         return False
 
@@ -622,26 +785,30 @@ class ActivationJump(Rule):
         values = _layer(st, "act_std")
         if not values:
             return None
-        step = st["step"]
-        window = int(cfg["window"])
-        hist: dict[str, list] = state.setdefault("hist", {})
+        history = int(cfg["history"])
+        vals: dict[str, list] = state.setdefault("vals", {})
+        medians: dict[str, float] = state.setdefault("med", {})
         worst = None
-        for i, v in enumerate(values):
-            x = num(v)
+        for i, x in enumerate(values):
             if x is None or not math.isfinite(x):
                 continue
-            h = hist.setdefault(str(i), [])
-            while h and h[0][0] < step - window:
-                h.pop(0)
+            key = str(i)
+            h = vals.get(key)
+            if h is None:
+                h = vals[key] = []
             if len(h) >= cfg["min_history"]:
-                med = median(p[1] for p in h)
+                med = medians.get(key)
+                if med is None:
+                    med = medians[key] = median(h)
                 if med > 0 and x >= cfg["factor"] * med:
                     if worst is None or x / med > worst[1]:
                         worst = (i, x / med, med, x)
                     continue          # a flagged jump stays out of the baseline
-            h.append([step, x])
-            if len(h) > 50:
+            h.append(x)
+            if len(h) > history:
                 del h[0]
+            if len(h) % 4 == 0:       # the baseline median is refreshed every 4 samples
+                medians.pop(key, None)
         if worst:
             i, ratio, med, x = worst
             name = _name(ctx.module_names, i)
@@ -653,6 +820,7 @@ class ActivationJump(Rule):
 class WeightNormGrowth(Rule):
     id = "E2"
     needs = ("layers.weight_norm",)
+    SAMPLES = 10                      # samples kept per window (all parameters share the sample steps)
 
     def observe(self, ctx, state, cfg, st):
         values = _layer(st, "weight_norm")
@@ -660,32 +828,33 @@ class WeightNormGrowth(Rule):
             return None
         step = st["step"]
         window = int(cfg["window"])
-        spacing = max(1, window // 40)
-        if step - state.get("last", -10**12) < spacing:
+        if step - state.get("last", -10**12) < max(1, window // self.SAMPLES):
             return None
         state["last"] = step
-        hist: dict[str, list] = state.setdefault("hist", {})
+        steps: list[int] = state.setdefault("steps", [])
+        vals: list[list] = state.setdefault("vals", [])      # vals[k] = the weight norms at steps[k]
+        steps.append(step)
+        vals.append([x if x is not None and math.isfinite(x) and x > 0 else None for x in values])
+        while len(steps) > 1 and steps[1] <= step - window:  # keep one sample at or before the window start
+            steps.pop(0)
+            vals.pop(0)
+        if len(steps) < cfg["min_samples"] or step - steps[0] < window:
+            return False
+        first, last = vals[0], vals[-1]
         growing = []
-        for i, v in enumerate(values):
-            x = num(v)
-            if x is None or not math.isfinite(x) or x <= 0:
+        for i in range(min(len(first), len(last))):
+            a, b = first[i], last[i]
+            if a is None or b is None or b / a - 1.0 <= cfg["growth"]:
                 continue
-            h = hist.setdefault(str(i), [])
-            h.append([step, x])
-            while len(h) > 1 and h[1][0] <= step - window:
-                h.pop(0)
-            if len(h) < cfg["min_samples"] or step - h[0][0] < window:
-                continue
-            monotone = all(b[1] >= a[1] * 0.999 for a, b in zip(h, h[1:]))
-            growth = h[-1][1] / h[0][1] - 1.0
-            if monotone and growth > cfg["growth"]:
-                growing.append((growth, i, h[0][1], x))
+            series = [v[i] if i < len(v) else None for v in vals]
+            if all(p is not None and q is not None and q >= p * 0.999 for p, q in zip(series, series[1:])):
+                growing.append((b / a - 1.0, i, a, b))
         if growing:
             growing.sort(reverse=True)
-            g, i, first, last = growing[0]
+            g, i, a, b = growing[0]
             names = [_name(ctx.param_names, j) for _, j, _, _ in growing]
-            return Hit({"params": names[:10], "count": len(names), "growth": g, "weight_norm_start": first,
-                        "weight_norm_end": last, "window": window},
+            return Hit({"params": names[:10], "count": len(names), "growth": g, "weight_norm_start": a,
+                        "weight_norm_end": b, "window": window},
                        f"Weight norm of {names[0]} grew {g:.0%} monotonically over {window} steps"
                        + (f" (and {len(names) - 1} more)" if len(names) > 1 else ""))
         return False
@@ -695,14 +864,18 @@ class UpdateRatio(Rule):
     id = "E3"
     needs = ("layers.update_ratio",)
 
+    def begin(self, ctx, state, cfg):
+        # weights only: a bias or a norm layer's gain starting at 0 / 1 has a meaningless ratio early on
+        bn_prefixes = tuple(b + "." for b in ctx.bn_names)
+        self.keep = [i for i, n in enumerate(ctx.param_names)
+                     if not n.endswith("bias") and not (bn_prefixes and n.startswith(bn_prefixes))]
+
     def observe(self, ctx, state, cfg, st):
         values = _layer(st, "update_ratio")
         if not values or st.get("overflow"):
             return None
-        # weights only: a bias or a norm layer's gain starting at 0 / 1 has a meaningless ratio early on
-        keep = [i for i in range(len(values)) if not _name(ctx.param_names, i).endswith("bias")
-                and not any(_name(ctx.param_names, i).startswith(b + ".") for b in ctx.bn_names)]
-        pairs = [(num(values[i]), i) for i in (keep or range(len(values)))]
+        keep = [i for i in self.keep if i < len(values)] or range(len(values))
+        pairs = [(values[i], i) for i in keep]
         pairs = [(x, i) for x, i in pairs if x is not None and math.isfinite(x)]
         if not pairs:
             return None

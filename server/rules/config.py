@@ -33,7 +33,7 @@ from server.models import Project, RuleOverride
 from server.rules.catalogue import RULES, SEVERITIES, find_rule
 
 # integer-valued settings (a float there is a mistake worth reporting)
-_INT_KEYS = {"window", "steps", "consecutive", "halvings", "min_history", "clear_steps", "cooldown_steps",
+_INT_KEYS = {"window", "history", "steps", "consecutive", "halvings", "min_history", "clear_steps", "cooldown_steps",
              "critical_consecutive", "warmup_steps", "min_samples", "max_names"}
 # settings that may be 0
 _MAY_BE_ZERO = {"cooldown_steps", "warmup_steps", "min_improvement", "min_rise", "converged_drop", "converged_fraction", "low", "min_history", "fraction"}

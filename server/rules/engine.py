@@ -117,8 +117,9 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
             rule.begin(ctx, state, rcfg)
             for ev_step, hit in rule.event_hits(ctx, state, rcfg):
                 episode.feed(ev_step, hit)
-            for st in steps:
-                episode.feed(int(st["step"]), rule.observe(ctx, state, rcfg, st))
+            if episode.firing or not rule.fast(ctx, state, rcfg, steps):
+                for st in steps:
+                    episode.feed(int(st["step"]), rule.observe(ctx, state, rcfg, st))
         except Exception:   # noqa: BLE001 - one broken rule must not lose the batch
             log.exception("rule %s failed on run %s rank %s; skipped for this batch", rule.id, run.id, rank)
             continue

@@ -149,7 +149,7 @@ def b2_lr_too_low() -> Loop:
 def b2_lr_too_low_default_window() -> Loop:
     torch.manual_seed(26)
     model = mlp()
-    return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-7), regression_data(26), F.mse_loss, steps=510)
+    return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-7), regression_data(26), F.mse_loss, steps=600)
 
 
 def b3_scale_collapse() -> Loop:

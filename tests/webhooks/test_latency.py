@@ -87,6 +87,15 @@ def test_latency_nan_to_webhook_and_step_to_api(server_factory, db_url, webhook_
             monitor.close()
         visible_latency += [seen[s] - ended[s] for s in range(STEPS - 1)]
     backend = request.node.callspec.params["db_url"]
+    lines = [
+        f"- {backend}: NaN step → webhook received: median {statistics.median(nan_latency) * 1000:.0f} ms, "
+        f"p95 {p95(nan_latency) * 1000:.0f} ms, max {max(nan_latency) * 1000:.0f} ms ({RUNS} runs); in the server "
+        f"(outbox row → receiver answered) median {statistics.median(in_server) * 1000:.0f} ms",
+        f"- {backend}: step → visible in the API: median {statistics.median(visible_latency) * 1000:.0f} ms, "
+        f"p95 {p95(visible_latency) * 1000:.0f} ms, max {max(visible_latency) * 1000:.0f} ms "
+        f"({len(visible_latency)} steps)",
+    ]
+    _update_doc(backend, lines)
     print(f"\n[latency:{backend}] NaN step -> webhook received: median {statistics.median(nan_latency) * 1000:.0f} ms, "
           f"p95 {p95(nan_latency) * 1000:.0f} ms, max {max(nan_latency) * 1000:.0f} ms ({RUNS} runs)")
     print(f"[latency:{backend}] of which in the server (outbox row -> receiver answered): "
@@ -95,3 +104,23 @@ def test_latency_nan_to_webhook_and_step_to_api(server_factory, db_url, webhook_
           f"p95 {p95(visible_latency) * 1000:.0f} ms, max {max(visible_latency) * 1000:.0f} ms "
           f"({len(visible_latency)} steps; agent flush_interval 0.5 s, 10 ms API polling)")
     assert len(nan_latency) == RUNS and len(visible_latency) == RUNS * (STEPS - 1)
+
+
+def _update_doc(backend: str, lines: list[str]) -> None:
+    """Keep docs/rules.md's latency block current: this backend's lines replaced, the others kept."""
+    import re
+
+    from tests.conftest import REPO_ROOT
+
+    doc = REPO_ROOT / "docs" / "rules.md"
+    if not doc.exists():
+        return
+    text = doc.read_text()
+    m = re.search(r"<!-- latency:start -->\n(.*?)<!-- latency:end -->", text, flags=re.S)
+    if not m:
+        return
+    kept = [ln for ln in m.group(1).splitlines() if ln.startswith("- ") and not ln.startswith(f"- {backend}:")]
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    body = "\n".join(sorted(kept + [ln.replace(": NaN", f" ({stamp}): NaN", 1) if "NaN step" in ln else ln
+                                     for ln in lines])) + "\n"
+    doc.write_text(text[:m.start(1)] + body + text[m.end(1):])
