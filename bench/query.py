@@ -76,6 +76,13 @@ def build_run(db_url: str, steps: int, batch_steps: int = 1000) -> int:
         if (lo // batch_steps) % 100 == 0:
             done = lo + len(idx)
             print(f"  wrote {done:,} steps, {done / (time.perf_counter() - t0):,.0f} steps/s", flush=True)
+    if database.dialect == "postgresql":
+        # what autovacuum does on its own a little later; without statistics the
+        # planner may pick a sequential scan for the first queries
+        from sqlalchemy import text
+
+        with database.engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE"))
     database.dispose()
     print(f"built {steps:,} steps x {LAYERS} layers in {time.perf_counter() - t0:.0f} s")
     return run_id

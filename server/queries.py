@@ -230,6 +230,21 @@ def _step_bounds(session: Session, table, run_id: int, rank: int, extra) -> tupl
     return _bounds(session, table.step, [table.run_id == run_id, table.rank == rank, *extra])
 
 
+def _fetch_blobs(session: Session, stmt) -> list[tuple[int, bytes]]:
+    """(int, bytes) rows without ORM overhead. On PostgreSQL the result comes in
+    binary format: bytea in text format is hex, twice the bytes and a parse."""
+    conn = session.connection()
+    if conn.dialect.name != "postgresql":
+        return [(k, bytes(b)) for k, b in conn.execute(stmt)]
+    compiled = stmt.compile(dialect=conn.dialect)
+    params = compiled.construct_params()
+    sql = compiled.string
+    raw = conn.connection.driver_connection
+    with raw.cursor(binary=True) as cur:
+        cur.execute(sql, params)
+        return [(k, bytes(b)) for k, b in cur.fetchall()]
+
+
 def _bounds(session: Session, col, where) -> tuple[Optional[int], Optional[int]]:
     """min and max of an indexed column as two scalar subqueries: SQLite answers a lone
     min() or max() with one index seek, but min() and max() together with a full scan."""
@@ -299,12 +314,10 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
     if level:
         bucket = math.ceil(bucket / level) * level
         start0 = (start // level) * level
-        rows = session.connection().execute(  # Core, not ORM: thousands of plain rows
-            select(StepRollup.bucket, StepRollup.data).where(
-                StepRollup.run_id == run_id, StepRollup.rank == rank, StepRollup.level == level,
-                StepRollup.bucket >= start // level, StepRollup.bucket <= end // level,
-            ).order_by(StepRollup.bucket)
-        ).all()
+        rows = _fetch_blobs(session, select(StepRollup.bucket, StepRollup.data).where(
+            StepRollup.run_id == run_id, StepRollup.rank == rank, StepRollup.level == level,
+            StepRollup.bucket >= start // level, StepRollup.bucket <= end // level,
+        ).order_by(StepRollup.bucket))
         merged = merge_step_partials(rows, signal_index=STEP_SIGNALS.index(signal), level=level, start0=start0,
                                      bucket_size=bucket)
         points = []
@@ -430,21 +443,17 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     if level:
         bucket = math.ceil(bucket / level) * level
         start0 = (start // level) * level
-        rows = session.connection().execute(  # Core, not ORM: thousands of plain rows
-            select(LayerRollup.bucket, LayerRollup.data).where(
-                LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
-                LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level,
-            ).order_by(LayerRollup.bucket)
-        ).all()
+        rows = _fetch_blobs(session, select(LayerRollup.bucket, LayerRollup.data).where(
+            LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
+            LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level,
+        ).order_by(LayerRollup.bucket))
         width = max([len(names)] + [(len(d) - 8) // 24 for _, d in rows])
         buckets, last_step, arr = layer_partial_arrays(rows, width)
         cols = (buckets * level - start0) // bucket
     else:
         start0 = start
-        rows = session.execute(
-            select(LayerStat.step, LayerStat.values).where(*base, LayerStat.step >= start, LayerStat.step <= end)
-            .order_by(LayerStat.step)
-        ).all()
+        rows = _fetch_blobs(session, select(LayerStat.step, LayerStat.values).where(
+            *base, LayerStat.step >= start, LayerStat.step <= end).order_by(LayerStat.step))
         width = max([len(names)] + [len(v) // 4 for _, v in rows])
         last_step, arr = _raw_layer_partials(rows, width)
         cols = (last_step.astype(np.int64) - start0) // bucket
