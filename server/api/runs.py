@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 from fastapi import APIRouter, HTTPException, Path, Query
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse as _StdJSONResponse
 
 from .. import queries
 from ..numbers import to_wire
@@ -14,6 +14,18 @@ from ..schemas import (
 from .deps import ReadScopeDep, SessionDep, SettingsDep
 
 router = APIRouter(tags=["runs"])
+
+
+class JSONResponse(_StdJSONResponse):
+    """orjson when installed: a 500 x 150 heatmap serialises in ~10 ms instead of ~100 ms.
+    Non-finite floats are already wire strings here, so both encoders give the same JSON."""
+
+    def render(self, content) -> bytes:
+        try:
+            import orjson
+        except ImportError:
+            return super().render(content)
+        return orjson.dumps(content)
 
 StepParam = Annotated[Optional[int], Query(ge=0, le=2**62)]
 RankParam = Annotated[int, Query(ge=0, le=1_000_000)]
