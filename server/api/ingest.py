@@ -16,6 +16,11 @@ from ..ingest import ingest_batch
 from ..schemas import IngestBatchIn, IngestResult
 from .deps import SettingsDep, get_read_scope
 
+try:  # 3-5x faster JSON parsing when installed (server extra)
+    import orjson as _orjson
+except ImportError:  # pragma: no cover
+    _orjson = None
+
 router = APIRouter(tags=["ingest"])
 
 
@@ -61,6 +66,11 @@ def decode_body(raw: bytes, encoding: str, *, limit: int) -> Any:
             raise HTTPException(413, f"decompressed body exceeds the limit of {limit} bytes")
     elif encoding not in ("", "identity"):
         raise HTTPException(415, f"unsupported Content-Encoding {encoding!r}: use gzip or none")
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError:
+            pass  # maybe the bare NaN / Infinity tokens Python's json writes: the stdlib parser takes them
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
