@@ -1,0 +1,301 @@
+"""Agent overhead: step time of the reference loop with and without telemetry.
+
+The reference loop: a 12-block pre-norm Transformer (about 150 parameter
+tensors), AdamW, GradScaler, clipping at 1.0, an EMA, fp32 compute on CPU, one
+torch thread. Every mode runs in its own process; modes are interleaved in
+rounds so that machine noise hits them alike. For each round the ratio of a
+mode's median step time to bare's is taken; the median over rounds is printed.
+
+Modes:
+  bare            the loop alone
+  agent-capture   agent attached with mode=disabled: hooks and device vectors, no sender thread
+  agent           agent with default telemetry (sender thread, spool; offline unless --server)
+  agent-full      agent with every collector every step
+  tensorboard     the same per-step scalars through torch.utils.tensorboard.SummaryWriter
+  wandb           the same per-step scalars through wandb in offline mode
+(tensorboard / wandb are skipped when the package is not installed.)
+
+A separate RSS check runs the agent for --rss-steps steps (default 10,000) on a
+small version of the same model and prints the RSS growth after warm-up.
+
+    python bench/agent_overhead.py                      # several minutes on 2 cores
+    python bench/agent_overhead.py --rounds 3 --steps 30 --rss-steps 2000   # quick look
+    python bench/agent_overhead.py --json results.json  # also write the raw figures
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ["bare", "agent-capture", "agent", "agent-full", "tensorboard", "wandb"]
+
+
+# ----------------------------------------------------------------------------- the reference loop (child side)
+
+def build(d_model: int, seq: int, vocab: int, blocks: int = 12):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d_model)
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.proj = nn.Linear(d_model, d_model)
+            self.ln2 = nn.LayerNorm(d_model)
+            self.fc = nn.Linear(d_model, 4 * d_model)
+            self.out = nn.Linear(4 * d_model, d_model)
+            self.heads = 4
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+            q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d_model)
+            self.pos = nn.Embedding(seq, d_model)
+            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+            self.ln_f = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, vocab, bias=False)
+
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
+
+    return GPT()
+
+
+class EMA:
+    """The checklist's EMA shape (a ``.shadow`` dict), updated with one fused lerp."""
+
+    def __init__(self, model, decay=0.999):
+        self.decay = decay
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        self._pairs = [(self.shadow[n], p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def update(self, model):
+        import torch
+        with torch.no_grad():
+            torch._foreach_lerp_([s for s, _ in self._pairs], [p.detach() for _, p in self._pairs], 1 - self.decay)
+
+
+def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int, server: str | None,
+          rss_every: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vocab = 256
+    model = build(d_model, seq, vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    ema = EMA(model)
+    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    tmp = tempfile.mkdtemp(prefix=f"gw-bench-{mode}-")
+    log_scalars = None
+    monitor = None
+    if mode.startswith("agent"):
+        sys.path.insert(0, str(REPO))
+        import agent
+        settings = dict(project="bench", run=f"{mode}-{os.getpid()}", spool_dir=tmp, ema=ema)
+        if mode == "agent-capture":
+            settings["mode"] = "disabled"
+        elif server:
+            settings["server"] = server
+        else:
+            settings["mode"] = "offline"
+        if mode == "agent-full":
+            settings.update(weights_every=1, activations_every=1, inputs_every=1, ema_every=1, bn_every=1)
+        monitor = agent.attach(model, scaler, optimizer=opt, **settings)
+    elif mode == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(log_dir=tmp)
+
+        def log_scalars(step, values):
+            for k, v in values.items():
+                writer.add_scalar(k, v, step)
+    elif mode == "wandb":
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+        wandb_run = wandb.init(mode="offline", dir=tmp, project="bench")
+
+        def log_scalars(step, values):
+            wandb_run.log(values, step=step)
+
+    param_count = sum(1 for _ in model.parameters())
+    times, cpu_times, rss = [], [], []
+    prev_scale = None
+    overflow_count = 0
+    for i in range(warmup + steps):
+        idx = data[i % len(data)]
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.zero_grad(set_to_none=True)
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale() if log_scalars else None   # what users of these loggers do
+        scaler.step(opt)
+        scaler.update()
+        ema.update(model)
+        if log_scalars is not None:
+            new_scale = scaler.get_scale()
+            overflow = prev_scale is not None and new_scale < scale
+            overflow_count += int(overflow)
+            prev_scale = new_scale
+            log_scalars(i, {"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
+                            "overflow": float(overflow), "overflow_count": overflow_count,
+                            "lr": opt.param_groups[0]["lr"]})
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+        if rss_every and i % rss_every == 0:
+            rss.append((i, _rss_mb()))
+    rss.append((warmup + steps, _rss_mb()))
+    if monitor is not None:
+        monitor.close(timeout=10)
+    if mode == "tensorboard":
+        writer.close()
+    if mode == "wandb":
+        wandb_run.finish()
+    return {"mode": mode, "times": times[warmup:], "cpu_times": cpu_times[warmup:], "params": param_count,
+            "rss": rss}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ----------------------------------------------------------------------------- the driver
+
+def available(mode: str) -> bool:
+    if mode == "tensorboard":
+        return importlib.util.find_spec("tensorboard") is not None
+    if mode == "wandb":
+        return importlib.util.find_spec("wandb") is not None
+    return True
+
+
+def run_child(args, mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int,
+              rss_every: int = 0) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, "--steps", str(steps), "--warmup", str(warmup),
+           "--d-model", str(d_model), "--seq", str(seq), "--batch", str(batch), "--rss-every", str(rss_every)]
+    if args.server:
+        cmd += ["--server", args.server]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=25, help="timed steps per mode per round")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rss-steps", type=int, default=10_000, help="agent steps for the RSS check (0: skip)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--server", help="send agent modes to this gradwatch server (default: offline spool)")
+    p.add_argument("--json", help="write raw figures here")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--rss-every", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child:
+        result = child(args.child, args.steps, args.warmup, args.d_model, args.seq, args.batch, args.server,
+                       args.rss_every)
+        print(json.dumps(result))
+        return 0
+
+    modes = [m for m in args.modes.split(",") if m]
+    skipped = [m for m in modes if not available(m)]
+    modes = [m for m in modes if available(m)]
+    if "bare" not in modes:
+        modes.insert(0, "bare")
+    for m in skipped:
+        print(f"skipping {m}: package not installed")
+    medians: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_medians: dict[str, list[float]] = {m: [] for m in modes}
+    ratios: dict[str, list[float]] = {m: [] for m in modes if m != "bare"}
+    cpu_ratios: dict[str, list[float]] = {m: [] for m in modes if m != "bare"}
+    params = None
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]   # rotate so no mode always runs first
+        round_medians, round_cpu = {}, {}
+        for m in order:
+            res = run_child(args, m, args.steps, args.warmup, args.d_model, args.seq, args.batch)
+            params = res["params"]
+            round_medians[m] = statistics.median(res["times"])
+            round_cpu[m] = statistics.median(res["cpu_times"])
+            medians[m].append(round_medians[m])
+            cpu_medians[m].append(round_cpu[m])
+        for m in ratios:
+            ratios[m].append(round_medians[m] / round_medians["bare"])
+            cpu_ratios[m].append(round_cpu[m] / round_cpu["bare"])
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{m} {1000 * round_medians[m]:.1f} ms ({1000 * round_cpu[m]:.1f} CPU)" for m in modes), flush=True)
+
+    print(f"\nreference loop: 12-block pre-norm Transformer, {params} parameter tensors, d_model={args.d_model}, "
+          f"seq={args.seq}, batch={args.batch}, AdamW + GradScaler + clip 1.0 + EMA, fp32 CPU, 1 thread")
+    print("ratios are per round (same round's bare), then the median over rounds; CPU = process CPU time per step")
+    print(f"{'mode':<14} {'wall median':>12} {'wall ratio':>11} {'CPU median':>11} {'CPU ratio':>10}")
+    print(f"{'bare':<14} {1000 * statistics.median(medians['bare']):>10.2f}ms {'1.000':>11} "
+          f"{1000 * statistics.median(cpu_medians['bare']):>9.2f}ms {'1.000':>10}")
+    summary = {}
+    for m, rs in ratios.items():
+        summary[m] = {"wall": statistics.median(rs), "cpu": statistics.median(cpu_ratios[m])}
+        print(f"{m:<14} {1000 * statistics.median(medians[m]):>10.2f}ms {summary[m]['wall']:>11.3f} "
+              f"{1000 * statistics.median(cpu_medians[m]):>9.2f}ms {summary[m]['cpu']:>10.3f}")
+
+    rss = None
+    if args.rss_steps:
+        warm = min(500, args.rss_steps // 10)
+        every = max(1, args.rss_steps // 20)
+        bare = run_child(args, "bare", args.rss_steps // 10, warm, 8, 8, 1, rss_every=every)
+        agent_res = run_child(args, "agent", args.rss_steps, warm, 8, 8, 1, rss_every=every)
+
+        def growth(res):
+            after_warm = next(v for i, v in res["rss"] if i >= warm)
+            return res["rss"][-1][1] - after_warm
+        rss = {"steps": args.rss_steps, "bare_growth_mb": growth(bare), "agent_growth_mb": growth(agent_res),
+               "agent_rss_mb": agent_res["rss"][-1][1], "bare_rss_mb": bare["rss"][-1][1],
+               "bare_steps": args.rss_steps // 10}
+        print(f"\nRSS over {args.rss_steps} steps after {warm} warm-up steps (small model, default telemetry): "
+              f"agent +{rss['agent_growth_mb']:.1f} MB (bare loop, {rss['bare_steps']} steps: "
+              f"+{rss['bare_growth_mb']:.1f} MB) "
+              f"(final RSS agent {rss['agent_rss_mb']:.0f} MB, bare {rss['bare_rss_mb']:.0f} MB)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians": medians, "ratios": ratios, "cpu_medians": cpu_medians,
+                                               "cpu_ratios": cpu_ratios, "summary": summary,
+                                               "rss": rss, "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
