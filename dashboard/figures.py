@@ -138,14 +138,21 @@ HEATMAPS: tuple[tuple[str, str], ...] = (
 # --------------------------------------------------------------------------- series -> points
 
 def bucket_points(buckets: Sequence[dict], bucket_size: int = 1, scale: float = 1.0) -> tuple[list, list]:
-    """Line points of one series: raw steps as they are; a bucket as (step, max), (mid, min)."""
+    """Line points of one series: raw steps as they are; a bucket as (step, max), (mid, min).
+
+    Steps where the signal was not measured (sampled signals such as the EMA
+    divergence) are left out, so the line joins the samples; a NaN / Inf step
+    is a ``None``, a visible gap, besides its marker on the NaN rug.
+    """
     xs: list = []
     ys: list = []
     for b in buckets:
         step = b["step"]
-        count = b.get("count") or 1
+        count = b.get("count")
+        if count == 0:
+            continue
         lo, hi, last = finite(b.get("min")), finite(b.get("max")), finite(b.get("last"))
-        if bucket_size <= 1 or count <= 1 or lo is None or hi is None or lo == hi:
+        if bucket_size <= 1 or (count or 1) <= 1 or lo is None or hi is None or lo == hi:
             y = last if last is not None else (hi if hi is not None else lo)
             xs.append(step)
             ys.append(None if y is None else y * scale)
@@ -279,7 +286,7 @@ def series_figure(panel: Panel, series: dict, *, alerts: Sequence[dict] = (), sm
                    "hovertemplate": "non-finite at step %{x}<extra></extra>"})
     layout = theme.base_layout(panel.title, log_y=panel.log_y, y_title=panel.y_title)
     if panel.include_zero:
-        layout["yaxis"]["autorangeoptions"] = {"include": [0]}
+        layout["yaxis"]["rangemode"] = "tozero"
     layout["xaxis"].update(_x_axis(x_range))
     layout["shapes"] = alert_shapes(alerts)
     if not has_data:
@@ -438,7 +445,7 @@ def compare_figure(signal: str, title: str, runs: Sequence[tuple[str, dict]], *,
                    "hovertemplate": "%{text}: non-finite at step %{x}<extra></extra>"})
     layout = theme.base_layout(title, log_y=log_y)
     if signal in ZERO_BASED:
-        layout["yaxis"]["autorangeoptions"] = {"include": [0]}
+        layout["yaxis"]["rangemode"] = "tozero"
     return {"data": traces, "layout": layout}
 
 

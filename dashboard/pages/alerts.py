@@ -6,6 +6,7 @@ from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from dashboard import figures, gateway
 from dashboard.alert_cards import alert_list
+from dashboard.ticks import pause_while_running
 
 REFRESH_MS = 1000
 SEVERITIES = ("critical", "warning", "info")
@@ -42,6 +43,7 @@ def layout(**_query):
     Input("alerts-filter-status", "value"),
     Input("alerts-ack-done", "data"),
     State("alerts-sig", "data"),
+    running=pause_while_running("alerts-interval"),
 )
 def refresh_alerts(_tick, severity, rule, status, _acked, previous_sig):
     every = gateway.list_alerts()

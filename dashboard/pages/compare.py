@@ -10,6 +10,7 @@ from dash import ClientsideFunction, Input, Output, State, callback, clientside_
 
 from dashboard import figures, gateway
 from dashboard.figures import COMPARE_PANELS
+from dashboard.ticks import pause_while_running
 
 GRAPH_IDS = [f"compare-graph-{signal}" for signal, _, _ in COMPARE_PANELS]
 MAX_POINTS = 1000
@@ -37,6 +38,7 @@ def layout(runs=None, **_query):
         dcc.Store(id="compare-range", data=None),
         dcc.Store(id="compare-sig", data=None),
         dcc.Interval(id="compare-interval", interval=REFRESH_MS),
+        dcc.Interval(id="compare-options-interval", interval=REFRESH_MS),
         html.Div([html.Div(dcc.Graph(id=gid, config={"displayModeBar": False, "responsive": True}), className="gw-chart")
                   for gid in GRAPH_IDS], className="gw-chart-grid"),
     ])
@@ -48,8 +50,9 @@ def _label(run: dict) -> str:
 
 @callback(
     Output("compare-runs", "options"),
-    Input("compare-interval", "n_intervals"),
+    Input("compare-options-interval", "n_intervals"),
     State("compare-runs", "options"),
+    running=pause_while_running("compare-options-interval"),
 )
 def run_options(_tick, current):
     options = [{"label": _label(r), "value": r["id"]}
@@ -64,6 +67,7 @@ def run_options(_tick, current):
     Input("compare-range", "data"),
     Input("compare-interval", "n_intervals"),
     State("compare-sig", "data"),
+    running=pause_while_running("compare-interval"),
 )
 def draw(run_ids, x_range, _tick, previous_sig):
     run_ids = list(run_ids or [])

@@ -24,12 +24,14 @@ from dash import ALL, ClientsideFunction, Input, Output, Patch, State, callback,
     no_update
 
 from dashboard import figures, gateway
+from dashboard.ticks import pause_while_running
 from dashboard.alert_cards import alert_list, format_ago, format_time, health_badge, status_badge
 from dashboard.figures import HEATMAPS, PANELS, SERIES_SIGNALS, format_number
 
 LIVE_MS = 500
+SUMMARY_MS = 1000
 LAYERS_MS = 5000
-MAX_POINTS = 1000          # buckets per chart; about one per pixel column of a half-width chart
+MAX_POINTS = 600           # buckets per chart (drawn as max + min: ~2 points per pixel column of a half-width chart)
 MAX_APPENDED = 4000        # raw points appended before a chart is redrawn downsampled
 HEATMAP_STEPS = 300
 HEATMAP_LAYERS = 48
@@ -66,8 +68,10 @@ def layout(run_id=None, **_query):
         dcc.Store(id="run-live", data=None),
         dcc.Store(id="run-summary-sig", data=None),
         dcc.Store(id="run-layers-sig", data=None),
+        dcc.Store(id="run-layers-range", data=None),
         dcc.Store(id="run-ack-done", data=0),
         dcc.Interval(id="run-interval", interval=LIVE_MS),
+        dcc.Interval(id="run-summary-interval", interval=SUMMARY_MS),
         dcc.Interval(id="run-layers-interval", interval=LAYERS_MS),
         html.Div(id="run-header", className="gw-run-header"),
         html.Div(id="run-notices"),
@@ -95,20 +99,29 @@ def layout(run_id=None, **_query):
 
 # --------------------------------------------------------------------------- charts
 
+def _first_step(series: dict) -> Optional[int]:
+    firsts = [s["steps"][0]["step"] for s in series.values() if s and s.get("steps")]
+    return min(firsts) if firsts else None
+
+
 def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tuple[list, dict]:
     start, end = (x_range or (None, None))
     series = gateway.get_series(run_id, SERIES_SIGNALS, start=start, end=end, max_points=MAX_POINTS)
+    cursor = figures.last_step(series)
+    first = _first_step(series)
+    # The whole run: every chart gets the same explicit step range (autorange
+    # would pad charts with markers differently and break the shared axis).
+    shown = x_range if x_range is not None else ([first, max(cursor, first + 1)] if cursor is not None else None)
     figs, smooth_states = [], {}
     for panel in PANELS:
-        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=x_range)
+        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown)
         figs.append(fig)
         smooth_states[panel.key] = state
-    cursor = figures.last_step(series)
     if x_range is not None:
         # A zoomed view ends inside the run; live appends continue from the run's last step.
         run = gateway.get_run(run_id) or {}
         cursor = run.get("last_step", cursor)
-    live = {"cursor": cursor, "states": smooth_states, "appended": 0,
+    live = {"cursor": cursor, "first": first, "states": smooth_states, "appended": 0,
             "alerts": figures.alerts_signature(alerts), "range": x_range}
     return figs, live
 
@@ -116,15 +129,17 @@ def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tupl
 @callback(
     [Output(gid, "figure") for gid in PANEL_IDS],
     Output("run-live", "data"),
+    Output("run-layers-range", "data"),
     Input("run-range", "data"),
     Input("run-smoothing", "value"),
     State("run-id", "data"),
-    running=[(Output("run-interval", "disabled"), True, False)],
+    running=pause_while_running("run-interval"),
 )
 def load_charts(x_range, smoothing, run_id):
     alerts = gateway.list_alerts(run_id=run_id)
     figs, live = _chart_figures(run_id, x_range, smoothing, alerts)
-    return *figs, live
+    # The heatmaps (below the fold) load once the charts are drawn, not in competition with them.
+    return *figs, live, {"range": x_range}
 
 
 @callback(
@@ -135,36 +150,50 @@ def load_charts(x_range, smoothing, run_id):
     State("run-live", "data"),
     State("run-smoothing", "value"),
     prevent_initial_call=True,
+    running=pause_while_running("run-interval"),
 )
 def append_live(_tick, run_id, live, smoothing):
     nothing = [no_update] * (len(PANEL_IDS) + 1)
     if not live:
         return nothing
     cursor = live.get("cursor")
-    new = gateway.get_series(run_id, SERIES_SIGNALS, since=-1 if cursor is None else cursor, max_points=MAX_POINTS)
     alerts = gateway.list_alerts(run_id=run_id)
     sig = figures.alerts_signature(alerts)
-    new_cursor = figures.last_step(new)
     alerts_changed = sig != live.get("alerts")
-    if new_cursor is None and not alerts_changed:
+    # One cheap query says whether there is anything new; most ticks stop here.
+    last = (gateway.get_run(run_id) or {}).get("last_step")
+    fresh_steps = last is not None and (cursor is None or last > cursor)
+    if not fresh_steps and not alerts_changed:
         return nothing
-    appended = live.get("appended", 0) + max((len(s.get("steps", [])) for s in new.values() if s), default=0)
-    if appended > MAX_APPENDED and live.get("range") is None:
+    behind = 0 if not fresh_steps else last - (cursor if cursor is not None else -1)
+    if live.get("range") is None and live.get("appended", 0) + behind > MAX_APPENDED:
+        # Far behind (a fast run, a tab left in the background): redraw downsampled instead.
         figs, fresh = _chart_figures(run_id, None, smoothing, alerts)
         return *figs, fresh
+    new = (gateway.get_series(run_id, SERIES_SIGNALS, since=-1 if cursor is None else cursor,
+                              max_points=MAX_APPENDED) if fresh_steps else {})
+    new_cursor = figures.last_step(new)
+    appended = live.get("appended", 0) + max((len(s.get("steps", [])) for s in new.values() if s), default=0)
     live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended)
     if new_cursor is not None:
         live["cursor"] = new_cursor if cursor is None else max(new_cursor, cursor)
+        if live.get("first") is None:
+            live["first"] = _first_step(new)
     shapes = figures.alert_shapes(alerts) if alerts_changed else None
+    # Viewing the whole run: the shared step range grows with the run.
+    grow = ([live["first"], max(live["cursor"], live["first"] + 1)]
+            if live.get("range") is None and new_cursor is not None and live.get("first") is not None else None)
     out = []
     for panel in PANELS:
         ext, state = figures.series_append(panel, new, smoothing=smoothing or 0.0,
                                            state=live["states"].get(panel.key))
         live["states"][panel.key] = state
-        if not ext and shapes is None:
+        if not ext and shapes is None and grow is None:
             out.append(no_update)
             continue
         patch = Patch()
+        if grow is not None:
+            patch["layout"]["xaxis"]["range"] = grow
         for idx, (xs, ys) in ext.items():
             patch["data"][idx]["x"].extend(xs)
             patch["data"][idx]["y"].extend(ys)
@@ -199,26 +228,38 @@ def _nan_origin(run_id: int) -> Optional[dict]:
     [Output(gid, "figure") for gid in HEATMAP_IDS],
     Output("run-graph-update_ratio", "figure"),
     Output("run-layers-sig", "data"),
-    Input("run-range", "data"),
+    Input("run-layers-range", "data"),
     Input("run-layers-interval", "n_intervals"),
     State("run-id", "data"),
     State("run-layers-sig", "data"),
+    prevent_initial_call=True,
+    running=pause_while_running("run-layers-interval"),
 )
-def load_layers(x_range, _tick, run_id, previous_sig):
+def load_layers(layers_range, _tick, run_id, previous_sig):
+    if layers_range is None:
+        return [no_update] * (len(HEATMAP_IDS) + 2)
+    x_range = layers_range.get("range")
     start, end = (x_range or (None, None))
     matrices = {stat: gateway.get_layer_matrix(run_id, stat, start=start, end=end, max_steps=HEATMAP_STEPS,
                                                max_layers=HEATMAP_LAYERS)
                 for stat in [s for s, _ in HEATMAPS] + ["update_ratio"]}
     alerts = gateway.list_alerts(run_id=run_id)
     origin = _nan_origin(run_id)
-    sig = [x_range, figures.alerts_signature(alerts), origin and origin.get("step"),
+    shown = x_range
+    if x_range is None:
+        # Same step range as the scalar charts: first sample to the run's last step.
+        firsts = [m["steps"][0] for m in matrices.values() if m.get("steps")]
+        last = (gateway.get_run(run_id) or {}).get("last_step")
+        if firsts and last is not None:
+            shown = [min(firsts), max(last, min(firsts) + 1)]
+    sig = [x_range, shown, figures.alerts_signature(alerts), origin and origin.get("step"),
            {k: [len(m.get("steps") or []), (m.get("steps") or [None])[-1]] for k, m in matrices.items()}]
     if ctx.triggered_id == "run-layers-interval" and sig == previous_sig:
         return [no_update] * (len(HEATMAP_IDS) + 2)
     highlight = (origin or {}).get("data", {}).get("module") or (origin or {}).get("data", {}).get("param")
-    heatmaps = [figures.heatmap_figure(title, matrices[stat], alerts=alerts, x_range=x_range, highlight=highlight)
+    heatmaps = [figures.heatmap_figure(title, matrices[stat], alerts=alerts, x_range=shown, highlight=highlight)
                 for stat, title in HEATMAPS]
-    ratio = figures.update_ratio_figure(matrices["update_ratio"], alerts=alerts, x_range=x_range)
+    ratio = figures.update_ratio_figure(matrices["update_ratio"], alerts=alerts, x_range=shown)
     return *heatmaps, ratio, sig
 
 
@@ -281,10 +322,11 @@ def _notices(run_id: int, origin: Optional[dict]) -> list:
     Output("run-notices", "children"),
     Output("run-alerts", "children"),
     Output("run-summary-sig", "data"),
-    Input("run-interval", "n_intervals"),
+    Input("run-summary-interval", "n_intervals"),
     Input("run-ack-done", "data"),
     State("run-id", "data"),
     State("run-summary-sig", "data"),
+    running=pause_while_running("run-summary-interval"),
 )
 def refresh_summary(_tick, _acked, run_id, previous):
     run = gateway.get_run(run_id)

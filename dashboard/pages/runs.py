@@ -7,6 +7,7 @@ import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from dashboard import gateway
+from dashboard.ticks import pause_while_running
 from dashboard.alert_cards import format_ago, format_time, health_badge, status_badge
 from dashboard.figures import format_number
 
@@ -72,6 +73,7 @@ def layout(**_query):
     Input("runs-filter-status", "value"),
     Input("runs-filter-name", "value"),
     State("runs-signature", "data"),
+    running=pause_while_running("runs-interval"),
 )
 def refresh_runs(_tick, project, status, name, signature):
     now = time.time()

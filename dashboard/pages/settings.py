@@ -12,6 +12,7 @@ from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from dashboard import gateway
 from dashboard.alert_cards import format_time
+from dashboard.ticks import pause_while_running
 
 REFRESH_MS = 1000
 FORMATS = ("json", "slack", "discord")
@@ -122,6 +123,7 @@ def deliveries_table(deliveries: list[dict]) -> html.Table:
     Input("settings-interval", "n_intervals"),
     Input("settings-changed", "data"),
     State("settings-sig", "data"),
+    running=pause_while_running("settings-interval"),
 )
 def refresh_webhooks(_tick, _changed, previous_sig):
     projects = _projects()

@@ -27,10 +27,42 @@ return {
 """
 
 
+SERVER_START_TIMEOUT = 120.0  # a loaded 2-core machine can take tens of seconds to import and start a server
+
+
+def _start_server(data_dir):
+    from tests.conftest import LiveServer, free_port
+
+    srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
+    srv.migrate()
+    srv.start(timeout=SERVER_START_TIMEOUT)
+    return srv
+
+
 @pytest.fixture
-def dash_server(server_factory, sqlite_url):
-    """The real server (API + dashboard on one port) on a SQLite file."""
-    return server_factory(sqlite_url)
+def dash_server(tmp_path):
+    """A fresh real server (API + dashboard on one port) on its own SQLite file."""
+    data_dir = tmp_path / "dashboard-server"
+    data_dir.mkdir()
+    srv = _start_server(data_dir)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One real server for a whole module, for tests that only look at their own runs.
+
+    Starting a server costs seconds on 2 cores; tests that count every run or
+    alert on the server use ``dash_server`` instead.
+    """
+    srv = _start_server(tmp_path_factory.mktemp("dashboard-server"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def graph(drv, graph_id: str) -> Optional[dict]:

@@ -34,18 +34,14 @@ def test_runs_page_lists_filters_and_updates_live(dash_server, browser):
     assert rows["resnet-b"][3].startswith("critical"), rows["resnet-b"]   # the NaN loss opened an A1 alert
     assert rows["resnet-b"][5] == "NaN"
     assert rows["gpt-c"][1:3] == ["nlp", "running"]
+    save_screenshot(browser, "runs-page")
     mark_page(browser)
 
     choose_option(browser, "runs-filter-status", "finished")
     wait_until(lambda: list(_rows(browser)) == ["resnet-a"], timeout=10, what="status filter")
     choose_option(browser, "runs-filter-status", "crashed")
     wait_until(lambda: list(_rows(browser)) == ["resnet-b"], timeout=10, what="status filter (crashed)")
-    click(browser, "#runs-filter-status")
-    browser.find_element("css selector", "body").send_keys("\ue00c")  # Escape closes the menu
-    browser.execute_script("document.querySelector('#runs-filter-status ~ * .dash-dropdown-clear, "
-                           "#runs-filter-status .dash-dropdown-clear') && "
-                           "document.querySelector('#runs-filter-status ~ * .dash-dropdown-clear, "
-                           "#runs-filter-status .dash-dropdown-clear').click();")
+    click(browser, "#runs-filter-status .dash-dropdown-clear")
     wait_until(lambda: len(_rows(browser)) == 3, timeout=10, what="status filter cleared")
 
     choose_option(browser, "runs-filter-project", "vision")
@@ -59,19 +55,6 @@ def test_runs_page_lists_filters_and_updates_live(dash_server, browser):
     ingest(dash_server, project="vision", run="resnet-d-b", steps=make_steps(5, start=10, seed=5), meta=False)
     wait_until(lambda: _rows(browser)["resnet-d-b"][4] == "14", timeout=10, what="last step updated live")
     assert same_page(browser)
-    assert severe_console_entries(browser) == []
-
-
-def test_runs_page_screenshot_with_mixed_runs(dash_server, browser):
-    ingest(dash_server, project="vision", run="resnet50-bf16", steps=make_steps(400, seed=1), status="finished")
-    ingest(dash_server, project="vision", run="resnet50-fp16", steps=make_steps(300, seed=2, overflow_every=40))
-    bad = make_steps(120, seed=3)
-    for s in bad[100:]:
-        s["loss"] = "NaN"
-    ingest(dash_server, project="nlp", run="gpt2-small-lr3e-3", steps=bad, status="crashed")
-    browser.get(dash_server.url + "/")
-    wait_until(lambda: len(_rows(browser)) == 3, timeout=15, what="runs listed")
-    save_screenshot(browser, "runs-page")
     assert severe_console_entries(browser) == []
 
 
@@ -107,12 +90,12 @@ def test_alerts_page_filters_by_severity_and_rule(dash_server, browser):
     assert severe_console_entries(browser) == []
 
 
-def test_compare_overlays_two_runs(dash_server, browser):
+def test_compare_overlays_two_runs(shared_server, browser):
     a_steps = make_steps(150, seed=1)
     b_steps = make_steps(100, seed=2, loss0=5.0, overflow_every=30)
-    a = ingest(dash_server, project="vision", run="baseline", steps=a_steps, status="finished")
-    b = ingest(dash_server, project="vision", run="higher-lr", steps=b_steps, status="finished")
-    browser.get(f"{dash_server.url}/compare?runs={a},{b}")
+    a = ingest(shared_server, project="vision", run="baseline", steps=a_steps, status="finished")
+    b = ingest(shared_server, project="vision", run="higher-lr", steps=b_steps, status="finished")
+    browser.get(f"{shared_server.url}/compare?runs={a},{b}")
     label_a, label_b = f"vision / baseline (#{a})", f"vision / higher-lr (#{b})"
     wait_trace(browser, "compare-graph-loss", label_b, lambda t: len(t["x"]) == 100, what="second run drawn")
     loss = graph(browser, "compare-graph-loss")
@@ -126,9 +109,9 @@ def test_compare_overlays_two_runs(dash_server, browser):
     assert severe_console_entries(browser) == []
 
 
-def test_settings_webhook_add_test_delivery_and_delete(dash_server, browser, webhook_receiver):
-    ingest(dash_server, project="vision", run="any", steps=make_steps(5))
-    browser.get(dash_server.url + "/settings")
+def test_settings_webhook_add_test_delivery_and_delete(shared_server, browser, webhook_receiver):
+    ingest(shared_server, project="vision", run="settings-webhook", steps=make_steps(5))
+    browser.get(shared_server.url + "/settings")
     wait_until(lambda: texts(browser, "#settings-endpoints td.gw-empty"), timeout=15, what="empty endpoint list")
     choose_option(browser, "settings-webhook-project", "vision")
     browser.find_element("id", "settings-webhook-url").send_keys(webhook_receiver.url)
@@ -158,9 +141,9 @@ def test_settings_webhook_add_test_delivery_and_delete(dash_server, browser, web
     assert severe_console_entries(browser) == []
 
 
-def test_settings_rule_threshold_override(dash_server, browser):
-    ingest(dash_server, project="vision", run="any", steps=make_steps(5))
-    browser.get(dash_server.url + "/settings")
+def test_settings_rule_threshold_override(shared_server, browser):
+    ingest(shared_server, project="vision", run="settings-rules", steps=make_steps(5))
+    browser.get(shared_server.url + "/settings")
     field = "input[id*='\"rule\":\"A2\"'][id*='\"key\":\"factor\"']"
     wait_until(lambda: browser.find_elements("css selector", f"#settings-rules {field}"), timeout=15,
                what="A2 factor field")
@@ -170,7 +153,7 @@ def test_settings_rule_threshold_override(dash_server, browser):
     click(browser, "#settings-rules button[id*='\"index\":\"A2\"']")
     wait_until(lambda: "saved" in " ".join(texts(browser, "#settings-rules-message")), timeout=10,
                what="saved message")
-    code, body = dash_server.get("/api/v1/rules?project=vision")
+    code, body = shared_server.get("/api/v1/rules?project=vision")
     assert code == 200
     assert next(r for r in body["rules"] if r["id"] == "A2")["factor"] == 25
     wait_until(lambda: "overridden: factor" in " ".join(texts(browser, "#settings-rule-A2")), timeout=10,

@@ -15,14 +15,14 @@ from tests.dashboard.runs_feed import MODULE_NAMES, PARAM_NAMES, ingest, make_st
 pytestmark = pytest.mark.browser
 
 
-def test_finished_run_page_draws_every_chart_with_its_data(dash_server, browser):
+def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browser):
     steps = make_steps(300, overflow_every=70, layers_every=10)
     steps[120]["loss"] = "NaN"   # a NaN step must show as a marker, not vanish
-    run_id = ingest(dash_server, project="vision", run="resnet-finished", steps=steps, status="finished",
+    run_id = ingest(shared_server, project="vision", run="resnet-finished", steps=steps, status="finished",
                     events=[{"step": 120, "kind": "nan_origin", "data": {"module": "blocks.1.mlp",
                                                                        "where": "activation"}}])
 
-    browser.get(f"{dash_server.url}/runs/{run_id}")
+    browser.get(f"{shared_server.url}/runs/{run_id}")
 
     # Loss: one point per step (300 steps < the chart's bucket budget: raw), the NaN step a gap...
     loss = wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 300, what="loss drawn")
@@ -75,15 +75,15 @@ def test_finished_run_page_draws_every_chart_with_its_data(dash_server, browser)
     assert severe_console_entries(browser) == []
 
 
-def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(dash_server, browser):
+def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(shared_server, browser):
     steps = make_steps(200, seed=3)
-    run_id = ingest(dash_server, project="nlp", run="gpt-live", steps=steps)
-    browser.get(f"{dash_server.url}/runs/{run_id}")
+    run_id = ingest(shared_server, project="nlp", run="gpt-live", steps=steps)
+    browser.get(f"{shared_server.url}/runs/{run_id}")
     wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 200, what="initial 200 steps")
     mark_page(browser)
 
     more = make_steps(30, start=200, seed=4)
-    ingest(dash_server, project="nlp", run="gpt-live", steps=more, meta=False)
+    ingest(shared_server, project="nlp", run="gpt-live", steps=more, meta=False)
     loss = wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 230, what="30 appended steps")
     assert loss["x"] == list(range(230))
     assert approx_list(loss["y"][200:], [s["loss"] for s in more])
@@ -91,7 +91,7 @@ def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(dash_serve
 
     bad = make_steps(1, start=230, seed=5)
     bad[0]["loss"] = "NaN"
-    ingest(dash_server, project="nlp", run="gpt-live", steps=bad, meta=False)
+    ingest(shared_server, project="nlp", run="gpt-live", steps=bad, meta=False)
     wait_until(lambda: browser.find_elements("css selector", "#run-alerts .gw-alert[data-rule='A1']"),
                timeout=15, what="A1 alert card on the live page")
     wait_trace(browser, "run-graph-loss", "NaN / Inf", lambda t: t["x"] == [230], what="NaN marker at step 230")
@@ -102,19 +102,19 @@ def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(dash_serve
 
     # Acknowledge from the alerts panel.
     click(browser, "#run-alerts .gw-alert[data-rule='A1'] .gw-ack")
-    wait_until(lambda: dash_server.get(f"/api/v1/alerts?run={run_id}&rule=A1")[1]["alerts"][0]["acknowledged"],
+    wait_until(lambda: shared_server.get(f"/api/v1/alerts?run={run_id}&rule=A1")[1]["alerts"][0]["acknowledged"],
                timeout=10, what="alert acknowledged in the database")
     wait_until(lambda: texts(browser, "#run-alerts .gw-alert[data-rule='A1'] .gw-ack") == ["acknowledged"],
                timeout=10, what="button shows the acknowledgement")
     assert severe_console_entries(browser) == []
 
 
-def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(dash_server, browser):
+def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(shared_server, browser):
     steps = make_steps(6000, seed=7, layers_every=0)
     steps[2345]["loss"] = 50.0          # a one-step spike must survive downsampling
     steps[4321]["grad_norm"] = "NaN"    # and so must a NaN marker
-    run_id = ingest(dash_server, project="vision", run="long-run", steps=steps, status="finished", batch=2000)
-    browser.get(f"{dash_server.url}/runs/{run_id}")
+    run_id = ingest(shared_server, project="vision", run="long-run", steps=steps, status="finished", batch=2000)
+    browser.get(f"{shared_server.url}/runs/{run_id}")
 
     loss = wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) > 0, what="downsampled loss")
     assert len(loss["x"]) < 6000 / 2, "the whole run should arrive downsampled"
