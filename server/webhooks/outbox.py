@@ -68,6 +68,7 @@ def sync_server_endpoints(session: Session, settings: Any) -> None:
         if row.url not in urls and row.enabled:
             row.enabled = False
     session.flush()
+    _synced.add((str(getattr(settings, "database_url", "")), urls))
 
 
 def matching_endpoints(session: Session, *, project_id: int, severity: str) -> list[WebhookEndpoint]:

@@ -206,3 +206,22 @@ def test_bad_rules_file_refuses_to_start(tmp_path, sqlite_url):
     cli = subprocess.run([sys.executable, "-m", "server", "rules", "--rules", str(bad)], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "C2" in cli.stderr and "'fraction'" in cli.stderr
+
+
+@pytest.mark.postgres
+def test_two_replicas_share_rule_state_and_outbox(server_factory, pg_url, webhook_receiver):
+    """Two servers on one PostgreSQL, batches alternating between them (a load balancer):
+    streaks continue across replicas, each episode is one alert, each alert is sent once."""
+    a = server_factory(pg_url, extra_args=["--webhook", webhook_receiver.url])
+    b = server_factory(pg_url, extra_args=["--webhook", webhook_receiver.url], migrate=False)
+    for i in range(50):              # B4: lr 0 on steps 10-24 fires at 19, clears 20 steps after 24
+        st = {"step": i, "time": time.time(), "loss": "NaN" if i == 30 else 1.0, "grad_norm": "NaN" if i == 30 else 0.5,
+              "overflow": i == 30, "loss_scale": 65536.0, "lr": 0.0 if 10 <= i < 25 else 1e-3}
+        ingest(a if i % 2 else b, {"batch_id": uuid.uuid4().hex, "project": "ha", "run": "r1", "steps": [st]})
+    webhook_receiver.wait_for(lambda r: r.json()["rule"] == "A1")
+    webhook_receiver.wait_for(lambda r: r.json()["rule"] == "B4")
+    time.sleep(1.5)                      # both workers have polled the outbox since
+    sent = sorted(r.json()["rule"] for r in webhook_receiver.received)
+    assert sent == ["A1", "B4"], sent
+    _, alerts = a.get("/api/v1/alerts?rule=B4")
+    assert [(x["first_step"], x["status"]) for x in alerts["alerts"]] == [(19, "resolved")]
