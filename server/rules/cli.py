@@ -55,7 +55,7 @@ def run(args) -> int:
         print(f"gradwatch rules: {e}", file=sys.stderr)
         return 2
     if args.json:
-        out = [{"id": r.id, "name": r.name, **{k: v for k, v in cfg[r.id].items() if k != "overridden"},
+        out = [{**{k: v for k, v in cfg[r.id].items() if k != "overridden"}, "id": r.id, "name": r.name,
                 "fires_when": describe(r, cfg[r.id]), "diagnosis": r.diagnosis, "actions": list(r.actions)}
                for r in RULES]
         print(json.dumps({"project": args.project, "rules_file": args.rules, "rules": out}, indent=2))
@@ -66,7 +66,8 @@ def run(args) -> int:
         c = cfg[r.id]
         state = "on " if c.get("enabled", True) else "OFF"
         thresholds = ", ".join(f"{k}={_fmt(v)}" for k, v in c.items()
-                               if k not in ("enabled", "severity", "overridden") and k not in COMMON_PARAMS)
+                               if k not in ("id", "name", "enabled", "severity", "overridden")
+                               and k not in COMMON_PARAMS)
         common = ", ".join(f"{k}={c[k]}" for k in ("clear_steps", "cooldown_steps"))
         print(f"\n{r.id:<3} {r.name:<20} [{state}] {c.get('severity'):<8} checklist {r.checklist}")
         print(f"    fires when: {describe(r, c)}")

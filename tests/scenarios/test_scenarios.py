@@ -72,7 +72,7 @@ def a1_log_sigmoid_bce() -> Loop:
     def naive_bce(z, y):
         p = torch.sigmoid(z)
         return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
-    return Loop(model, torch.optim.Adam(model.parameters(), lr=0.05), batch, naive_bce, steps=160)
+    return Loop(model, torch.optim.Adam(model.parameters(), lr=0.05), batch, naive_bce, steps=60)
 
 
 def a2_lr_jump() -> Loop:

@@ -206,6 +206,13 @@ def test_bad_rules_file_refuses_to_start(tmp_path, sqlite_url):
     cli = subprocess.run([sys.executable, "-m", "server", "rules", "--rules", str(bad)], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "C2" in cli.stderr and "'fraction'" in cli.stderr
+    good = tmp_path / "good.toml"
+    good.write_text('[rules.A2]\nfactor = 20\n[projects.vision.rules.C2]\nenabled = false\n')
+    cli = subprocess.run([sys.executable, "-m", "server", "rules", "--rules", str(good), "--project", "vision"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert "factor=20" in cli.stdout and "C2  clip_saturation      [OFF]" in cli.stdout
+    assert cli.stdout.count("fires when:") == 21
 
 
 @pytest.mark.postgres
