@@ -137,7 +137,11 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         episodes[rule.id] = episode
 
     if ctx.world_size > 1 and steps and cfg["F1"].get("enabled", True):
-        notify.extend(_rank_divergence(session, run, rank, steps, cfg["F1"], state_row, now))
+        try:
+            with session.begin_nested():      # a failure here must not take the batch with it
+                notify.extend(_rank_divergence(session, run, rank, steps, cfg["F1"], state_row, now))
+        except Exception:  # noqa: BLE001
+            log.exception("rule F1 failed on run %s rank %s; skipped for this batch", run.id, rank)
     return notify
 
 
