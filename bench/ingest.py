@@ -112,6 +112,41 @@ def stored_values(db: str) -> int:
     return scalars + int(layer_bytes) // 4
 
 
+def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str) -> None:
+    """Where a batch's time goes, without HTTP: parse + validate, then the write path with and
+    without the rule engine (``ingest_batch(evaluate_rules=False)``), on one core."""
+    from server.api.ingest import decode_body
+    from server.db import open_database, upgrade
+    from server.ingest import ingest_batch
+    from server.schemas import IngestBatchIn
+    from server.settings import Settings
+
+    raws = [json.dumps(make_batch(0, b * steps_per_batch, steps_per_batch, stats)).encode() for b in range(batches)]
+    nvals = sum(count_values(json.loads(r)) for r in raws)
+    for rules in (False, True):
+        upgrade(db)
+        database = open_database(db)
+        settings = Settings(data_dir=tempfile.mkdtemp(), database_url=db)
+        run = f"split-{uuid.uuid4().hex[:6]}"
+        t_parse = t_write = 0.0
+        for raw in raws:
+            t = time.perf_counter()
+            body = decode_body(raw, "", limit=1 << 30)
+            body["run"], body["batch_id"] = run, uuid.uuid4().hex
+            batch = IngestBatchIn.model_validate(body)
+            t_parse += time.perf_counter() - t
+            t = time.perf_counter()
+            with database.write_sessionmaker() as session:
+                ingest_batch(session, batch=batch, settings=settings, now=time.time(), evaluate_rules=rules)
+                session.commit()
+            t_write += time.perf_counter() - t
+        database.dispose()
+        total = t_parse + t_write
+        print(f"rules {'on ' if rules else 'off'}  {nvals / total:>12,.0f} values/s  "
+              f"{batches * steps_per_batch / total:>7,.0f} steps/s   parse+validate {t_parse / total:4.0%}  "
+              f"write{' + rules' if rules else ''} {t_write / total:4.0%}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--db", help="database URL (default: a fresh SQLite file); for PostgreSQL a fresh database "
@@ -122,6 +157,8 @@ def main() -> int:
     ap.add_argument("--layer-stats", choices=["default", "all"], default="default")
     ap.add_argument("--gzip", action="store_true", help="send Content-Encoding: gzip bodies")
     ap.add_argument("--port", type=int, default=8478)
+    ap.add_argument("--in-process", action="store_true",
+                    help="instead: time parse/validate/write in this process, rule engine off and on")
     args = ap.parse_args()
 
     from server.settings import normalize_db_url
@@ -140,6 +177,11 @@ def main() -> int:
         db = args.db or f"sqlite:///{tmp}/bench.db"
         name = None
 
+    if args.in_process:
+        in_process_split(db, args.batches, args.steps_per_batch, args.layer_stats)
+        if pg_admin is not None:
+            pg_admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        return 0
     print(f"building {args.agents} x {args.batches} batches of {args.steps_per_batch} steps "
           f"({args.layer_stats} layer stats) ...", flush=True)
     payloads: list[list[tuple[bytes, int, int]]] = []
