@@ -40,36 +40,18 @@ def spooled(spool) -> list:
     return sorted(p for p in spool.rglob("*") if p.is_file())
 
 
-def test_sync_uploads_an_offline_spool_once(server_factory, sqlite_url, tmp_path):
+def test_sync_uploads_an_offline_spool_once_and_keeps_it_until_then(server_factory, sqlite_url, tmp_path):
     spool = tmp_path / "spool"
     losses = train_offline(spool, "offline-1")
-    assert spooled(spool), "offline mode writes the batches to the spool"
-
-    srv = server_factory(sqlite_url)
-    proc = gradwatch("sync", str(spool), "--server", srv.url, data_dir=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not spooled(spool), "sent batches are removed from the spool"
-
-    status, body = srv.get("/api/v1/runs?project=offline")
-    run = next(r for r in body["runs"] if r["name"] == "offline-1")
-    assert run["last_step"] == 5 and run["status"] == "finished"
-    status, series = srv.get(f"/api/v1/runs/{run['id']}/series?signal=loss&max_points=1000")
-    assert [p["step"] for p in series["steps"]] == list(range(6))
-    assert [float(p["last"]) for p in series["steps"]] == pytest.approx(losses, rel=1e-6)
-
-    again = gradwatch("sync", str(spool), "--server", srv.url, data_dir=tmp_path)
-    assert again.returncode == 0, again.stderr
-
-
-def test_sync_with_auth_and_with_the_server_down(server_factory, sqlite_url, tmp_path):
-    spool = tmp_path / "spool"
-    train_offline(spool, "offline-2")
     files = spooled(spool)
+    assert files, "offline mode writes the batches to the spool"
 
+    # server down: nothing is lost, the command fails and says so
     down = gradwatch("sync", str(spool), "--server", "http://127.0.0.1:9", data_dir=tmp_path, timeout=120)
     assert down.returncode != 0
-    assert spooled(spool) == files, "nothing is lost while the server is down"
+    assert spooled(spool) == files
 
+    # auth on and no token: refused, with a message that names the token
     srv = server_factory(sqlite_url, env={"GRADWATCH_AUTH": "on"})
     refused = gradwatch("sync", str(spool), "--server", srv.url, data_dir=tmp_path)
     assert refused.returncode != 0
@@ -78,8 +60,18 @@ def test_sync_with_auth_and_with_the_server_down(server_factory, sqlite_url, tmp
 
     token = gradwatch("token", "create", "--project", "offline", "--db", srv.db_url, data_dir=tmp_path)
     assert token.returncode == 0, token.stderr
-    ok = gradwatch("sync", str(spool), "--server", srv.url, data_dir=tmp_path,
-                   env={"GRADWATCH_TOKEN": token.stdout.strip()})
+    with_token = {"GRADWATCH_TOKEN": token.stdout.strip()}
+    ok = gradwatch("sync", str(spool), "--server", srv.url, data_dir=tmp_path, env=with_token)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert not spooled(spool)
+    assert not spooled(spool), "sent batches are removed from the spool"
 
+    auth = {"Authorization": f"Bearer {with_token['GRADWATCH_TOKEN']}"}
+    status, body = srv.get("/api/v1/runs?project=offline", headers=auth)
+    run = next(r for r in body["runs"] if r["name"] == "offline-1")
+    assert run["last_step"] == 5 and run["status"] == "finished"
+    status, series = srv.get(f"/api/v1/runs/{run['id']}/series?signal=loss&max_points=1000", headers=auth)
+    assert [p["step"] for p in series["steps"]] == list(range(6))
+    assert [float(p["last"]) for p in series["steps"]] == pytest.approx(losses, rel=1e-6)
+
+    again = gradwatch("sync", str(spool), "--server", srv.url, data_dir=tmp_path, env=with_token)
+    assert again.returncode == 0, again.stderr
