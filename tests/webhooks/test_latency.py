@@ -119,7 +119,7 @@ def _update_doc(backend: str, lines: list[str]) -> None:
     m = re.search(r"<!-- latency:start -->\n(.*?)<!-- latency:end -->", text, flags=re.S)
     if not m:
         return
-    kept = [ln for ln in m.group(1).splitlines() if ln.startswith("- ") and not ln.startswith(f"- {backend}:")]
+    kept = [ln for ln in m.group(1).splitlines() if ln.startswith("- ") and not ln.startswith((f"- {backend}:", f"- {backend} ("))]
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     body = "\n".join(sorted(kept + [ln.replace(": NaN", f" ({stamp}): NaN", 1) if "NaN step" in ln else ln
                                      for ln in lines])) + "\n"
