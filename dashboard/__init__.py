@@ -67,15 +67,23 @@ def create_dash(sessionmaker, settings):
     nav = [dcc.Link(label, href=href, className="gw-nav-link", id=f"nav-{key}")
            for key, label, href in (("runs", "Runs", "/"), ("compare", "Compare", "/compare"),
                                     ("alerts", "Alerts", "/alerts"), ("settings", "Settings", "/settings"))]
-    right = []
-    if getattr(settings, "auth", False):
-        right = [html.Span("signed in", className="gw-muted"), html.A("log out", href="/logout", className="gw-nav-link")]
-    app.layout = html.Div([
-        html.Header([
-            dcc.Link([html.Span("●", className="gw-logo-dot"), "gradwatch"], href="/", className="gw-brand"),
-            html.Nav(nav, className="gw-nav"),
-            html.Div(right, className="gw-nav-right"),
-        ], className="gw-header"),
-        html.Main(dash.page_container, className="gw-main"),
-    ], className="gw-app")
+
+    def shell():
+        """The frame around every page; a function so that it can name the signed-in project."""
+        right = []
+        if getattr(settings, "auth", False):
+            # /login and /logout are server routes (server/auth.py) in front of the Dash mount.
+            project = gateway.signed_in_project()
+            right = [html.Span(f"project {project}" if project else "", className="gw-muted", id="nav-project"),
+                     html.A("log out", href="/logout", className="gw-nav-link", id="nav-logout")]
+        return html.Div([
+            html.Header([
+                dcc.Link([html.Span("●", className="gw-logo-dot"), "gradwatch"], href="/", className="gw-brand"),
+                html.Nav(nav, className="gw-nav"),
+                html.Div(right, className="gw-nav-right"),
+            ], className="gw-header"),
+            html.Main(dash.page_container, className="gw-main"),
+        ], className="gw-app")
+
+    app.layout = shell
     return app

@@ -28,11 +28,50 @@ def settings():
     return _settings
 
 
+# --------------------------------------------------------------------------- who is looking
+
+SCOPE_KEY = "gradwatch.project"  # server/auth.py puts the signed-in project in the ASGI scope
+
+
+def signed_in_project() -> Optional[str]:
+    """With auth on, the project of the session cookie (the dashboard shows only it); else None."""
+    if not getattr(_settings, "auth", False):
+        return None
+    try:
+        from flask import has_request_context, request
+    except ImportError:  # pragma: no cover - Dash runs on Flask here
+        return None
+    if not has_request_context():
+        return None
+    scope = request.environ.get("asgi.scope") or {}
+    return scope.get(SCOPE_KEY)
+
+
+def _scoped(project: Optional[str]) -> Optional[str]:
+    """The project filter to apply: the signed-in one when auth is on (a request for another sees nothing)."""
+    mine = signed_in_project()
+    if mine is None:
+        return project or None
+    return mine if not project or project == mine else "\x00no-such-project"
+
+
+def _run_visible(session, run_id: int) -> bool:
+    mine = signed_in_project()
+    if mine is None:
+        return True
+    from server import queries
+    return queries.run_project(session, run_id=run_id) == mine
+
+
 @contextmanager
 def _session(write: bool = False) -> Iterator[Any]:
     if _sessionmaker is None:
         raise RuntimeError("dashboard.gateway.configure(sessionmaker, settings) was not called")
     with _sessionmaker() as session:
+        if write:
+            # SQLite: take the write lock up front (BEGIN IMMEDIATE, see server/db.py) so a write
+            # that reads first cannot fail half way while ingest is writing.
+            session.connection(execution_options={"sqlite_immediate": True})
         try:
             yield session
             if write:
@@ -81,13 +120,15 @@ def _series(result: Any) -> dict:
 def list_runs(*, project: Optional[str] = None, status: Optional[str] = None, name: Optional[str] = None) -> list[dict]:
     from server import queries
     with _session() as s:
-        return _unwrap(queries.list_runs(s, project=project or None, status=status or None, name=name or None,
+        return _unwrap(queries.list_runs(s, project=_scoped(project), status=status or None, name=name or None,
                                          stall_seconds=_stall_seconds()), "runs")
 
 
 def get_run(run_id: int) -> Optional[dict]:
     from server import queries
     with _session() as s:
+        if not _run_visible(s, run_id):
+            return None
         return _plain(queries.get_run(s, run_id=run_id, stall_seconds=_stall_seconds()))
 
 
@@ -109,6 +150,10 @@ def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = 
     """
     start = None if start is None else max(0, int(math.floor(start)))
     end = None if end is None else int(math.ceil(end))
+    if signed_in_project() is not None:
+        with _session() as s:
+            if not _run_visible(s, run_id):
+                return {sig: {"bucket_size": 1, "steps": []} for sig in signals}
     if len(signals) == 1:
         return {signals[0]: _one_series(run_id, signals[0], start, end, max_points, since)}
     futures = {sig: _pool().submit(_one_series, run_id, sig, start, end, max_points, since) for sig in signals}
@@ -133,6 +178,8 @@ def get_layer_matrix(run_id: int, stat: str, *, start: Optional[float] = None, e
     start = None if start is None else max(0, int(math.floor(start)))
     end = None if end is None else int(math.ceil(end))
     with _session() as s:
+        if not _run_visible(s, run_id):
+            return {"steps": [], "names": [], "values": []}
         m = _plain(queries.get_layer_matrix(s, run_id=run_id, stat=stat, start=start, end=end,
                                             max_steps=max_steps, max_layers=max_layers)) or {}
     return {"steps": list(m.get("steps") or []), "names": list(m.get("layers") or []),
@@ -145,39 +192,58 @@ def list_alerts(*, run_id: Optional[int] = None, severity: Optional[str] = None,
     from server import queries
     with _session() as s:
         return _unwrap(queries.list_alerts(s, run_id=run_id, severity=severity or None, rule=rule or None,
-                                           status=status or None), "alerts")
+                                           status=status or None, project=_scoped(None)), "alerts")
 
 
 def list_events(run_id: int, *, kind: Optional[str] = None) -> list[dict]:
     from server import queries
     with _session() as s:
+        if not _run_visible(s, run_id):
+            return []
         return _unwrap(queries.list_events(s, run_id=run_id, kind=kind), "events")
 
 
 # --------------------------------------------------------------------------- writes
 
 def acknowledge_alert(alert_id: int) -> None:
+    from server import queries
     from server.rules import alerts
     with _session(write=True) as s:
+        alert = queries.get_alert(s, alert_id=alert_id)
+        if alert is None or not _run_visible(s, alert.run_id):
+            raise LookupError(f"no alert {alert_id}")
         alerts.acknowledge_alert(s, alert_id=alert_id)
 
 
 def list_endpoints(projects: Sequence[str] = ()) -> list[dict]:
-    """Every webhook endpoint; ``project`` is filled in for those of the given projects."""
+    """Every webhook endpoint (with auth on: the signed-in project's and the server-wide ones);
+    ``project`` is filled in for those of the given projects."""
     from server.webhooks import endpoints
+    mine = signed_in_project()
     with _session() as s:
         names = {}
-        for name in projects:
+        for name in ([mine] if mine else projects):
             for ep in endpoints.list_endpoints(s, project=name):
                 if ep.project_id is not None:
                     names[ep.id] = name
-        return [endpoints.endpoint_to_dict(ep, names.get(ep.id)) for ep in endpoints.list_endpoints(s)]
+        shown = endpoints.list_endpoints(s, project=mine) if mine else endpoints.list_endpoints(s)
+        return [endpoints.endpoint_to_dict(ep, names.get(ep.id)) for ep in shown]
+
+
+def _own_endpoint(session, endpoint_id: int) -> None:
+    mine = signed_in_project()
+    if mine is None:
+        return
+    from server.webhooks import endpoints
+    if endpoint_id not in {ep.id for ep in endpoints.list_endpoints(session, project=mine) if ep.project_id}:
+        raise LookupError(f"no webhook endpoint {endpoint_id} in project {mine}")
 
 
 def create_endpoint(*, url: str, project: str, format: str = "json", min_severity: str = "info",
                     secret: Optional[str] = None) -> dict:
     """Raises ``ValueError`` saying what is wrong with the URL, format, severity or secret."""
     from server.webhooks import endpoints
+    project = _scoped(project)
     with _session(write=True) as s:
         ep = endpoints.create_endpoint(s, project=project, url=url, format=format, min_severity=min_severity,
                                        secret=secret or None)
@@ -187,6 +253,7 @@ def create_endpoint(*, url: str, project: str, format: str = "json", min_severit
 def delete_endpoint(endpoint_id: int) -> bool:
     from server.webhooks import endpoints
     with _session(write=True) as s:
+        _own_endpoint(s, endpoint_id)
         return endpoints.delete_endpoint(s, endpoint_id=endpoint_id)
 
 
@@ -194,23 +261,27 @@ def send_test(endpoint_id: int) -> dict:
     """Queue a sample alert to one endpoint; the server's delivery worker sends it (it polls every second)."""
     from server.webhooks import endpoints
     with _session(write=True) as s:
+        _own_endpoint(s, endpoint_id)
         return endpoints.delivery_to_dict(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings,
                                                               now=time.time()))
 
 
 def list_deliveries(*, limit: int = 50) -> list[dict]:
     from server.webhooks import endpoints
+    mine = signed_in_project()
     with _session() as s:
-        return [endpoints.delivery_to_dict(d) for d in endpoints.list_deliveries(s, limit=limit)]
+        own = None if mine is None else {ep.id for ep in endpoints.list_endpoints(s, project=mine)}
+        return [endpoints.delivery_to_dict(d) for d in endpoints.list_deliveries(s, limit=limit)
+                if own is None or d.endpoint_id in own]
 
 
 def get_rule_config(project: str) -> Any:
     from server.rules import config
     with _session() as s:
-        return _plain(config.get_rule_config(s, project=project, settings=_settings))
+        return _plain(config.get_rule_config(s, project=_scoped(project), settings=_settings))
 
 
 def set_rule_override(project: str, rule: str, values: dict) -> None:
     from server.rules import config
     with _session(write=True) as s:
-        config.set_rule_override(s, project=project, rule=rule, **values)
+        config.set_rule_override(s, project=_scoped(project), rule=rule, **values)

@@ -20,6 +20,9 @@ SEVERITIES = ("info", "warning", "critical")
 
 
 def _projects() -> list[str]:
+    mine = gateway.signed_in_project()
+    if mine is not None:
+        return [mine]
     return sorted({r.get("project", "") for r in gateway.list_runs()} | {"default"})
 
 

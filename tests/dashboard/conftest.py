@@ -28,6 +28,9 @@ return {
 
 
 SERVER_START_TIMEOUT = 120.0  # a loaded 2-core machine can take tens of seconds to import and start a server
+# How long a condition may take to show in the browser. Generous: on a loaded 2-core machine parsing
+# plotly.js alone can take seconds. These are deadlines for failing, not measurements.
+WAIT = 60.0
 
 
 def _start_server(data_dir):
@@ -76,7 +79,7 @@ def trace(fig: Optional[dict], name: str) -> Optional[dict]:
     return next((t for t in fig["data"] if t["name"] == name), None)
 
 
-def wait_trace(drv, graph_id: str, name: str, predicate, timeout: float = 15.0, what: str = "") -> dict:
+def wait_trace(drv, graph_id: str, name: str, predicate, timeout: float = WAIT, what: str = "") -> dict:
     """Wait until trace ``name`` of chart ``graph_id`` satisfies ``predicate``; return the trace."""
     def check():
         t = trace(graph(drv, graph_id), name)
@@ -97,7 +100,7 @@ def same_page(drv) -> bool:
     return drv.execute_script("return window.__gwNoReload === 'same-document';")
 
 
-def choose_option(drv, dropdown_id: str, label: str, timeout: float = 10.0) -> None:
+def choose_option(drv, dropdown_id: str, label: str, timeout: float = WAIT) -> None:
     """Open a Dash 4 dropdown and click the option with this label."""
     from selenium.webdriver.common.by import By
 
@@ -131,7 +134,7 @@ def approx_list(a: list[Any], b: list[Any], rel: float = 1e-6) -> bool:
     return True
 
 
-def click(drv, css: str, timeout: float = 10.0) -> None:
+def click(drv, css: str, timeout: float = WAIT) -> None:
     """Click the element matching ``css``, retrying while Dash re-renders it under us."""
     from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 

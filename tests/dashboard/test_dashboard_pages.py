@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import save_screenshot, wait_until
-from tests.dashboard.conftest import (approx_list, choose_option, click, graph, mark_page, same_page,
+from tests.dashboard.conftest import (WAIT, approx_list, choose_option, click, graph, mark_page, same_page,
                                       severe_console_entries, texts, trace, wait_trace)
 from tests.dashboard.runs_feed import ingest, make_steps
 
@@ -27,7 +27,7 @@ def test_runs_page_lists_filters_and_updates_live(dash_server, browser):
     ingest(dash_server, project="nlp", run="gpt-c", steps=make_steps(30, seed=3))
 
     browser.get(dash_server.url + "/")
-    rows = wait_until(lambda: len(r := _rows(browser)) == 3 and r, timeout=15, what="three runs listed")
+    rows = wait_until(lambda: len(r := _rows(browser)) == 3 and r, timeout=WAIT, what="three runs listed")
     assert rows["resnet-a"][1:4] == ["vision", "finished", "healthy"]
     assert rows["resnet-a"][4] == "49"
     assert rows["resnet-b"][2] == "crashed"
@@ -38,22 +38,22 @@ def test_runs_page_lists_filters_and_updates_live(dash_server, browser):
     mark_page(browser)
 
     choose_option(browser, "runs-filter-status", "finished")
-    wait_until(lambda: list(_rows(browser)) == ["resnet-a"], timeout=10, what="status filter")
+    wait_until(lambda: list(_rows(browser)) == ["resnet-a"], timeout=WAIT, what="status filter")
     choose_option(browser, "runs-filter-status", "crashed")
-    wait_until(lambda: list(_rows(browser)) == ["resnet-b"], timeout=10, what="status filter (crashed)")
+    wait_until(lambda: list(_rows(browser)) == ["resnet-b"], timeout=WAIT, what="status filter (crashed)")
     click(browser, "#runs-filter-status .dash-dropdown-clear")
-    wait_until(lambda: len(_rows(browser)) == 3, timeout=10, what="status filter cleared")
+    wait_until(lambda: len(_rows(browser)) == 3, timeout=WAIT, what="status filter cleared")
 
     choose_option(browser, "runs-filter-project", "vision")
-    wait_until(lambda: sorted(_rows(browser)) == ["resnet-a", "resnet-b"], timeout=10, what="project filter")
+    wait_until(lambda: sorted(_rows(browser)) == ["resnet-a", "resnet-b"], timeout=WAIT, what="project filter")
     browser.find_element("id", "runs-filter-name").send_keys("-b")
-    wait_until(lambda: list(_rows(browser)) == ["resnet-b"], timeout=10, what="name filter")
+    wait_until(lambda: list(_rows(browser)) == ["resnet-b"], timeout=WAIT, what="name filter")
 
     # A new run and new steps show up without a reload.
     ingest(dash_server, project="vision", run="resnet-d-b", steps=make_steps(10, seed=4))
-    wait_until(lambda: sorted(_rows(browser)) == ["resnet-b", "resnet-d-b"], timeout=10, what="new run listed live")
+    wait_until(lambda: sorted(_rows(browser)) == ["resnet-b", "resnet-d-b"], timeout=WAIT, what="new run listed live")
     ingest(dash_server, project="vision", run="resnet-d-b", steps=make_steps(5, start=10, seed=5), meta=False)
-    wait_until(lambda: _rows(browser)["resnet-d-b"][4] == "14", timeout=10, what="last step updated live")
+    wait_until(lambda: _rows(browser)["resnet-d-b"][4] == "14", timeout=WAIT, what="last step updated live")
     assert same_page(browser)
     assert severe_console_entries(browser) == []
 
@@ -68,7 +68,7 @@ def test_alerts_page_filters_by_severity_and_rule(dash_server, browser):
     assert rules.get("A1") == "critical" and rules.get("A3") == "warning", rules
 
     browser.get(dash_server.url + "/alerts")
-    wait_until(lambda: len(texts(browser, "#alerts-list .gw-alert")) == len(body["alerts"]), timeout=15,
+    wait_until(lambda: len(texts(browser, "#alerts-list .gw-alert")) == len(body["alerts"]), timeout=WAIT,
                what="every alert listed")
     cards = texts(browser, "#alerts-list .gw-alert")
     assert any("nlp / gpt-nan" in c for c in cards)
@@ -76,16 +76,16 @@ def test_alerts_page_filters_by_severity_and_rule(dash_server, browser):
     choose_option(browser, "alerts-filter-severity", "warning")
     wait_until(lambda: browser.execute_script(
         "return Array.from(document.querySelectorAll('#alerts-list .gw-alert'), (e) => e.dataset.severity);")
-        == ["warning"] * sum(1 for s in rules.values() if s == "warning"), timeout=10, what="severity filter")
+        == ["warning"] * sum(1 for s in rules.values() if s == "warning"), timeout=WAIT, what="severity filter")
     choose_option(browser, "alerts-filter-severity", "critical")
     wait_until(lambda: browser.execute_script(
         "return Array.from(document.querySelectorAll('#alerts-list .gw-alert'), (e) => e.dataset.rule);")
         == sorted((r for r, s in rules.items() if s == "critical"), key=lambda r: r != "A1") or None,
-        timeout=10, what="critical alerts only")
+        timeout=WAIT, what="critical alerts only")
     choose_option(browser, "alerts-filter-rule", "A1 loss_nonfinite")
     wait_until(lambda: browser.execute_script(
         "return Array.from(document.querySelectorAll('#alerts-list .gw-alert'), (e) => e.dataset.rule);")
-        == ["A1"], timeout=10, what="rule filter")
+        == ["A1"], timeout=WAIT, what="rule filter")
     save_screenshot(browser, "alerts-page")
     assert severe_console_entries(browser) == []
 
@@ -112,32 +112,32 @@ def test_compare_overlays_two_runs(shared_server, browser):
 def test_settings_webhook_add_test_delivery_and_delete(shared_server, browser, webhook_receiver):
     ingest(shared_server, project="vision", run="settings-webhook", steps=make_steps(5))
     browser.get(shared_server.url + "/settings")
-    wait_until(lambda: texts(browser, "#settings-endpoints td.gw-empty"), timeout=15, what="empty endpoint list")
+    wait_until(lambda: texts(browser, "#settings-endpoints td.gw-empty"), timeout=WAIT, what="empty endpoint list")
     choose_option(browser, "settings-webhook-project", "vision")
     browser.find_element("id", "settings-webhook-url").send_keys(webhook_receiver.url)
     click(browser, "#settings-webhook-add")
     wait_until(lambda: texts(browser, "#settings-endpoints .gw-endpoint-url") == [webhook_receiver.url],
-               timeout=10, what="endpoint listed")
+               timeout=WAIT, what="endpoint listed")
     assert "vision" in texts(browser, "#settings-endpoints .gw-endpoint-row")[0]
 
     click(browser, "#settings-endpoints .gw-endpoint-row button.gw-button:not(.gw-button-danger)")
-    received = webhook_receiver.wait_for(lambda r: r.path == "/hook", timeout=15)
+    received = webhook_receiver.wait_for(lambda r: r.path == "/hook", timeout=WAIT)
     body = received.json()
     assert "gradwatch" in str(body).lower()
     wait_until(lambda: browser.execute_script(
         "return Array.from(document.querySelectorAll('#settings-deliveries tr.gw-delivery-row'),"
-        " (r) => r.dataset.status);") == ["delivered"], timeout=15, what="delivery log shows the delivery")
+        " (r) => r.dataset.status);") == ["delivered"], timeout=WAIT, what="delivery log shows the delivery")
     save_screenshot(browser, "settings-page")
 
     # A bad URL is refused with the server's message.
     browser.find_element("id", "settings-webhook-url").send_keys("ftp://nope")
     click(browser, "#settings-webhook-add")
-    wait_until(lambda: "url" in " ".join(texts(browser, "#settings-webhook-message")).lower(), timeout=10,
+    wait_until(lambda: "url" in " ".join(texts(browser, "#settings-webhook-message")).lower(), timeout=WAIT,
                what="validation message")
     assert len(texts(browser, "#settings-endpoints .gw-endpoint-row")) == 1
 
     click(browser, "#settings-endpoints .gw-endpoint-row button.gw-button-danger")
-    wait_until(lambda: texts(browser, "#settings-endpoints td.gw-empty"), timeout=10, what="endpoint deleted")
+    wait_until(lambda: texts(browser, "#settings-endpoints td.gw-empty"), timeout=WAIT, what="endpoint deleted")
     assert severe_console_entries(browser) == []
 
 
@@ -145,17 +145,17 @@ def test_settings_rule_threshold_override(shared_server, browser):
     ingest(shared_server, project="vision", run="settings-rules", steps=make_steps(5))
     browser.get(shared_server.url + "/settings")
     field = "input[id*='\"rule\":\"A2\"'][id*='\"key\":\"factor\"']"
-    wait_until(lambda: browser.find_elements("css selector", f"#settings-rules {field}"), timeout=15,
+    wait_until(lambda: browser.find_elements("css selector", f"#settings-rules {field}"), timeout=WAIT,
                what="A2 factor field")
     el = browser.find_element("css selector", f"#settings-rules {field}")
     el.clear()
     el.send_keys("25")
     click(browser, "#settings-rules button[id*='\"index\":\"A2\"']")
-    wait_until(lambda: "saved" in " ".join(texts(browser, "#settings-rules-message")), timeout=10,
+    wait_until(lambda: "saved" in " ".join(texts(browser, "#settings-rules-message")), timeout=WAIT,
                what="saved message")
     code, body = shared_server.get("/api/v1/rules?project=vision")
     assert code == 200
     assert next(r for r in body["rules"] if r["id"] == "A2")["factor"] == 25
-    wait_until(lambda: "overridden: factor" in " ".join(texts(browser, "#settings-rule-A2")), timeout=10,
+    wait_until(lambda: "overridden: factor" in " ".join(texts(browser, "#settings-rule-A2")), timeout=WAIT,
                what="A2 shows its override")
     assert severe_console_entries(browser) == []

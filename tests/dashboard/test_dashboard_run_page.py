@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.conftest import save_screenshot, wait_until
-from tests.dashboard.conftest import (approx_list, click, graph, mark_page, same_page, severe_console_entries, text_of, texts,
+from tests.dashboard.conftest import (WAIT, approx_list, click, graph, mark_page, same_page, severe_console_entries, text_of, texts,
                                       trace, wait_trace)
 from tests.dashboard.runs_feed import MODULE_NAMES, PARAM_NAMES, ingest, make_steps
 
@@ -55,7 +55,7 @@ def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browse
 
     # Per-layer heatmaps: layer names on y, one column per sampled step, log10 values.
     heat = wait_until(lambda: (g := graph(browser, "run-heatmap-grad_norm")) and g["data"][0]["y"] and g,
-                      timeout=15, what="grad-norm heatmap")
+                      timeout=WAIT, what="grad-norm heatmap")
     cell = heat["data"][0]
     assert cell["y"] == PARAM_NAMES
     assert cell["x"] == list(range(0, 300, 10))
@@ -64,9 +64,9 @@ def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browse
     assert act["data"][0]["y"] == MODULE_NAMES
 
     # The NaN origin is named, and the loss NaN raised an alert whose card shows diagnosis and actions.
-    wait_until(lambda: "blocks.1.mlp" in text_of(browser, "run-nan-origin"), timeout=15, what="NaN origin notice")
+    wait_until(lambda: "blocks.1.mlp" in text_of(browser, "run-nan-origin"), timeout=WAIT, what="NaN origin notice")
     card = wait_until(lambda: texts(browser, "#run-alerts .gw-alert[data-rule='A1']"),
-                      timeout=15, what="A1 alert card")[0]
+                      timeout=WAIT, what="A1 alert card")[0]
     assert "loss_nonfinite" in card and "DIAGNOSIS" in card.upper() and "WHAT TO DO" in card.upper()
     # Every chart marks the alert's step.
     assert 120 in [s["x0"] for s in graph(browser, "run-graph-lr")["shapes"]]
@@ -93,9 +93,9 @@ def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(shared_ser
     bad[0]["loss"] = "NaN"
     ingest(shared_server, project="nlp", run="gpt-live", steps=bad, meta=False)
     wait_until(lambda: browser.find_elements("css selector", "#run-alerts .gw-alert[data-rule='A1']"),
-               timeout=15, what="A1 alert card on the live page")
+               timeout=WAIT, what="A1 alert card on the live page")
     wait_trace(browser, "run-graph-loss", "NaN / Inf", lambda t: t["x"] == [230], what="NaN marker at step 230")
-    wait_until(lambda: 230 in [s["x0"] for s in graph(browser, "run-graph-loss")["shapes"]], timeout=15,
+    wait_until(lambda: 230 in [s["x0"] for s in graph(browser, "run-graph-loss")["shapes"]], timeout=WAIT,
                what="alert line on the loss chart")
     assert same_page(browser), "the page reloaded"
     save_screenshot(browser, "run-page-live-nan")
@@ -103,9 +103,9 @@ def test_live_run_appends_points_and_shows_a_nan_alert_without_reload(shared_ser
     # Acknowledge from the alerts panel.
     click(browser, "#run-alerts .gw-alert[data-rule='A1'] .gw-ack")
     wait_until(lambda: shared_server.get(f"/api/v1/alerts?run={run_id}&rule=A1")[1]["alerts"][0]["acknowledged"],
-               timeout=10, what="alert acknowledged in the database")
+               timeout=WAIT, what="alert acknowledged in the database")
     wait_until(lambda: texts(browser, "#run-alerts .gw-alert[data-rule='A1'] .gw-ack") == ["acknowledged"],
-               timeout=10, what="button shows the acknowledgement")
+               timeout=WAIT, what="button shows the acknowledgement")
     assert severe_console_entries(browser) == []
 
 
@@ -133,7 +133,7 @@ def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(shared_server, 
                        [steps[i]["loss"] for i in range(2300, 2401)])
     for other in ("run-graph-grad_norm", "run-graph-lr", "run-graph-loss_scale"):
         wait_until(lambda: (g := graph(browser, other)) and abs(g["xrange"][0] - 2300) < 1
-                   and abs(g["xrange"][1] - 2400) < 1, timeout=10, what=f"{other} follows the zoom")
+                   and abs(g["xrange"][1] - 2400) < 1, timeout=WAIT, what=f"{other} follows the zoom")
     grad = trace(graph(browser, "run-graph-grad_norm"), "grad norm")
     assert [x for x in grad["x"] if 2300 <= x <= 2400] == list(range(2300, 2401))
     save_screenshot(browser, "run-page-zoomed")
