@@ -104,16 +104,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.05,
                    help="seconds to sleep per step so a person can watch it live (0: full speed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads; a model this small runs fastest on one, and the server shares the CPU")
     args = p.parse_args(argv)
     if args.steps <= 0:
         p.error("--steps must be positive")
     if args.nan_steps < 0 or args.step_delay < 0:
         p.error("--nan-steps and --step-delay must not be negative")
+    if args.threads < 1:
+        p.error("--threads must be at least 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     vocab, seq, batch = 64, 32, 16

@@ -27,6 +27,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
+# Tiny models train fastest on one thread, and every test shares two cores with
+# the server processes it starts: more torch threads only oversubscribe them.
+# Set before torch is imported; inherited by the processes tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 IN_CI = os.environ.get("CI", "").lower() == "true"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN_URL = os.environ.get("GRADWATCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
