@@ -27,11 +27,20 @@ def _preselected(runs) -> list[int]:
     return out
 
 
+def _options() -> list[dict]:
+    return [{"label": _label(r), "value": r["id"]}
+            for r in sorted(gateway.list_runs(), key=lambda r: -(r.get("started_at") or 0))]
+
+
 def layout(runs=None, **_query):
+    # Options come with the layout: a dropdown drops preselected values it has no option for.
+    options = _options()
+    known = {o["value"] for o in options}
     return html.Div([
         html.Div([
             html.H1("Compare runs", className="gw-title"),
-            dcc.Dropdown(id="compare-runs", multi=True, value=_preselected(runs), placeholder="choose runs to overlay…",
+            dcc.Dropdown(id="compare-runs", multi=True, options=options,
+                         value=[i for i in _preselected(runs) if i in known], placeholder="choose runs to overlay…",
                          className="gw-dropdown gw-dropdown-wide"),
             html.Button("Whole runs", id="compare-reset", n_clicks=0, className="gw-button"),
         ], className="gw-page-head"),
@@ -55,8 +64,7 @@ def _label(run: dict) -> str:
     running=pause_while_running("compare-options-interval"),
 )
 def run_options(_tick, current):
-    options = [{"label": _label(r), "value": r["id"]}
-               for r in sorted(gateway.list_runs(), key=lambda r: -(r.get("started_at") or 0))]
+    options = _options()
     return no_update if options == current else options
 
 
@@ -79,11 +87,17 @@ def draw(run_ids, x_range, _tick, previous_sig):
     signals = [signal for signal, _, _ in COMPARE_PANELS]
     series = {i: gateway.get_series(i, signals, start=start, end=end, max_points=MAX_POINTS)
               for i in run_ids if i in runs}
+    shown = x_range
+    if shown is None:
+        # Every chart spans the same steps (autorange would differ per chart and break the shared axis).
+        steps = [p["step"] for by_signal in series.values() for s in by_signal.values() if s
+                 for p in (s["steps"][:1] + s["steps"][-1:])]
+        shown = [min(steps), max(max(steps), min(steps) + 1)] if steps else None
     figs = []
     for signal, title, log_y in COMPARE_PANELS:
         fig = figures.compare_figure(signal, title, [(_label(runs[i]), series[i].get(signal)) for i in series],
                                      log_y=log_y)
-        fig["layout"]["xaxis"].update({"range": list(x_range), "autorange": False} if x_range else {"autorange": True})
+        fig["layout"]["xaxis"].update({"range": list(shown), "autorange": False} if shown else {"autorange": True})
         figs.append(fig)
     return *figs, sig
 

@@ -108,8 +108,8 @@ def deliveries_table(deliveries: list[dict]) -> html.Table:
             html.Td(d.get("url", "")),
             html.Td(what),
             html.Td(html.Span(d.get("status", ""), className=f"gw-badge gw-delivery-{d.get('status', '')}")),
-            html.Td(str(d.get("attempts", 0)), className="gw-num"),
-            html.Td(str(d.get("last_status_code") or "—"), className="gw-num"),
+            html.Td(str(d.get("attempts", 0))),
+            html.Td(str(d.get("last_status_code") or "—")),
             html.Td((d.get("last_error") or "")[:120], className="gw-muted"),
         ], className="gw-delivery-row", **{"data-status": d.get("status", "")}))
     if not rows:
