@@ -180,6 +180,94 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
             "rss": rss}
 
 
+def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d_model: int, seq: int,
+                 batch: int, server: str | None) -> dict:
+    """All modes in one process, alternating blocks of steps (attach / detach around agent blocks).
+
+    Paired blocks see the same machine load, so the ratio survives a busy machine
+    far better than separate processes do.
+    """
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vocab = 256
+    model = build(d_model, seq, vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    ema = EMA(model)
+    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    tmp = tempfile.mkdtemp(prefix="gw-bench-paired-")
+    loggers = {}
+    if "tensorboard" in modes:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(log_dir=tmp + "/tb")
+        loggers["tensorboard"] = lambda step, values: [writer.add_scalar(k, v, step) for k, v in values.items()]
+    if "wandb" in modes:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+        wandb_run = wandb.init(mode="offline", dir=tmp, project="bench")
+        loggers["wandb"] = lambda step, values: wandb_run.log(values, step=step)
+    sys.path.insert(0, str(REPO))
+    import agent
+    state = {"i": 0, "prev_scale": None, "overflows": 0}
+
+    def step(log_scalars):
+        i = state["i"]
+        state["i"] += 1
+        idx = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale() if log_scalars else None
+        scaler.step(opt)
+        scaler.update()
+        ema.update(model)
+        if log_scalars is not None:
+            new_scale = scaler.get_scale()
+            overflow = state["prev_scale"] is not None and new_scale < scale
+            state["overflows"] += int(overflow)
+            state["prev_scale"] = new_scale
+            log_scalars(i, {"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
+                            "overflow": float(overflow), "overflow_count": state["overflows"],
+                            "lr": opt.param_groups[0]["lr"]})
+
+    for _ in range(warmup):
+        step(None)
+    block_medians: dict[str, list[float]] = {m: [] for m in modes}
+    for b in range(blocks):
+        order = modes[b % len(modes):] + modes[:b % len(modes)]
+        for m in order:
+            monitor = None
+            if m.startswith("agent"):
+                settings = dict(project="bench", run=f"paired-{m}-{os.getpid()}-{b}", spool_dir=tmp, ema=ema)
+                if m == "agent-capture":
+                    settings["mode"] = "disabled"
+                elif server:
+                    settings["server"] = server
+                else:
+                    settings["mode"] = "offline"
+                if m == "agent-full":
+                    settings.update(weights_every=1, activations_every=1, inputs_every=1, ema_every=1, bn_every=1)
+                monitor = agent.attach(model, scaler, optimizer=opt, **settings)
+            log_scalars = loggers.get(m)
+            step(log_scalars)   # untimed: first-use costs (sender thread start, writer open)
+            times = []
+            for _ in range(block_steps):
+                t0 = time.perf_counter()
+                step(log_scalars)
+                times.append(time.perf_counter() - t0)
+            if monitor is not None:
+                monitor.close(timeout=10)
+            block_medians[m].append(statistics.median(times))
+    if "wandb" in loggers:
+        wandb_run.finish()
+    return {"block_medians": block_medians}
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -222,11 +310,20 @@ def main(argv=None) -> int:
     p.add_argument("--rss-steps", type=int, default=10_000, help="agent steps for the RSS check (0: skip)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--server", help="send agent modes to this gradwatch server (default: offline spool)")
+    p.add_argument("--paired-blocks", type=int, default=12,
+                   help="blocks per mode in the paired (single-process) measurement; 0: skip it")
+    p.add_argument("--block-steps", type=int, default=6)
     p.add_argument("--json", help="write raw figures here")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--paired-child", help=argparse.SUPPRESS)
     p.add_argument("--rss-every", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.paired_child:
+        result = paired_child(args.paired_child.split(","), args.paired_blocks, args.block_steps, args.warmup,
+                              args.d_model, args.seq, args.batch, args.server)
+        print(json.dumps(result))
+        return 0
     if args.child:
         result = child(args.child, args.steps, args.warmup, args.d_model, args.seq, args.batch, args.server,
                        args.rss_every)
@@ -261,17 +358,38 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{m} {1000 * round_medians[m]:.1f} ms ({1000 * round_cpu[m]:.1f} CPU)" for m in modes), flush=True)
 
-    print(f"\nreference loop: 12-block pre-norm Transformer, {params} parameter tensors, d_model={args.d_model}, "
-          f"seq={args.seq}, batch={args.batch}, AdamW + GradScaler + clip 1.0 + EMA, fp32 CPU, 1 thread")
-    print("ratios are per round (same round's bare), then the median over rounds; CPU = process CPU time per step")
-    print(f"{'mode':<14} {'wall median':>12} {'wall ratio':>11} {'CPU median':>11} {'CPU ratio':>10}")
-    print(f"{'bare':<14} {1000 * statistics.median(medians['bare']):>10.2f}ms {'1.000':>11} "
-          f"{1000 * statistics.median(cpu_medians['bare']):>9.2f}ms {'1.000':>10}")
     summary = {}
-    for m, rs in ratios.items():
-        summary[m] = {"wall": statistics.median(rs), "cpu": statistics.median(cpu_ratios[m])}
-        print(f"{m:<14} {1000 * statistics.median(medians[m]):>10.2f}ms {summary[m]['wall']:>11.3f} "
-              f"{1000 * statistics.median(cpu_medians[m]):>9.2f}ms {summary[m]['cpu']:>10.3f}")
+    if args.rounds:
+        print(f"\nreference loop: 12-block pre-norm Transformer, {params} parameter tensors, d_model={args.d_model}, "
+              f"seq={args.seq}, batch={args.batch}, AdamW + GradScaler + clip 1.0 + EMA, fp32 CPU, 1 thread")
+        print("ratios are per round (same round's bare), then the median over rounds; CPU = process CPU time per step")
+        print(f"{'mode':<14} {'wall median':>12} {'wall ratio':>11} {'CPU median':>11} {'CPU ratio':>10}")
+        print(f"{'bare':<14} {1000 * statistics.median(medians['bare']):>10.2f}ms {'1.000':>11} "
+              f"{1000 * statistics.median(cpu_medians['bare']):>9.2f}ms {'1.000':>10}")
+        for m, rs in ratios.items():
+            summary[m] = {"wall": statistics.median(rs), "cpu": statistics.median(cpu_ratios[m])}
+            print(f"{m:<14} {1000 * statistics.median(medians[m]):>10.2f}ms {summary[m]['wall']:>11.3f} "
+                  f"{1000 * statistics.median(cpu_medians[m]):>9.2f}ms {summary[m]['cpu']:>10.3f}")
+
+    paired = None
+    if args.paired_blocks:
+        cmd = [sys.executable, __file__, "--paired-child", ",".join(modes), "--paired-blocks",
+               str(args.paired_blocks), "--block-steps", str(args.block_steps), "--warmup", str(args.warmup),
+               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch)]
+        if args.server:
+            cmd += ["--server", args.server]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        if out.returncode != 0:
+            raise RuntimeError(f"paired run failed:\n{out.stderr[-3000:]}")
+        blocks = json.loads(out.stdout.strip().splitlines()[-1])["block_medians"]
+        paired = {m: statistics.median(a / b for a, b in zip(blocks[m], blocks["bare"])) for m in modes if m != "bare"}
+        print(f"\npaired, one process, {args.paired_blocks} blocks x {args.block_steps} steps per mode, alternating "
+              f"(agent attached / detached around its blocks):")
+        print(f"{'mode':<14} {'median block':>13} {'ratio to the neighbouring bare block (median)':>47}")
+        print(f"{'bare':<14} {1000 * statistics.median(blocks['bare']):>11.2f}ms {'1.000':>47}")
+        for m, r in paired.items():
+            print(f"{m:<14} {1000 * statistics.median(blocks[m]):>11.2f}ms {r:>47.3f}")
 
     rss = None
     if args.rss_steps:
@@ -293,6 +411,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": medians, "ratios": ratios, "cpu_medians": cpu_medians,
                                                "cpu_ratios": cpu_ratios, "summary": summary,
+                                               "paired": paired,
                                                "rss": rss, "args": vars(args)}, indent=2))
     return 0
 

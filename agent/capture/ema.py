@@ -11,6 +11,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from agent.capture.norms import tensor_norms
+
 
 def ema_tensors(ema: Any) -> Optional[dict[str, torch.Tensor]]:
     """Name → tensor view of the EMA weights; looked up again at every use (EMA classes
@@ -56,13 +58,13 @@ def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor
     for name, p in zip(names, params):
         t = _lookup(source, name)
         if isinstance(t, torch.Tensor) and t.shape == p.shape and t.device == p.device:
-            shadows.append(t.detach())
-            live.append(p.detach())
+            shadows.append(t)      # the caller holds torch.no_grad(): no detach() per tensor needed
+            live.append(p)
     if not live:
         return None
     if any(s.dtype != q.dtype for s, q in zip(shadows, live)):
         shadows = [s.to(q.dtype) for s, q in zip(shadows, live)]
     diffs = torch._foreach_sub(shadows, live)
-    num = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(diffs, 2)]))
-    den = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(live, 2)]))
+    num = torch.linalg.vector_norm(tensor_norms(diffs))
+    den = torch.linalg.vector_norm(tensor_norms(live))
     return num, den

@@ -28,7 +28,8 @@ def grad_norms(params: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, l
 
 def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Stacked L2 norms of each tensor, float32."""
-    norms = torch._foreach_norm([t.detach() for t in tensors], 2)
+    with torch.no_grad():
+        norms = torch._foreach_norm(list(tensors), 2)
     return torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(list(norms))
 
 
