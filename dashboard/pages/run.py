@@ -24,9 +24,9 @@ from dash import ALL, ClientsideFunction, Input, Output, Patch, State, callback,
     no_update
 
 from dashboard import figures, gateway
-from dashboard.ticks import pause_while_running
 from dashboard.alert_cards import alert_list, format_ago, format_time, health_badge, status_badge
 from dashboard.figures import HEATMAPS, PANELS, SERIES_SIGNALS, format_number
+from dashboard.ticks import pause_while_running
 
 LIVE_MS = 500
 SUMMARY_MS = 1000
