@@ -106,8 +106,13 @@ def _first_step(series: dict) -> Optional[int]:
 
 def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tuple[list, dict]:
     start, end = (x_range or (None, None))
+    # The run's last step, read before the series: a downsampled series ends with a
+    # bucket's first step, and live appends must continue after the bucket's end.
+    last = (gateway.get_run(run_id) or {}).get("last_step")
     series = gateway.get_series(run_id, SERIES_SIGNALS, start=start, end=end, max_points=MAX_POINTS)
     cursor = figures.last_step(series)
+    if cursor is not None and last is not None:
+        cursor = max(cursor, last)
     first = _first_step(series)
     # The whole run: every chart gets the same explicit step range (autorange
     # would pad charts with markers differently and break the shared axis).
@@ -117,10 +122,8 @@ def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tupl
         fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown)
         figs.append(fig)
         smooth_states[panel.key] = state
-    if x_range is not None:
-        # A zoomed view ends inside the run; live appends continue from the run's last step.
-        run = gateway.get_run(run_id) or {}
-        cursor = run.get("last_step", cursor)
+    if x_range is not None and last is not None:
+        cursor = last  # a zoomed view ends inside the run; live appends continue from the run's end
     live = {"cursor": cursor, "first": first, "states": smooth_states, "appended": 0,
             "alerts": figures.alerts_signature(alerts), "range": x_range}
     return figs, live
