@@ -224,13 +224,20 @@ def _add_export(subparsers) -> None:
     export.add_subparser(subparsers)
 
 
+def _add_sync(subparsers) -> None:
+    from . import spool_sync
+
+    spool_sync.add_subparser(subparsers)
+
+
 def _add_webhooks(subparsers) -> None:
     from .webhooks import cli as webhooks_cli
 
     webhooks_cli.add_subparser(subparsers)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve, add_db, add_token, _add_demo, _add_rules, _add_export, _add_webhooks]
+SUBCOMMANDS: list[Callable] = [add_serve, add_db, add_token, _add_demo, _add_rules, _add_export, _add_sync,
+                               _add_webhooks]
 
 
 def build_parser() -> argparse.ArgumentParser:
