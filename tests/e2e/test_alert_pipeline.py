@@ -1,14 +1,13 @@
 """End to end: real training loop → agent → real server → SQL → rule → webhook receiver.
 
-Runs on SQLite and on the machine's PostgreSQL. Prints the measured
-NaN-step → webhook-received latency and step → visible-in-API latency
-(figures, not assertions: timings do not belong in tests).
+Runs on SQLite and on the machine's PostgreSQL, and prints the measured
+NaN-step → webhook-received latency (a figure, not an assertion: timings do
+not belong in tests). The fuller latency measurement, step → visible in the
+API included, is tests/webhooks/test_latency.py.
 """
 from __future__ import annotations
 
 import math
-import statistics
-import threading
 import time
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn as nn
 import agent
 from tests.conftest import wait_until
 
-RUNS = 6            # NaN episodes measured per database (one per run)
+RUNS = 2            # NaN episodes per database (one per run)
 HEALTHY_STEPS = 30
 
 
@@ -59,36 +58,6 @@ def _train_through_nan(server_url: str, run_name: str, nan_step: int, after: int
     return step_end[nan_step], step_end, monitor
 
 
-class VisibilityPoller(threading.Thread):
-    """Polls the public runs API and notes when each step first becomes visible there."""
-
-    def __init__(self, srv, project: str, run_name: str):
-        super().__init__(name="visibility-poller", daemon=True)
-        self.srv, self.project, self.run_name = srv, project, run_name
-        self.seen_at: dict[int, float] = {}
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        last = -1
-        while not self._halt.is_set():
-            _, body = self.srv.get(f"/api/v1/runs?project={self.project}")
-            run = next((r for r in body.get("runs", []) if r["name"] == self.run_name), None)
-            now = time.time()
-            if run and run["last_step"] is not None and run["last_step"] > last:
-                for step in range(last + 1, run["last_step"] + 1):
-                    self.seen_at[step] = now
-                last = run["last_step"]
-            self._halt.wait(0.01)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
-
-def _p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=20, method="inclusive")[-1] if len(values) > 1 else values[0]
-
-
 def _run_id(srv, run_name: str) -> int:
     def find():
         _, body = srv.get("/api/v1/runs?project=e2e")
@@ -98,16 +67,10 @@ def _run_id(srv, run_name: str) -> int:
 
 def test_nan_step_reaches_the_webhook_with_diagnosis(server_factory, db_url, webhook_receiver, request):
     srv = server_factory(db_url, extra_args=["--webhook", webhook_receiver.url])
-    nan_latencies, visible_latencies = [], []
+    nan_latencies = []
     for i in range(RUNS):
         run_name = f"nan-run-{i}"
-        poller = VisibilityPoller(srv, "e2e", run_name)
-        poller.start()
-        try:
-            t_nan, step_end, monitor = _train_through_nan(srv.url, run_name, nan_step=HEALTHY_STEPS)
-        finally:
-            poller.stop()
-        visible_latencies += [poller.seen_at[s] - step_end[s] for s in step_end if s in poller.seen_at]
+        t_nan, step_end, monitor = _train_through_nan(srv.url, run_name, nan_step=HEALTHY_STEPS)
         try:
             hit = webhook_receiver.wait_for(
                 lambda r: r.json().get("run") == run_name and r.json().get("rule") == "A1", timeout=15)
@@ -144,13 +107,7 @@ def test_nan_step_reaches_the_webhook_with_diagnosis(server_factory, db_url, web
 
     backend = request.node.callspec.params["db_url"]
     print(f"\n[latency:{backend}] NaN step -> webhook received: "
-          f"median {statistics.median(nan_latencies) * 1000:.0f} ms, p95 {_p95(nan_latencies) * 1000:.0f} ms, "
-          f"max {max(nan_latencies) * 1000:.0f} ms over {len(nan_latencies)} NaN steps")
-    # includes the poller's own 10 ms interval and its request time
-    print(f"[latency:{backend}] step -> visible in API: median {statistics.median(visible_latencies) * 1000:.0f} ms, "
-          f"p95 {_p95(visible_latencies) * 1000:.0f} ms, max {max(visible_latencies) * 1000:.0f} ms "
-          f"over {len(visible_latencies)} steps")
-    assert len(visible_latencies) >= RUNS * HEALTHY_STEPS // 2, "the poller saw too few steps to measure"
+          + ", ".join(f"{v * 1000:.0f} ms" for v in nan_latencies))
 
 
 def test_scaler_overflow_storm_and_scale_collapse_alerts(server_factory, sqlite_url, webhook_receiver):
