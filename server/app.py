@@ -62,7 +62,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 
-        auth = Auth(database.sessionmaker, load_session_secret(settings))
+        auth = Auth(database.sessionmaker, lambda: load_session_secret(settings, database.sessionmaker))
         app.state.auth = auth
         add_login_routes(app, auth)
         app.add_middleware(AuthMiddleware, auth=auth)

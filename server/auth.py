@@ -9,8 +9,10 @@
 
 Tokens are looked up by SHA-256 (server/tokens.py) and cached briefly.
 The cookie is ``<base64 project>.<expiry>.<HMAC-SHA256>`` keyed by
-``GRADWATCH_SESSION_SECRET`` (set it to the same value on every replica) or,
-without it, a random key kept in the data directory.
+``GRADWATCH_SESSION_SECRET`` when it is set or, without it, by a random key
+kept in the database (table ``server_secrets``), created by the first replica
+that needs it: every replica of one database signs and checks with the same
+key, so nothing has to be configured for several replicas to agree.
 """
 from __future__ import annotations
 
@@ -18,11 +20,9 @@ import base64
 import hashlib
 import hmac
 import html
-import os
 import secrets
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 from urllib.parse import parse_qs, quote
 
@@ -39,32 +39,47 @@ SCOPE_KEY = "gradwatch.project"
 _OPEN_PATHS = ("/api/health", "/login", "/logout", "/metrics", "/favicon.ico")
 
 
-def load_session_secret(settings: Settings) -> bytes:
+def load_session_secret(settings: Settings, sessionmaker) -> bytes:
+    """The cookie key: ``GRADWATCH_SESSION_SECRET``, else the database's shared one (made on first use)."""
     if settings.session_secret:
         return settings.session_secret.encode()
-    path = Path(settings.data_dir) / "session_secret"
-    try:
-        return path.read_bytes().strip()
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        secret = secrets.token_hex(32).encode()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret)
-        return secret
-    except OSError:
-        return secrets.token_hex(32).encode()
+    from sqlalchemy.exc import IntegrityError
+
+    from .models import ServerSecret
+
+    with sessionmaker() as session:
+        row = session.get(ServerSecret, "session")
+        if row is not None:
+            return row.value.encode()
+        session.add(ServerSecret(name="session", value=secrets.token_hex(32), created_at=time.time()))
+        try:
+            session.commit()
+        except IntegrityError:   # another replica made it first: use theirs
+            session.rollback()
+    with sessionmaker() as session:
+        return session.get(ServerSecret, "session").value.encode()
 
 
 class Auth:
     """Token checks with a short cache; cookie signing."""
 
-    def __init__(self, sessionmaker, secret: bytes, *, cache_seconds: float = 30.0):
+    def __init__(self, sessionmaker, secret, *, cache_seconds: float = 30.0):
+        """``secret``: the cookie key, or a callable returning it (read on first use, after the
+        lifespan has checked the schema)."""
         self._sessionmaker = sessionmaker
-        self._secret = secret
+        self._secret_source = secret
+        self._secret_value: Optional[bytes] = secret if isinstance(secret, bytes) else None
         self._cache: dict[str, tuple[Optional[str], float]] = {}
         self._lock = threading.Lock()
         self._cache_seconds = cache_seconds
+
+    @property
+    def _secret(self) -> bytes:
+        if self._secret_value is None:
+            with self._lock:
+                if self._secret_value is None:
+                    self._secret_value = self._secret_source()
+        return self._secret_value
 
     # -- tokens
     def project_for(self, token: str) -> Optional[str]:

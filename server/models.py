@@ -304,3 +304,17 @@ class WebhookDelivery(Base):
     last_status_code: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     delivered_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+
+
+class ServerSecret(Base):
+    """Secrets every replica on this database must share (the dashboard's cookie key).
+
+    Created once by whichever replica needs it first; the others read it, so
+    a login made through one replica is honoured by all of them.
+    """
+
+    __tablename__ = "server_secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float)
