@@ -55,6 +55,8 @@ class AgentConfig:
     spool_max_mb: float = 512.0          # on-disk spool bound; batches beyond it are dropped and counted
     http_timeout: float = 5.0            # seconds per POST
     exit_timeout: float = 5.0            # seconds to flush at interpreter exit / close()
+    seal_grace: float = 0.2              # seconds an ended step stays open for post-step values (EMA
+                                         # update, monitor.log) before the sender thread seals and sends it
     # collectors
     grad_norms: bool = True              # per-parameter grad norms every step (one fused norm)
     weights_every: int = 100             # weight norms and update ratio ||dθ||/||θ||
@@ -81,6 +83,8 @@ class AgentConfig:
         for name in ("flush_interval", "http_timeout", "exit_timeout"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r}: must be a positive number of seconds")
+        if not (isinstance(self.seal_grace, (int, float)) and self.seal_grace >= 0):
+            problems.append(f"seal_grace={self.seal_grace!r}: must be >= 0 seconds (0.2 is the default)")
         for name in ("max_batch_steps", "queue_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)!r}: must be at least 1")

@@ -11,7 +11,11 @@ forward of the model, ``scaler.scale()`` or optimizer step), so values logged
 right after the step (``monitor.log(acc=...)``) and the EMA update the
 checklist does after ``scaler.update()`` are part of it. Then it is sealed:
 its device tensors become one flat vector whose copy to the host starts
-without a sync, and the sender thread takes it from there.
+without a sync, and the sender thread takes it from there. A record still
+open ``seal_grace`` seconds after its step ended (the loop stopped or hangs
+right after a step) is sealed by the sender thread instead, without the EMA
+divergence, which only the training thread may compute; ``_open_lock``
+guards the hand-over of the open record between the two threads.
 
 Every hook body runs under :meth:`Monitor._guard`: an exception is logged
 once, that collector turns itself off, and training goes on.
@@ -121,11 +125,18 @@ class Monitor:
 
         self._reset_step_state()
         self.step = 0
+        # The ended step whose record is still open, and when it ended (time.monotonic(), the
+        # sender's clock). Both threads take it out under _open_lock; only the one that took it seals it.
         self._open: Optional[StepRecord] = None
+        self._open_since = 0.0
+        self._open_stream = None   # the training thread's CUDA stream at the last step end
+        self._open_lock = threading.Lock()
         self._last_end: Optional[float] = None
         self._pending_scale = None
         self._pending_found_inf = None
         self._install()
+        if self.sender is not None:
+            self.sender.on_poll = self._seal_stale
 
     # ------------------------------------------------------------------ public API
 
@@ -146,17 +157,19 @@ class Monitor:
             step_per_log = loss is not None and self.scaler is None and self._current_optimizer() is None
             if step_per_log:
                 self._seal_open()
-            target = self._open.host if (self._open is not None and not step_per_log) else self._pending
-            if loss is not None:
-                _accumulate(target, "logged_loss", loss)
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    if value.numel() != 1:
-                        self._warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
-                        continue
-                    target.setdefault("custom_dev", {})[key] = value.detach().reshape(())
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    target.setdefault("custom", {})[key] = float(value)
+            with self._open_lock:   # the sender thread may be sealing the open record right now
+                target = self._open.host if (self._open is not None and not step_per_log) else self._pending
+                if loss is not None:
+                    _accumulate(target, "logged_loss", loss)
+                for key, value in values.items():
+                    if isinstance(value, torch.Tensor):
+                        if value.numel() != 1:
+                            self._warn.warning("log:" + key,
+                                               "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
+                            continue
+                        target.setdefault("custom_dev", {})[key] = value.detach().reshape(())
+                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                        target.setdefault("custom", {})[key] = float(value)
             if step_per_log:
                 self._end_step()
                 self._seal_open()
@@ -520,21 +533,49 @@ class Monitor:
         if self._input_nonfinite is not None:
             rec.add("input_nonfinite", self._input_nonfinite)
 
-        if self.config.memory and self._on("memory") and torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:   # where this step's tensors were made, should the sender thread have to seal them
+            self._open_stream = torch.cuda.current_stream()
+        if self.config.memory and self._on("memory") and cuda:
             with self._guard("memory"):
                 host["mem_peak"] = float(torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
 
         self._reset_step_state()
-        self._open = rec
+        if self._open is not None:   # two step ends without a step start between them: send the first
+            self._seal_open()
+        with self._open_lock:
+            self._open = rec
+            self._open_since = time.monotonic()
         self._last_end = now
         self.step += 1
+        if self.sender is not None and self.sender._thread is None:
+            self.sender.ensure_started()   # it seals this step if the loop stops right here
 
     def _seal_open(self) -> None:
-        rec = self._open
-        if rec is None:
+        """Training thread: seal the open record (if any) with everything, EMA divergence included."""
+        if self._open is None:   # unlocked read: only the training thread ever sets it
             return
-        self._open = None
+        with self._open_lock:
+            rec, self._open = self._open, None
+        if rec is not None:
+            self._finish_record(rec, in_training_thread=True)
+
+    def _seal_stale(self) -> None:
+        """Sender thread: seal a record left open longer than ``seal_grace`` (the loop stopped or hangs)."""
+        if self._open is None or self.closed or time.monotonic() - self._open_since < self.config.seal_grace:
+            return
+        with self._open_lock:
+            rec = self._open
+            if rec is None or time.monotonic() - self._open_since < self.config.seal_grace:
+                return
+            self._open = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rec.stream = self._open_stream
+        self._finish_record(rec, in_training_thread=False)
+
+    def _finish_record(self, rec: StepRecord, in_training_thread: bool) -> None:
+        """Turn a taken-out open record into a sealed one and submit it (either thread; nobody else holds it)."""
         host = rec.host
         loss = host.pop("logged_loss", None)
         if loss is None:
@@ -547,7 +588,10 @@ class Monitor:
             host["loss_host"] = float(loss)
         for key, t in (host.pop("custom_dev", None) or {}).items():
             rec.add("custom:" + key, t)
-        if self.ema is not None and self._sampled(self.config.ema_every, rec.step) and self._on("ema"):
+        # EMA divergence reads the EMA and the live weights, which the training thread may be
+        # updating right now: a step sealed by the sender thread goes without it.
+        if (in_training_thread and self.ema is not None and self._sampled(self.config.ema_every, rec.step)
+                and self._on("ema")):
             with self._guard("ema"), torch.no_grad():
                 pair = ema_divergence(self.ema, self._param_names, self._params)
                 if pair is not None:

@@ -20,7 +20,7 @@ import torch
 
 
 class StepRecord:
-    __slots__ = ("step", "host", "parts", "layout", "vector", "event")
+    __slots__ = ("step", "host", "parts", "layout", "vector", "event", "stream")
 
     def __init__(self, step: int):
         self.step = step
@@ -29,6 +29,7 @@ class StepRecord:
         self.layout: list[tuple[str, int]] = []
         self.vector: Optional[torch.Tensor] = None
         self.event = None
+        self.stream = None   # the training thread's CUDA stream, for a record sealed by the sender thread
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         self.parts.append((key, tensor))
@@ -37,6 +38,13 @@ class StepRecord:
         """Flatten the device parts into one vector and start its copy to the host (no sync)."""
         if not self.parts:
             return
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):   # sealed outside the training thread: queue behind its work
+                self._seal()
+        else:
+            self._seal()
+
+    def _seal(self) -> None:
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for key, t in self.parts:
             by_device.setdefault(t.device, []).append((key, t))

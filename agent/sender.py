@@ -80,6 +80,10 @@ class Sender:
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Event()
         self.poll_interval = min(0.05, config.flush_interval)
+        # Called by the sender thread at every poll, before it drains the queue: the
+        # monitor seals a step record that has stayed open past ``seal_grace`` (a
+        # loop that stopped or hangs right after a step), so that step is sent now.
+        self.on_poll: Optional[Callable[[], None]] = None
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
         self._start_lock = threading.Lock()
@@ -111,6 +115,11 @@ class Sender:
             self.queue_drops += 1
             return
         self._queue.append(item)
+
+    def ensure_started(self) -> None:
+        """Start the thread now (it seals open steps even before the first submit)."""
+        if self._thread is None and not self._closed and os.getpid() == self._pid:
+            self._start()
 
     def _start(self) -> None:
         with self._start_lock:
@@ -154,6 +163,11 @@ class Sender:
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 return
             try:
+                if self.on_poll is not None:
+                    try:
+                        self.on_poll()
+                    except Exception as e:  # noqa: BLE001 - a failing seal must not stop the sending
+                        self.warn.warning("sender:on_poll", "gradwatch: could not seal an open step: %r", e)
                 stop = self._drain_queue()
                 if stop:
                     return

@@ -1,0 +1,103 @@
+"""The last step before a stall: its record is sealed by the sender thread after ``seal_grace``.
+
+A step's record stays open after ``scaler.update()`` so that the EMA update and
+``monitor.log()`` calls right after the step belong to it; these tests check
+both halves: a loop that stops right after a (NaN) step still gets that step and
+its alert to the server without ``close()``, and a loop that keeps going still
+has its post-step values attributed to the right step.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+import agent
+from agent_helpers import ShadowEMA, TinyNet, batches, checklist_step, find_run, stored_counts
+from tests.conftest import wait_until
+
+
+def _ema_divergence(ema: ShadowEMA, model: torch.nn.Module) -> float:
+    num = sum(float((ema.shadow[n] - p.detach()).pow(2).sum()) for n, p in model.named_parameters())
+    den = sum(float(p.detach().pow(2).sum()) for _, p in model.named_parameters())
+    return math.sqrt(num) / math.sqrt(den)
+
+
+def test_a_nan_step_right_before_a_stall_reaches_the_server_with_its_alert_without_close(
+        server_factory, sqlite_url, tmp_path):
+    srv = server_factory(sqlite_url)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    # A 60 s flush interval: only the stale-record seal (plus the critical-step fast path) can send step 4 now.
+    monitor = agent.attach(model, scaler, server=srv.url, project="stall", run="nan-then-hang",
+                           spool_dir=str(tmp_path / "spool"), flush_interval=60.0)
+    try:
+        data = batches(5)
+        for i, (x, y) in enumerate(data):
+            if i == 4:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            checklist_step(model, opt, scaler, x, y)
+        assert monitor.step == 5 and not monitor.closed
+        # The loop "hangs" here: no forward, no scale(), no log(), no close().
+        t0 = time.perf_counter()
+        counts = wait_until(lambda: (c := stored_counts(srv, "stall", "nan-then-hang")) and 4 in c and c,
+                            timeout=15, what="the NaN step stored")
+        print(f"last step stored {time.perf_counter() - t0:.3f} s after it ended (seal_grace 0.2 s)")
+        assert counts[4] == 1
+        run = find_run(srv, "stall", "nan-then-hang")
+        assert run["status"] == "running"   # nothing closed the run
+        _, series = srv.get(f"/api/v1/runs/{run['id']}/series?signal=loss&max_points=100000")
+        last = next(b for b in series["steps"] if b["step"] == 4)
+        assert last["count"] == 1
+
+        def a1_alerts():
+            status, body = srv.get(f"/api/v1/alerts?run={run['id']}")
+            assert status == 200, body
+            return [a for a in body["alerts"] if a["rule"] == "A1"]
+        alerts = wait_until(a1_alerts, timeout=10, what="the A1 alert")
+        assert alerts[0]["first_step"] == 4
+        assert not monitor.closed
+    finally:
+        monitor.close()
+
+
+def test_post_step_ema_and_logged_values_stay_with_their_step(recorder, agent_settings):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    ema = ShadowEMA(model, decay=0.9)
+    monitor = agent.attach(model, scaler, ema=ema, transport=recorder, ema_every=1, **agent_settings)
+    expected_div: dict[int, float] = {}
+    for i, (x, y) in enumerate(batches(10)):
+        checklist_step(model, opt, scaler, x, y, ema=ema)   # ends with ema.update(model) after scaler.update()
+        monitor.log(acc=float(i), seen=torch.tensor(10.0 * i))
+        expected_div[i] = _ema_divergence(ema, model)
+        if i == 4:
+            # A pause longer than seal_grace: step 4 is sealed by the sender thread and sent without close(),
+            # its logged values (logged before the pause) included; training then goes on.
+            wait_until(lambda: any(s["step"] == 4 for s in recorder.steps), timeout=10, what="step 4 sent")
+    monitor.close()
+    steps = recorder.steps
+    assert [s["step"] for s in steps] == list(range(10))
+    for s in steps:
+        i = s["step"]
+        assert s["custom"] == {"acc": float(i), "seen": 10.0 * i}, s
+        if i == 4:
+            continue   # sealed by the sender thread: EMA divergence is skipped (docs/agent.md)
+        # Measured after that step's EMA update, not the previous or the next one's.
+        assert s["ema_divergence"] is not None and math.isclose(s["ema_divergence"], expected_div[i],
+                                                                rel_tol=1e-4), (i, s["ema_divergence"])
+    assert steps[4]["ema_divergence"] is None
+
+
+def test_seal_grace_is_validated():
+    import pytest
+    from agent.config import AgentConfig
+    with pytest.raises(ValueError, match="seal_grace"):
+        AgentConfig.from_sources({"seal_grace": -1}, env={})
+    assert AgentConfig.from_sources({}, env={"GRADWATCH_SEAL_GRACE": "0.5"}).seal_grace == 0.5
