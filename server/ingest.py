@@ -13,6 +13,7 @@ sent to another replica with a new connection) can neither double nor fail.
 from __future__ import annotations
 
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -120,10 +121,55 @@ def _layers_for_rules(blob: bytes) -> list[Optional[float]]:
     return values
 
 
+class _LayerView(Mapping):
+    """A step's per-layer statistics for the rules, decoded from the packed float32 blobs only when a
+    rule asks: ``view[stat]`` / ``view.get(stat)`` -> list (None for a layer not measured),
+    ``view.array(stat)`` -> float64 array (NaN for a layer not measured)."""
+
+    __slots__ = ("_blobs", "_lists", "_arrays")
+
+    def __init__(self, blobs: dict[str, bytes]):
+        self._blobs = blobs
+        self._lists: dict[str, list] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, stat: str) -> list[Optional[float]]:
+        values = self._lists.get(stat)
+        if values is None:
+            values = self._lists[stat] = _layers_for_rules(self._blobs[stat])
+        return values
+
+    def __iter__(self):
+        return iter(self._blobs)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def __contains__(self, stat) -> bool:
+        return stat in self._blobs
+
+    def present(self, stat: str) -> bool:
+        return bool(self._blobs.get(stat))
+
+    def array(self, stat: str) -> Optional[np.ndarray]:
+        arr = self._arrays.get(stat)
+        if arr is None:
+            blob = self._blobs.get(stat)
+            if not blob:
+                return None
+            arr = np.frombuffer(blob, dtype="<f4").astype(np.float64)
+            if _NULL_BYTES in blob:
+                nulls = null_mask(np.frombuffer(blob, dtype="<f4"))
+                if nulls.any():
+                    arr[nulls] = np.nan
+            self._arrays[stat] = arr
+        return arr
+
+
 def _wire_step(s) -> dict[str, Any]:
     d = {name: getattr(s, name) for name in ("step", "time", *STEP_SIGNALS)}
     d["custom"] = dict(s.custom)
-    d["layers"] = {k: _layers_for_rules(v) for k, v in s.layers.items()}
+    d["layers"] = _LayerView(s.layers)
     return d
 
 

@@ -50,7 +50,8 @@ class Episode:
         if aid is None:
             return None
         if self._alert is None or self._alert.id != aid:
-            self._alert = self.session.get(Alert, aid)
+            with self.session.no_autoflush:   # a lookup by key: pending rule states need not be flushed first
+                self._alert = self.session.get(Alert, aid)
             if self._alert is None:          # deleted by a user: start afresh
                 self.state.pop("alert_id", None)
                 self.state["firing"] = False

@@ -7,9 +7,12 @@ Windows hold finite values only and leave out what the rule flagged.
 """
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import numpy as np
 
 from server.rules.alerts import Hit
 from server.rules.catalogue import RULES_BY_ID
@@ -34,6 +37,41 @@ def _layer(st: dict, stat: str) -> Optional[list]:
         return None
     values = layers.get(stat)
     return values if values else None
+
+
+def _pack_f8(arr) -> str:
+    """float64 values -> base64 of their little-endian bytes: a compact, exact JSON string."""
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<f8").tobytes()).decode("ascii")
+
+
+def _unpack_f8(raw) -> np.ndarray:
+    """The inverse of ``_pack_f8``; a plain JSON list (an earlier state) is read as it is."""
+    if isinstance(raw, str):
+        return np.frombuffer(base64.b64decode(raw), dtype="<f8").copy()
+    return np.asarray(raw, dtype=np.float64)
+
+
+def _layer_present(st: dict, stat: str) -> bool:
+    """Whether the step carries a non-empty ``stat`` array (without decoding it)."""
+    layers = st.get("layers")
+    if not layers:
+        return False
+    present = getattr(layers, "present", None)
+    return present(stat) if present is not None else bool(layers.get(stat))
+
+
+def _layer_array(st: dict, stat: str) -> Optional[np.ndarray]:
+    """A per-layer array as float64, absent (null) layers as NaN; None when the step has none."""
+    layers = st.get("layers")
+    if not layers:
+        return None
+    arr = getattr(layers, "array", None)
+    if arr is not None:
+        return arr(stat)
+    values = layers.get(stat)
+    if not values:
+        return None
+    return np.array([math.nan if v is None else num(v) for v in values], dtype=np.float64)
 
 
 def _name(names: list[str], i: int) -> str:
@@ -63,9 +101,17 @@ class Window:
 
     def __init__(self, state: dict, key: str, size: int, refresh: int = 8):
         self.state, self.key, self.size, self.refresh = state, key, size, refresh
-        self.values: list[float] = state.setdefault(key, [])
+        raw = state.get(key)
+        if isinstance(raw, str):      # stored packed: base64 of little-endian float64
+            self.values: list[float] = _unpack_f8(raw).tolist()
+        else:
+            self.values = list(raw or [])
         self._stats: Optional[tuple[float, float]] = None
         self._since = 0
+
+    def save(self) -> None:
+        """Write the window back into the state, packed (a JSON string, not a list of numbers)."""
+        self.state[self.key] = _pack_f8(self.values)
 
     def push(self, x: float) -> None:
         self.values.append(float(x))
@@ -110,6 +156,12 @@ class Rule:
 
     def begin(self, ctx: Context, state: dict, cfg: dict) -> None:
         """Called once per batch before the steps."""
+
+    def end(self, ctx: Context, state: dict, cfg: dict) -> None:
+        """Called once per batch after the steps: windows (and a rule's own arrays) go back into the state."""
+        for value in vars(self).values():
+            if isinstance(value, Window):
+                value.save()
 
     def fast(self, ctx: Context, state: dict, cfg: dict, steps: list[dict]) -> bool:
         """Batch fast path for a rule that is not firing: if the whole batch provably holds no hit,
@@ -482,12 +534,12 @@ class DeadParams(Rule):
     needs = ("layers.grad_norm",)
 
     def observe(self, ctx, state, cfg, st):
-        values = _layer(st, "grad_norm")
-        if not values or st.get("overflow"):
+        if not _layer_present(st, "grad_norm") or st.get("overflow"):
             return None
         step = st["step"]
         if step - state.get("last", -10**12) < max(1, int(cfg["steps"]) // 10):
             return None               # looked at every steps/10 steps: enough to time a 50-step silence
+        values = _layer(st, "grad_norm")
         state["last"] = step
         zero_since: dict[str, int] = state.setdefault("zero_since", {})
         # None (no .grad) and 0.0 are falsy, NaN is not: one pass in C, then set arithmetic
@@ -740,39 +792,122 @@ class EmaDivergence(Rule):
 class BnDrift(Rule):
     id = "D3"
     needs = ("layers.bn_var_norm",)
+    # Per-layer history of (step, running_var norm) over the last `window` steps, thinned to <= 64 points.
+    # Layers whose histories hold the same steps (the normal case: every layer reported at every sample)
+    # share one group, so a step costs a few numpy operations instead of a Python loop per layer:
+    # state["g"] = [{"l": [layer indices], "s": [steps], "v": [[value per layer of "l"] per step]}].
+
+    def begin(self, ctx, state, cfg):
+        self._live: Optional[list[dict]] = None       # the groups as arrays while the batch lasts
+
+    def end(self, ctx, state, cfg):
+        if self._live is not None:
+            state["g"] = self._merge(self._live)
+
+    def _groups(self, state: dict) -> list[dict]:
+        if self._live is not None:
+            return self._live
+        groups = state.get("g")
+        if groups is None:
+            groups = []
+            old = state.pop("hist", None) or {}      # the earlier layout: {layer: [[step, x], ...]}
+            by_steps: dict[tuple, list[int]] = {}
+            for key, h in old.items():
+                by_steps.setdefault(tuple(p[0] for p in h), []).append(int(key))
+            for steps, layers in by_steps.items():
+                layers.sort()
+                cols = {i: [p[1] for p in old[str(i)]] for i in layers}
+                groups.append({"l": layers, "s": list(steps),
+                               "v": [[cols[i][k] for i in layers] for k in range(len(steps))]})
+        return [{"l": np.asarray(g["l"], dtype=np.int64), "s": np.asarray(g["s"], dtype=np.int64),
+                 "v": _unpack_f8(g["v"]).reshape(len(g["s"]), len(g["l"]))} for g in groups]
 
     def observe(self, ctx, state, cfg, st):
-        values = _layer(st, "bn_var_norm")
-        if not values:
+        x = _layer_array(st, "bn_var_norm")
+        if x is None:
             return None
         step = st["step"]
         if step < cfg["warmup_steps"]:
             return None
         window = int(cfg["window"])
-        hist: dict[str, list] = state.setdefault("hist", {})
-        worst = None
-        for i, v in enumerate(values):
-            x = num(v)
-            if x is None or not math.isfinite(x) or x <= 0:
+        with np.errstate(invalid="ignore"):
+            valid = np.isfinite(x) & (x > 0)
+        n = len(x)
+        groups = self._groups(state)
+        seen = np.zeros(n, dtype=bool)
+        out: list[dict] = []
+        best = None                    # (ratio, layer, lo, hi)
+        pushed: list[dict] = []
+        for g in groups:
+            layers = g["l"]
+            inside = layers < n
+            seen[layers[inside]] = True
+            ok = np.zeros(len(layers), dtype=bool)
+            ok[inside] = valid[layers[inside]]
+            if not ok.any():
+                out.append(g)
                 continue
-            h = hist.setdefault(str(i), [])
-            h.append([step, x])
-            while h and h[0][0] < step - window:
-                h.pop(0)
-            if len(h) > 64:            # keep the state small: thin out the middle of the window
-                del h[1:len(h) - 32:2]
-            lo = min(p[1] for p in h)
-            hi = max(p[1] for p in h)
+            if not ok.all():           # layers without a value at this step keep their history as it is
+                out.append({"l": layers[~ok], "s": g["s"], "v": g["v"][:, ~ok]})
+                layers = layers[ok]
+                v = g["v"][:, ok]
+            else:
+                v = g["v"]
+            pushed.append(self._push(layers, g["s"], v, step, x[layers], window))
+        new = np.flatnonzero(valid & ~seen)
+        if len(new):
+            pushed.append({"l": new, "s": np.array([step], dtype=np.int64), "v": x[new].reshape(1, -1)})
+        out.extend(pushed)
+        for g in pushed:
+            lo, hi = g["v"].min(axis=0), g["v"].max(axis=0)
             ratio = hi / lo
-            if ratio > cfg["factor"] and (worst is None or ratio > worst[1]):
-                worst = (i, ratio, lo, hi)
-        if worst:
-            i, ratio, lo, hi = worst
+            j = int(np.argmax(ratio))
+            r = float(ratio[j])
+            if r > cfg["factor"]:
+                # equal ratios: the lowest layer index, as a walk over the layers in order finds it
+                ties = g["l"][ratio == r]
+                i = int(ties.min())
+                k = int(np.flatnonzero(g["l"] == i)[0])
+                if best is None or r > best[0] or (r == best[0] and i < best[1]):
+                    best = (r, i, float(lo[k]), float(hi[k]))
+        self._live = out if len(out) == 1 else self._merge(out, as_lists=False)
+        if best:
+            ratio, i, lo, hi = best
             name = _name(ctx.bn_names, i)
             return Hit({"layer": name, "ratio": ratio, "var_norm_min": lo, "var_norm_max": hi, "window": window},
                        f"BatchNorm {name}: running_var norm changed {ratio:.0f}x within {window} steps "
                        f"({fmt(lo)} -> {fmt(hi)})")
         return False
+
+    @staticmethod
+    def _push(layers, steps, v, step, xs, window) -> dict:
+        steps = np.append(steps, step)
+        v = np.vstack([v, xs.reshape(1, -1)])
+        keep = int(np.argmin(steps < step - window))   # leading steps older than the window go
+        if keep:
+            steps, v = steps[keep:], v[keep:]
+        if len(steps) > 64:            # keep the state small: thin out the middle of the window
+            drop = np.arange(1, len(steps) - 32, 2)
+            mask = np.ones(len(steps), dtype=bool)
+            mask[drop] = False
+            steps, v = steps[mask], v[mask]
+        return {"l": layers, "s": steps, "v": v}
+
+    @staticmethod
+    def _merge(groups: list[dict], as_lists: bool = True) -> list[dict]:
+        by_steps: dict[bytes, list[dict]] = {}
+        for g in groups:
+            by_steps.setdefault(g["s"].tobytes(), []).append(g)
+        merged = []
+        for gs in by_steps.values():
+            if len(gs) == 1:
+                g = gs[0]
+            else:
+                layers = np.concatenate([g["l"] for g in gs])
+                order = np.argsort(layers, kind="stable")
+                g = {"l": layers[order], "s": gs[0]["s"], "v": np.hstack([g["v"] for g in gs])[:, order]}
+            merged.append({"l": g["l"].tolist(), "s": g["s"].tolist(), "v": _pack_f8(g["v"])} if as_lists else g)
+        return merged
 
 
 # --------------------------------------------------------------------------- E: layer statistics
@@ -780,35 +915,123 @@ class BnDrift(Rule):
 class ActivationJump(Rule):
     id = "E1"
     needs = ("layers.act_std",)
+    # Per-module baselines kept as arrays for the batch (state on disk: "h" = the last `history`
+    # accepted samples per module, "m" = the cached baseline median per module or None), so a step
+    # is a few numpy operations over all modules rather than a Python loop.
+
+    def begin(self, ctx, state, cfg):
+        self._loaded = False
+
+    def _load(self, state: dict, cfg: dict) -> None:
+        history = int(cfg["history"])
+        if isinstance(state.get("vals"), dict):        # the earlier layout: {"0": [...], ...}
+            old, meds = state.pop("vals"), state.pop("med", None) or {}
+            n = 1 + max((int(k) for k in old), default=-1)
+            state["h"] = [old.get(str(i), []) for i in range(n)]
+            state["m"] = [meds.get(str(i)) for i in range(n)]
+        if "hb" in state:                               # packed: see end()
+            self.n = np.asarray(state["n"], dtype=np.int64)
+            self.H = _unpack_f8(state["hb"]).reshape(len(self.n), -1) if len(self.n) else np.full((0, history), np.nan)
+            if self.H.shape[1] < history:
+                self.H = np.hstack([self.H, np.full((len(self.n), history - self.H.shape[1]), np.nan)])
+            self.M = _unpack_f8(state["mb"])
+            self._loaded = True
+            return
+        rows, meds = state.pop("h", None) or [], state.pop("m", None) or []
+        width = max([history, *(len(r) for r in rows)])
+        self.H = np.full((len(rows), width), np.nan)
+        self.n = np.zeros(len(rows), dtype=np.int64)
+        for i, r in enumerate(rows):
+            self.H[i, :len(r)] = r
+            self.n[i] = len(r)
+        self.M = np.array([np.nan if m is None else m for m in meds] + [np.nan] * (len(rows) - len(meds)),
+                          dtype=np.float64)
+        self._loaded = True
+
+    def _grow(self, size: int) -> None:
+        extra = size - len(self.n)
+        if extra > 0:
+            self.H = np.vstack([self.H, np.full((extra, self.H.shape[1]), np.nan)])
+            self.n = np.concatenate([self.n, np.zeros(extra, dtype=np.int64)])
+            self.M = np.concatenate([self.M, np.full(extra, np.nan)])
+
+    def _uniform_step(self, x: np.ndarray, cfg: dict, history: int) -> bool:
+        """The common step: every module finite, all with the same number of samples, none jumping.
+        Same result as the general path below, in fewer array operations; False: take that path."""
+        H, n, M = self.H, self.n, self.M
+        if not len(n):
+            return False
+        k = int(n[0])
+        if (n != k).any() or not np.isfinite(x).all():
+            return False
+        if k >= cfg["min_history"]:
+            need = np.isnan(M)
+            if need.any():
+                M[need] = np.median(H[need, :k], axis=1)
+            if ((M > 0) & (x >= cfg["factor"] * M)).any():
+                return False          # a jump: the general path finds and reports it
+        if k >= history:
+            H[:, :k - 1] = H[:, 1:k]
+            H[:, k - 1] = x
+        else:
+            H[:, k] = x
+            n += 1
+            k += 1
+        if k % 4 == 0:
+            M[:] = np.nan
+        return True
+
+    def end(self, ctx, state, cfg):
+        if not self._loaded:
+            return
+        # "n": samples per module, "hb": the modules' samples as one packed matrix (row i, first n[i]
+        # columns), "mb": the cached baseline medians (NaN: to be recomputed)
+        width = int(self.n.max()) if len(self.n) else 0
+        state["n"] = self.n.tolist()
+        state["hb"] = _pack_f8(self.H[:, :width])
+        state["mb"] = _pack_f8(self.M)
 
     def observe(self, ctx, state, cfg, st):
-        values = _layer(st, "act_std")
-        if not values:
+        x = _layer_array(st, "act_std")
+        if x is None:
             return None
+        if not self._loaded:
+            self._load(state, cfg)
         history = int(cfg["history"])
-        vals: dict[str, list] = state.setdefault("vals", {})
-        medians: dict[str, float] = state.setdefault("med", {})
+        self._grow(len(x))
+        H, n, M = self.H, self.n, self.M
         worst = None
-        for i, x in enumerate(values):
-            if x is None or not math.isfinite(x):
-                continue
-            key = str(i)
-            h = vals.get(key)
-            if h is None:
-                h = vals[key] = []
-            if len(h) >= cfg["min_history"]:
-                med = medians.get(key)
-                if med is None:
-                    med = medians[key] = median(h)
-                if med > 0 and x >= cfg["factor"] * med:
-                    if worst is None or x / med > worst[1]:
-                        worst = (i, x / med, med, x)
-                    continue          # a flagged jump stays out of the baseline
-            h.append(x)
-            if len(h) > history:
-                del h[0]
-            if len(h) % 4 == 0:       # the baseline median is refreshed every 4 samples
-                medians.pop(key, None)
+        if len(x) == len(n) and self._uniform_step(x, cfg, history):
+            return False
+        idx = np.flatnonzero(np.isfinite(x))
+        if len(idx):
+            xs = x[idx]
+            judged = n[idx] >= cfg["min_history"]
+            need = idx[judged & np.isnan(M[idx])]
+            for k in np.unique(n[need]).tolist():         # baseline medians not cached: one per length
+                rows = need[n[need] == k]
+                M[rows] = np.median(H[rows, :k], axis=1)
+            med = M[idx]
+            with np.errstate(invalid="ignore"):
+                flagged = judged & (med > 0) & (xs >= cfg["factor"] * med)
+            if flagged.any():
+                ratios = np.where(flagged, xs / np.where(flagged, med, 1.0), -np.inf)
+                j = int(np.argmax(ratios))           # the first module with the largest ratio
+                worst = (int(idx[j]), float(ratios[j]), float(med[j]), float(xs[j]))
+            # a flagged jump stays out of the baseline; the others are appended (oldest out when full)
+            take, xt = idx[~flagged], xs[~flagged]
+            full = n[take] >= history
+            for k in np.unique(n[take[full]]).tolist():  # k == history, or more after a config change
+                sel = full & (n[take] == k)
+                rows = take[sel]
+                H[rows, :k - 1] = H[rows, 1:k]
+                H[rows, k - 1] = xt[sel]
+            rows = take[~full]
+            if len(rows):
+                H[rows, n[rows]] = xt[~full]
+                n[rows] += 1
+            refresh = take[n[take] % 4 == 0]          # the baseline median is refreshed every 4 samples
+            M[refresh] = np.nan
         if worst:
             i, ratio, med, x = worst
             name = _name(ctx.module_names, i)
@@ -869,20 +1092,26 @@ class UpdateRatio(Rule):
         bn_prefixes = tuple(b + "." for b in ctx.bn_names)
         self.keep = [i for i, n in enumerate(ctx.param_names)
                      if not n.endswith("bias") and not (bn_prefixes and n.startswith(bn_prefixes))]
+        self.keep_arr = np.asarray(self.keep, dtype=np.int64)
 
     def observe(self, ctx, state, cfg, st):
-        values = _layer(st, "update_ratio")
-        if not values or st.get("overflow"):
+        if st.get("overflow"):
             return None
-        keep = [i for i in self.keep if i < len(values)] or range(len(values))
-        pairs = [(values[i], i) for i in keep]
-        pairs = [(x, i) for x, i in pairs if x is not None and math.isfinite(x)]
-        if not pairs:
+        values = _layer_array(st, "update_ratio")
+        if values is None or not len(values):
             return None
+        keep = self.keep_arr[self.keep_arr < len(values)]
+        if not len(keep):
+            keep = np.arange(len(values))
+        xs = values[keep]
+        fin = np.isfinite(xs)
+        if not fin.any():
+            return None
+        keep, xs = keep[fin], xs[fin]
         step = st["step"]
         window = int(cfg["window"])
         hist = state.setdefault("hist", [])
-        hist.append([step, median(x for x, _ in pairs)])
+        hist.append([step, float(np.median(xs))])
         while hist and hist[0][0] <= step - window:
             hist.pop(0)
         state.setdefault("first", step)
@@ -892,6 +1121,7 @@ class UpdateRatio(Rule):
         med = median(p[1] for p in hist)
         if med > cfg["high"] or med < cfg["low"]:
             direction = "high" if med > cfg["high"] else "low"
+            pairs = list(zip(xs.tolist(), keep.tolist()))
             per_layer = sorted(pairs, reverse=(direction == "high"))[:5]
             return Hit({"median_update_ratio": med, "direction": direction, "samples": len(hist),
                         "layers": [[_name(ctx.param_names, i), x] for x, i in per_layer]},

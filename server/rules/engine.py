@@ -16,8 +16,9 @@ import math
 import time
 from typing import Any, Optional
 
-from sqlalchemy import select
+from sqlalchemy import inspect, select
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import flag_modified
 
 from server.models import STEP_SIGNALS, Alert, Project, Run, RuleOverride, RuleState, Step
 from server.rules.alerts import Episode, Hit
@@ -38,6 +39,24 @@ def _clone(state: Optional[dict]) -> dict:
     """A deep copy of a JSON state: SQLAlchemy only writes a JSON column whose new value differs from
     the loaded one, so nested windows must not be mutated in place."""
     return json.loads(json.dumps(state)) if state else {}
+
+
+def _own(row: RuleState) -> dict:
+    """The row's state, to be changed in place by one rule (``flag_modified`` afterwards to write it).
+
+    A state loaded from the database belongs to this session and this batch only, so it needs no
+    copy; ``_discard`` throws the changes away if the rule fails half-way."""
+    if not isinstance(row.state, dict):
+        row.state = {}
+    return row.state
+
+
+def _discard(session: Session, row: RuleState) -> None:
+    """Undo a failed rule's in-place changes: reload its stored state (a new row starts empty again)."""
+    if inspect(row).persistent:
+        session.expire(row, ["state"])
+    else:
+        row.state = {}
 
 
 def _events_by_kind(events: list[dict]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -108,7 +127,7 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         if not rcfg.get("enabled", True) or not rule.applies(steps, ctx):
             continue
         row = state_row(rule.id)
-        state = _clone(row.state)
+        state = _own(row)
         lc = state.setdefault("lc", {})
         if nan_origin and rule.id in ("A1", "A2"):
             state["nan_origin"] = nan_origin
@@ -120,8 +139,10 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
             if episode.firing or not rule.fast(ctx, state, rcfg, steps):
                 for st in steps:
                     episode.feed(int(st["step"]), rule.observe(ctx, state, rcfg, st))
+            rule.end(ctx, state, rcfg)
         except Exception:   # noqa: BLE001 - one broken rule must not lose the batch
             log.exception("rule %s failed on run %s rank %s; skipped for this batch", rule.id, run.id, rank)
+            _discard(session, row)
             continue
         if rule.id in ("A1", "A2") and (origins or tops):
             extra = {}
@@ -132,7 +153,7 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
                 extra["top_grad_norms"] = [[str(p[0]), enc(num(p[1]))] for p in (tops[s].get("params") or [])[:5]]
             episode.add_evidence(**extra)
         state.pop("nan_origin", None)
-        row.state = state            # a new dict: SQLAlchemy sees the change
+        flag_modified(row, "state")  # changed in place: tell SQLAlchemy to write it
         notify.extend(episode.notify)
         episodes[rule.id] = episode
 
