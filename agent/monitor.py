@@ -129,6 +129,7 @@ class Monitor:
         # sender's clock). Both threads take it out under _open_lock; only the one that took it seals it.
         self._open: Optional[StepRecord] = None
         self._open_since = 0.0
+        self._usual_gap = 0.0      # seconds a record usually stays open (training thread writes, sender reads)
         self._open_stream = None   # the training thread's CUDA stream at the last step end
         self._open_lock = threading.Lock()
         self._last_end: Optional[float] = None
@@ -559,15 +560,21 @@ class Monitor:
         with self._open_lock:
             rec, self._open = self._open, None
         if rec is not None:
+            # How long records usually stay open (a slow data loader keeps every step open a while):
+            # a slowly decaying maximum, so that only a gap well beyond the usual one counts as a stall.
+            gap = time.monotonic() - self._open_since
+            self._usual_gap = gap if gap > self._usual_gap else 0.98 * self._usual_gap
             self._finish_record(rec, in_training_thread=True)
 
     def _seal_stale(self) -> None:
-        """Sender thread: seal a record left open longer than ``seal_grace`` (the loop stopped or hangs)."""
-        if self._open is None or self.closed or time.monotonic() - self._open_since < self.config.seal_grace:
+        """Sender thread: seal a record left open longer than ``seal_grace`` and twice the usual
+        step-end-to-next-step gap (the loop stopped or hangs)."""
+        wait = max(self.config.seal_grace, 2.0 * self._usual_gap)
+        if self._open is None or self.closed or time.monotonic() - self._open_since < wait:
             return
         with self._open_lock:
             rec = self._open
-            if rec is None or time.monotonic() - self._open_since < self.config.seal_grace:
+            if rec is None or time.monotonic() - self._open_since < wait:
                 return
             self._open = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():

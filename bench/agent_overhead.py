@@ -15,6 +15,17 @@ Modes:
   wandb           the same per-step scalars through wandb in offline mode
 (tensorboard / wandb are skipped when the package is not installed.)
 
+A third measurement, ``--interleaved-steps N`` (run with ``--rounds 0 --paired-blocks 0``
+to have only it), builds two identical copies of the loop in one process, one
+with the agent (default telemetry, offline spool) and one bare, and steps them
+alternately: both see the same machine load step by step. It reports the
+ratio of median step times, and the training thread's CPU time per step
+(``time.thread_time``, which a busy machine barely disturbs) with and without
+the agent, plus the CPU the sender thread used per step. The bare copy's
+``clip_grad_norm_`` goes through the agent's patch too (to torch's original,
+unchanged), so the ratios slightly understate the overhead (by the patch's
+argument check).
+
 A separate RSS check runs the agent for --rss-steps steps (default 10,000) on a
 small version of the same model and prints the RSS growth after warm-up.
 
@@ -268,6 +279,63 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
     return {"block_medians": block_medians}
 
 
+def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, server: str | None,
+                      mode: str = "agent") -> dict:
+    """Two copies of the loop, agent and bare, stepped alternately in one process."""
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    vocab = 256
+    loops = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = build(d_model, seq, vocab)
+        loops.append((model, torch.optim.AdamW(model.parameters(), lr=3e-4), torch.amp.GradScaler("cpu"),
+                      EMA(model)))
+    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    sys.path.insert(0, str(REPO))
+    import agent
+    tmp = tempfile.mkdtemp(prefix="gw-bench-interleaved-")
+    settings = dict(project="bench", run=f"interleaved-{os.getpid()}", spool_dir=tmp, ema=loops[0][3])
+    if mode == "agent-capture":
+        settings["mode"] = "disabled"
+    elif server:
+        settings["server"] = server
+    else:
+        settings["mode"] = "offline"
+    monitor = agent.attach(loops[0][0], loops[0][2], optimizer=loops[0][1], **settings)
+
+    def step(loop, i):
+        model, opt, scaler, ema = loop
+        idx = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        ema.update(model)
+
+    for i in range(warmup):
+        step(loops[0], i)
+        step(loops[1], i)
+    wall = {0: [], 1: []}
+    cpu = {0: [], 1: []}
+    p0 = time.process_time()
+    for i in range(steps):
+        for k in ((0, 1) if i % 2 else (1, 0)):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            step(loops[k], i)
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
+    other_cpu = time.process_time() - p0 - sum(cpu[0]) - sum(cpu[1])
+    monitor.close(timeout=10)
+    return {"agent_wall": wall[0], "bare_wall": wall[1], "agent_cpu": cpu[0], "bare_cpu": cpu[1],
+            "other_threads_cpu_per_step": other_cpu / steps, "load": os.getloadavg()[0]}
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -313,11 +381,20 @@ def main(argv=None) -> int:
     p.add_argument("--paired-blocks", type=int, default=12,
                    help="blocks per mode in the paired (single-process) measurement; 0: skip it")
     p.add_argument("--block-steps", type=int, default=6)
+    p.add_argument("--interleaved-steps", type=int, default=0,
+                   help="steps per copy in the interleaved (two copies, one process) measurement; 0: skip it")
+    p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture"])
     p.add_argument("--json", help="write raw figures here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--paired-child", help=argparse.SUPPRESS)
     p.add_argument("--rss-every", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--interleaved-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
+    if args.interleaved_child:
+        print(json.dumps(interleaved_child(args.interleaved_steps, args.warmup, args.d_model, args.seq, args.batch,
+                                           args.server, args.interleaved_mode)))
+        return 0
 
     if args.paired_child:
         result = paired_child(args.paired_child.split(","), args.paired_blocks, args.block_steps, args.warmup,
@@ -391,6 +468,37 @@ def main(argv=None) -> int:
         for m, r in paired.items():
             print(f"{m:<14} {1000 * statistics.median(blocks[m]):>11.2f}ms {r:>47.3f}")
 
+    interleaved = None
+    if args.interleaved_steps:
+        cmd = [sys.executable, __file__, "--interleaved-child", "--interleaved-steps", str(args.interleaved_steps),
+               "--interleaved-mode", args.interleaved_mode, "--warmup", str(args.warmup),
+               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch)]
+        if args.server:
+            cmd += ["--server", args.server]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        if out.returncode != 0:
+            raise RuntimeError(f"interleaved run failed:\n{out.stderr[-3000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        med = statistics.median
+        interleaved = {
+            "wall_ratio": med(res["agent_wall"]) / med(res["bare_wall"]),
+            "cpu_ratio": med(res["agent_cpu"]) / med(res["bare_cpu"]),
+            "cpu_ratio_with_sender": (sum(res["agent_cpu"]) + res["other_threads_cpu_per_step"] * args.interleaved_steps)
+            / sum(res["bare_cpu"]),
+            "bare_wall_ms": 1000 * med(res["bare_wall"]), "agent_wall_ms": 1000 * med(res["agent_wall"]),
+            "bare_cpu_ms": 1000 * med(res["bare_cpu"]), "agent_cpu_ms": 1000 * med(res["agent_cpu"]),
+            "sender_cpu_ms_per_step": 1000 * res["other_threads_cpu_per_step"], "load_at_end": res["load"],
+        }
+        print(f"\ninterleaved, one process, two copies of the loop ({args.interleaved_mode} / bare) stepped "
+              f"alternately, {args.interleaved_steps} steps each:")
+        print(f"  step wall median: bare {interleaved['bare_wall_ms']:.2f} ms, agent {interleaved['agent_wall_ms']:.2f} ms"
+              f" -> ratio {interleaved['wall_ratio']:.3f}")
+        print(f"  training-thread CPU median: bare {interleaved['bare_cpu_ms']:.2f} ms, agent "
+              f"{interleaved['agent_cpu_ms']:.2f} ms -> ratio {interleaved['cpu_ratio']:.3f}")
+        print(f"  sender (other threads) CPU per step: {interleaved['sender_cpu_ms_per_step']:.2f} ms; "
+              f"total CPU ratio with it: {interleaved['cpu_ratio_with_sender']:.3f}")
+
     rss = None
     if args.rss_steps:
         warm = min(500, args.rss_steps // 10)
@@ -411,7 +519,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": medians, "ratios": ratios, "cpu_medians": cpu_medians,
                                                "cpu_ratios": cpu_ratios, "summary": summary,
-                                               "paired": paired,
+                                               "paired": paired, "interleaved": interleaved,
                                                "rss": rss, "args": vars(args)}, indent=2))
     return 0
 

@@ -17,12 +17,16 @@ def grad_norms(params: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, l
     >>> index, round(float(total), 4)
     ([0], 4.2426)
     """
-    index = [i for i, p in enumerate(params) if p.grad is not None]
-    if not index:
-        return None
-    grads = [params[i].grad for i in index]
+    grads = [p.grad for p in params]   # one pass over the parameters (this runs every step)
+    if any(g is None for g in grads):
+        index = [i for i, g in enumerate(grads) if g is not None]
+        if not index:
+            return None
+        grads = [grads[i] for i in index]
+    else:
+        index = list(range(len(grads)))
     norms = torch._foreach_norm(grads, 2)
-    per = torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(list(norms))
+    per = torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(norms)
     return per, index, torch.linalg.vector_norm(per, 2)
 
 
@@ -30,7 +34,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Stacked L2 norms of each tensor, float32."""
     with torch.no_grad():
         norms = torch._foreach_norm(list(tensors), 2)
-    return torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(list(norms))
+    return torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(norms)
 
 
 def _mixed(norms) -> bool:
