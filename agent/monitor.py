@@ -130,6 +130,7 @@ class Monitor:
         self._open: Optional[StepRecord] = None
         self._open_since = 0.0
         self._usual_gap = 0.0      # seconds a record usually stays open (training thread writes, sender reads)
+        self._stale_sealed = False  # the sender sealed the last record (set under the lock; training thread clears)
         self._open_stream = None   # the training thread's CUDA stream at the last step end
         self._open_lock = threading.Lock()
         self._last_end: Optional[float] = None
@@ -556,15 +557,22 @@ class Monitor:
     def _seal_open(self) -> None:
         """Training thread: seal the open record (if any) with everything, EMA divergence included."""
         if self._open is None:   # unlocked read: only the training thread ever sets it
+            if self._stale_sealed:   # the sender sealed the last one: learn how long this gap was
+                self._stale_sealed = False
+                self._learn_gap()
             return
         with self._open_lock:
             rec, self._open = self._open, None
         if rec is not None:
-            # How long records usually stay open (a slow data loader keeps every step open a while):
-            # a slowly decaying maximum, so that only a gap well beyond the usual one counts as a stall.
-            gap = time.monotonic() - self._open_since
-            self._usual_gap = gap if gap > self._usual_gap else 0.98 * self._usual_gap
+            self._learn_gap()
             self._finish_record(rec, in_training_thread=True)
+
+    def _learn_gap(self) -> None:
+        # How long records usually stay open (a slow data loader keeps every step open a while):
+        # a slowly decaying maximum (capped at 10 s, so that one real stall does not blunt the
+        # detection for long), so that only a gap well beyond the usual one counts as a stall.
+        gap = min(time.monotonic() - self._open_since, 10.0)
+        self._usual_gap = gap if gap > self._usual_gap else 0.98 * self._usual_gap
 
     def _seal_stale(self) -> None:
         """Sender thread: seal a record left open longer than ``seal_grace`` and twice the usual
@@ -577,6 +585,7 @@ class Monitor:
             if rec is None or time.monotonic() - self._open_since < wait:
                 return
             self._open = None
+            self._stale_sealed = True
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rec.stream = self._open_stream
         self._finish_record(rec, in_training_thread=False)
