@@ -206,6 +206,13 @@ class LiveServer:
         return http_json("POST", self.url + path, body, **kw)
 
 
+def start_sqlite_server(data_dir: Path) -> LiveServer:
+    """A migrated, started server on a SQLite file in ``data_dir`` (for wider-scoped fixtures)."""
+    srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
+    srv.migrate()
+    return srv.start()
+
+
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     """Start real servers: ``server_factory(db_url, extra_args=[...], env={...})``."""

@@ -25,11 +25,8 @@ def shared_server(tmp_path_factory):
 
     Each test uses its own run names, so sharing it only saves start-up time.
     """
-    from tests.conftest import LiveServer, free_port
+    from tests.conftest import start_sqlite_server
 
-    data_dir = tmp_path_factory.mktemp("agent-shared-server")
-    srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
-    srv.migrate()
-    srv.start()
+    srv = start_sqlite_server(tmp_path_factory.mktemp("agent-shared-server"))
     yield srv
     srv.stop()

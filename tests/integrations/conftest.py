@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from tests.conftest import IN_CI, LiveServer, free_port
+from tests.conftest import IN_CI, LiveServer, start_sqlite_server
 
 
 def require(module: str):
@@ -27,10 +27,7 @@ def require(module: str):
 
 @pytest.fixture(scope="module")
 def gw_server(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("gw-server")
-    srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
-    srv.migrate()
-    srv.start()
+    srv = start_sqlite_server(tmp_path_factory.mktemp("gw-server"))
     yield srv
     srv.stop()
 

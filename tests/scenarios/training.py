@@ -14,25 +14,12 @@ import torch
 import torch.nn as nn
 
 import agent
+from agent.demo import EMA   # the checklist's EMA (section 4.4), as the demo uses it
 
 # Collectors sampled every 5 steps (the agent's defaults are 10-100) so that short
 # runs give the layer rules (B5, D3, E1-E3) enough samples; the same for every run.
 AGENT_CONFIG = dict(weights_every=5, activations_every=5, bn_every=5, inputs_every=1, ema_every=1,
                     flush_interval=0.2)
-
-
-class EMA:
-    """The checklist's EMA (section 4.4): a ``shadow`` dict of tensors."""
-
-    def __init__(self, model: nn.Module, decay: float):
-        self.decay = decay
-        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        for n, p in model.named_parameters():
-            if n in self.shadow:
-                self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
 
 
 @dataclass
