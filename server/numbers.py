@@ -18,6 +18,8 @@ On the wire (read responses) non-finite values are the strings ``"NaN"``,
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from typing import Any, Iterable, Optional
 
@@ -78,6 +80,33 @@ def pack_layer_values(values: list[Any]) -> bytes:
             raise ValueError(f"[{i}]: {e}") from None
         out[i] = _NULL_F32 if f is None else f
     return out.tobytes()
+
+
+F32_B64_PREFIX = "f32:"
+
+
+def unpack_f32_b64(text: str, *, max_values: int) -> bytes:
+    """Compact wire layer array ``"f32:" + base64(little-endian float32)`` -> the stored blob.
+
+    The bytes are the storage format itself (NaN, ±Inf, and ``NULL_F32_BITS`` for "not measured"), so
+    nothing is walked value by value: an agent saves building a JSON list and the server saves parsing one.
+    """
+    if not text.startswith(F32_B64_PREFIX):
+        raise ValueError(f'expected an array of numbers or an "{F32_B64_PREFIX}…" base64 string, got {text[:40]!r}')
+    if len(text) > len(F32_B64_PREFIX) + 4 * (max_values * 4 + 2) // 3 + 4:
+        raise ValueError(f"at most {max_values} layer values")
+    try:
+        blob = base64.b64decode(text[len(F32_B64_PREFIX):], validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f'"{F32_B64_PREFIX}" array is not valid base64') from None
+    if len(blob) % 4:
+        raise ValueError(f'"{F32_B64_PREFIX}" array holds {len(blob)} bytes, not a whole number of float32 values')
+    return blob
+
+
+def pack_f32_b64(arr) -> str:
+    """float32 values (numpy / anything ``np.asarray`` takes) -> the compact wire string."""
+    return F32_B64_PREFIX + base64.b64encode(np.asarray(arr, dtype="<f4").tobytes()).decode("ascii")
 
 
 def unpack_layer_values(blob: bytes) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
-from .numbers import pack_layer_values, parse_wire_float
+from .numbers import F32_B64_PREFIX, pack_layer_values, parse_wire_float, unpack_f32_b64
 
 _WIRE_FLOAT_SCHEMA = {
     "anyOf": [{"type": "number"}, {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}, {"type": "null"}]
@@ -26,16 +26,24 @@ CustomKey = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 MAX_LAYERS = 100_000
 
 
-def _pack(values: list[Any]) -> bytes:
+def _pack(values: Any) -> bytes:
+    if isinstance(values, str):
+        return unpack_f32_b64(values, max_values=MAX_LAYERS)
+    if not isinstance(values, list):
+        raise ValueError(f'expected an array of numbers or an "{F32_B64_PREFIX}…" string, '
+                         f"got {type(values).__name__}")
     if len(values) > MAX_LAYERS:
         raise ValueError(f"at most {MAX_LAYERS} layer values")
     return pack_layer_values(values)
 
 
 LayerArray = Annotated[
-    list[Any],
+    Any,
     AfterValidator(_pack),
-    WithJsonSchema({"type": "array", "maxItems": MAX_LAYERS, "items": _WIRE_FLOAT_SCHEMA}),
+    WithJsonSchema({"anyOf": [
+        {"type": "array", "maxItems": MAX_LAYERS, "items": _WIRE_FLOAT_SCHEMA},
+        {"type": "string", "pattern": "^f32:[A-Za-z0-9+/]*={0,2}$", "maxLength": 4 + 4 * MAX_LAYERS * 4 // 3 + 4},
+    ]}),
 ]
 StrictBool = Annotated[Optional[bool], Field(strict=True)]
 Count = Annotated[Optional[int], Field(ge=0, le=2**62, strict=True)]

@@ -4,7 +4,12 @@ from __future__ import annotations
 import gzip
 import json
 
+import base64
+
+import numpy as np
 import pytest
+
+from server.numbers import NULL_F32_BITS
 
 from gw_payloads import batch, post_json_text, post_raw, step
 
@@ -73,7 +78,28 @@ BAD_INPUTS = [
     (lambda b: b.update(status="exploded"), "status"),
     (lambda b: b["steps"][0]["custom"].update(acc=[1]), "steps[0].custom.acc"),
     (lambda b: b["meta"].update(param_names="p0"), "meta.param_names"),
+    (lambda b: b["steps"][1]["layers"].update(grad_norm="f32:not base64!"), "steps[1].layers.grad_norm"),
+    (lambda b: b["steps"][0]["layers"].update(grad_norm="f32:AAAA"), "steps[0].layers.grad_norm"),  # 3 bytes
+    (lambda b: b["steps"][2]["layers"].update(act_std="AAAAAA=="), "steps[2].layers.act_std"),   # no prefix
+    (lambda b: b["steps"][2]["layers"].update(act_std={"a": 1}), "steps[2].layers.act_std"),
 ]
+
+
+def test_compact_f32_layer_arrays_keep_nan_inf_and_null(live_server):
+    """The ``"f32:" + base64`` form stores the same as the list form, NaN / ±Inf / "not measured" included."""
+    nan = float("nan")
+    values = np.array([0.5, nan, np.inf, -np.inf, 1e-30, 0.0], dtype="<f4")
+    as_bytes = bytearray(values.tobytes())
+    as_bytes[16:20] = np.array([NULL_F32_BITS], dtype="<u4").tobytes()   # index 4: "not measured"
+    compact = "f32:" + base64.b64encode(bytes(as_bytes)).decode()
+    listed = [0.5, "NaN", "Infinity", "-Infinity", None, 0.0]
+    b = batch([step(0, layers={"grad_norm": compact}), step(1, layers={"grad_norm": listed})], run="f32")
+    status, body = live_server.post("/api/v1/ingest", b)
+    assert status == 200, body
+    st, m = live_server.get(f"/api/v1/runs/{body['run_id']}/layers?stat=grad_norm")
+    assert st == 200, m
+    assert m["steps"] == [0, 1]
+    assert [row[0] for row in m["values"]] == [row[1] for row in m["values"]] == listed
 
 
 def test_bad_input_names_the_field_and_writes_nothing(server_factory, sqlite_url):
