@@ -1,28 +1,45 @@
 """Ingest benchmark: N concurrent agents against a real ``gradwatch serve`` on loopback.
 
-    .venv/bin/python bench/ingest.py                                    # SQLite (temp file)
+    .venv/bin/python bench/ingest.py                                    # SQLite (temp file), closed loop
     .venv/bin/python bench/ingest.py --db postgresql://postgres@127.0.0.1:5432/test
-    .venv/bin/python bench/ingest.py --agents 8 --batches 40 --steps-per-batch 100 --layer-stats all
+    .venv/bin/python bench/ingest.py --rate 1000000 --agents 8 --layer-stats all   # open loop at 1M values/s
+    .venv/bin/python bench/ingest.py --in-process                        # where a batch's time goes
 
 Each agent is a thread with its own keep-alive connection, its own run, and
-real wire-format payloads (the agent's fields, 150-layer statistics, NaNs
-now and then), built and serialised before the clock starts so the client
-side costs the server's CPU as little as possible. ``--layer-stats default``
-mirrors the agent's defaults (per-parameter grad norms every step, the other
-seven statistics every 100 steps); ``all`` sends all nine every step.
+real wire-format payloads (the agent's fields, 150-layer statistics as the
+agent encodes them, NaNs now and then), built and serialised before the clock
+starts so the client side costs the server's CPU as little as possible.
+``--layer-stats default`` mirrors the agent's defaults (per-parameter grad
+norms every step, the other eight statistics every 100 steps); ``all`` sends
+all nine every step.
 
-Reports values/s accepted (acknowledged by the server) and verified as stored
-(counted in the database afterwards), and p50 / p99 batch latency.
+Two ways to load the server:
+- closed loop (default): each agent posts its next batch as soon as the last
+  one is answered: the most the process can take. Latency here is mostly
+  queueing (agents x batch size / throughput), so it says little about p99.
+- open loop (``--rate V``): like real agents, each posts one batch per flush
+  interval (``--interval``, the agent's 0.5 s default), phases staggered,
+  whatever the server does; the batch size follows from the offered rate.
+  Latency counts from the scheduled send time. This is the mode the target is
+  read in: the server must keep up with V values/s and answer batches in
+  p99 < 200 ms.
+
+Both first send a few batches to an uncounted run (a running server is warm).
+Reports values/s accepted (acknowledged) and verified as stored (counted in
+the database afterwards), and p50 / p99 batch latency, with and without each
+run's first batch (which creates the run).
 Target: >= 1,000,000 values/s per server process with p99 < 200 ms.
 """
 from __future__ import annotations
 
 import argparse
+import base64
 import gzip
 import http.client
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,24 +53,40 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LAYERS = 150
+F32_B64_PREFIX = "f32:"   # docs/wire-format.md, "Compact layer arrays"
 ALL_STATS = ("grad_norm", "weight_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_nonfinite",
              "bn_mean_norm", "bn_var_norm")
 
 
-def make_batch(agent: int, first: int, n: int, stats: str) -> dict:
-    import random
+def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32") -> dict:
+    """Steps ``first .. first+n-1`` of agent ``agent``'s run, as the agent would send them.
 
-    rnd = random.Random(agent * 1_000_003 + first)
+    Values behave like a healthy run (each layer's statistic drifts slowly around its own level, the
+    loss falls with noise), with a NaN in one layer's grad norm every 997 steps: random noise would
+    keep several rules firing on every step, which no real run does. ``encoding`` is the agent's
+    compact ``"f32:"`` layer arrays (docs/wire-format.md) or plain JSON lists.
+    """
+    import numpy as np
+
+    rnd = np.random.default_rng(agent * 1_000_003 + first)
+    base = np.random.default_rng(agent).uniform(0.05, 2.0, size=(len(ALL_STATS), LAYERS))
     steps = []
     for i in range(first, first + n):
-        layers = {"grad_norm": [round(rnd.random(), 6) for _ in range(LAYERS)]}
-        if stats == "all" or i % 100 == 0:
-            for st in ALL_STATS[1:]:
-                layers[st] = [round(rnd.random(), 6) for _ in range(LAYERS)]
-        if i % 997 == 3:
-            layers["grad_norm"][5] = "NaN"
+        wanted = ALL_STATS if stats == "all" or i % 100 == 0 else ALL_STATS[:1]
+        layers = {}
+        for k, st in enumerate(wanted):
+            v = (base[k] * (1.0 + 0.02 * rnd.standard_normal(LAYERS))).astype("<f4")
+            if st == "act_nonfinite":
+                v[:] = 0.0
+            if st == "grad_norm" and i % 997 == 3:
+                v[5] = np.nan
+            if encoding == "f32":
+                layers[st] = F32_B64_PREFIX + base64.b64encode(v.tobytes()).decode("ascii")
+            else:
+                layers[st] = [x if x == x else "NaN" for x in np.round(v.astype(float), 6).tolist()]
+        loss = 2.0 * math.exp(-i / 200_000) * (1.0 + 0.02 * rnd.standard_normal())
         steps.append({
-            "step": i, "time": 1.7e9 + i * 0.05, "loss": 2.0 + rnd.random() * 0.1, "grad_norm": 0.8 + rnd.random(),
+            "step": i, "time": 1.7e9 + i * 0.05, "loss": loss, "grad_norm": 0.8 + 0.1 * rnd.random(),
             "clip_max_norm": 1.0, "clipped": False, "loss_scale": 65536.0, "overflow": False, "overflow_count": 0,
             "lr": 3e-4, "step_time": 0.05, "samples_per_s": 1000.0, "tokens_per_s": 512000.0, "mem_peak": 1.2e9,
             "ema_divergence": 1e-3, "input_nonfinite": 0 if i % 10 == 0 else None, "custom": {}, "layers": layers,
@@ -71,7 +104,8 @@ def count_values(body: dict) -> int:
     n = 0
     for s in body["steps"]:
         n += sum(1 for k, v in s.items() if k not in ("step", "time", "custom", "layers") and v is not None)
-        n += sum(len(v) for v in s["layers"].values())
+        n += sum(len(base64.b64decode(v[len(F32_B64_PREFIX):])) // 4 if isinstance(v, str) else len(v)
+                 for v in s["layers"].values())
     return n
 
 
@@ -83,6 +117,8 @@ def start_server(db: str, port: int, data_dir: str) -> subprocess.Popen:
                              "--log-level", "warning"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} (port {port} taken?)")
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             c.request("GET", "/api/health")
@@ -93,26 +129,26 @@ def start_server(db: str, port: int, data_dir: str) -> subprocess.Popen:
     raise SystemExit("server did not start")
 
 
-def stored_values(db: str) -> int:
-    """Count what the database holds: non-null step scalars (+ NaN bits) and layer values."""
-    import numpy as np
+def stored_values(db: str, project: str = "bench") -> int:
+    """Count what the database holds for ``project``: non-null step scalars (+ NaN bits) and layer values."""
     from sqlalchemy import func, select
 
     from server.db import open_database
-    from server.models import STEP_SIGNALS, LayerStat, Step
+    from server.models import STEP_SIGNALS, LayerStat, Project, Run, Step
 
     database = open_database(db)
     with database.sessionmaker() as s:
+        runs = select(Run.id).join(Project, Project.id == Run.project_id).where(Project.name == project)
         scalars = 0
         for name in STEP_SIGNALS:
-            scalars += s.scalar(select(func.count(getattr(Step, name))))
-        scalars += s.scalar(select(func.count()).where(Step.nan_mask != 0))
-        layer_bytes = s.scalar(select(func.sum(func.length(LayerStat.values)))) or 0
+            scalars += s.scalar(select(func.count(getattr(Step, name))).where(Step.run_id.in_(runs)))
+        scalars += s.scalar(select(func.count()).where(Step.nan_mask != 0, Step.run_id.in_(runs)))
+        layer_bytes = s.scalar(select(func.sum(func.length(LayerStat.values))).where(LayerStat.run_id.in_(runs))) or 0
     database.dispose()
     return scalars + int(layer_bytes) // 4
 
 
-def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str) -> None:
+def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str, encoding: str) -> None:
     """Where a batch's time goes, without HTTP: parse + validate, then the write path with and
     without the rule engine (``ingest_batch(evaluate_rules=False)``), on one core."""
     from server.api.ingest import decode_body
@@ -121,7 +157,8 @@ def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str) ->
     from server.schemas import IngestBatchIn
     from server.settings import Settings
 
-    raws = [json.dumps(make_batch(0, b * steps_per_batch, steps_per_batch, stats)).encode() for b in range(batches)]
+    raws = [json.dumps(make_batch(0, b * steps_per_batch, steps_per_batch, stats, encoding)).encode()
+            for b in range(batches)]
     nvals = sum(count_values(json.loads(r)) for r in raws)
     for rules in (False, True):
         upgrade(db)
@@ -147,6 +184,10 @@ def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str) ->
               f"write{' + rules' if rules else ''} {t_write / total:4.0%}")
 
 
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--db", help="database URL (default: a fresh SQLite file); for PostgreSQL a fresh database "
@@ -155,14 +196,27 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=30, help="batches per agent")
     ap.add_argument("--steps-per-batch", type=int, default=100)
     ap.add_argument("--layer-stats", choices=["default", "all"], default="default")
+    ap.add_argument("--encoding", choices=["f32", "list"], default="f32",
+                    help="layer arrays as the agent sends them (f32: base64 float32) or as JSON lists")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="open loop: offer this many values/s in total, each agent sending one batch every "
+                         "--interval s (steps per batch follow); default: closed loop, as fast as answered")
+    ap.add_argument("--interval", type=float, default=0.5, help="open loop: seconds between an agent's batches "
+                    "(the agent's flush_interval)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="open loop: how long to send")
+    ap.add_argument("--warmup", type=int, default=5, help="batches sent to an uncounted run first")
     ap.add_argument("--gzip", action="store_true", help="send Content-Encoding: gzip bodies")
-    ap.add_argument("--port", type=int, default=8478)
+    ap.add_argument("--port", type=int, default=0, help="default: a free port")
     ap.add_argument("--in-process", action="store_true",
                     help="instead: time parse/validate/write in this process, rule engine off and on")
     args = ap.parse_args()
 
     from server.settings import normalize_db_url
 
+    if not args.port:   # never a fixed default: another benchmark or test server may hold it
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            args.port = sock.getsockname()[1]
     tmp = tempfile.mkdtemp(prefix="gw-bench-")
     pg_admin = None
     if args.db and not args.db.startswith("sqlite"):
@@ -178,42 +232,73 @@ def main() -> int:
         name = None
 
     if args.in_process:
-        in_process_split(db, args.batches, args.steps_per_batch, args.layer_stats)
+        in_process_split(db, args.batches, args.steps_per_batch, args.layer_stats, args.encoding)
         if pg_admin is not None:
             pg_admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         return 0
-    print(f"building {args.agents} x {args.batches} batches of {args.steps_per_batch} steps "
-          f"({args.layer_stats} layer stats) ...", flush=True)
+    values_per_step = count_values(make_batch(0, 1, 100, args.layer_stats, args.encoding)) / 100
+    if args.rate:
+        # open loop, like real agents: each sends one batch per flush interval whatever the server does
+        steps_per_batch = max(1, round(args.rate * args.interval / (args.agents * values_per_step)))
+        batches = max(1, round(args.seconds / args.interval))
+    else:
+        steps_per_batch, batches = args.steps_per_batch, args.batches
+    print(f"building {args.agents} x {batches} batches of {steps_per_batch} steps "
+          f"({args.layer_stats} layer stats, {args.encoding} layer arrays) ...", flush=True)
     payloads: list[list[tuple[bytes, int, int]]] = []
     for a in range(args.agents):
         mine = []
-        for b in range(args.batches):
-            body = make_batch(a, b * args.steps_per_batch, args.steps_per_batch, args.layer_stats)
+        for b in range(batches):
+            body = make_batch(a, b * steps_per_batch, steps_per_batch, args.layer_stats, args.encoding)
             raw = json.dumps(body).encode()
             mine.append((gzip.compress(raw, 1) if args.gzip else raw, count_values(body), len(body["steps"])))
         payloads.append(mine)
     total_values = sum(v for mine in payloads for _, v, _ in mine)
     mb = sum(len(p) for mine in payloads for p, _, _ in mine) / 1e6
+    headers = {"Content-Type": "application/json"}
+    if args.gzip:
+        headers["Content-Encoding"] = "gzip"
 
     proc = start_server(db, args.port, tmp)
     latencies: list[float] = []
+    first_latencies: list[float] = []
     accepted = [0]
     errors: list[str] = []
     lock = threading.Lock()
+    done_at = [0.0]
 
-    def agent(mine):
+    def warm_up():
+        """A server in production has been up for a while: one run not counted here takes the
+        process's one-off costs (imports on first use, SQLAlchemy compiling its statements)."""
         conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
-        headers = {"Content-Type": "application/json"}
-        if args.gzip:
-            headers["Content-Encoding"] = "gzip"
-        for raw, nvalues, _ in mine:
-            t = time.perf_counter()
+        for b in range(args.warmup):
+            body = make_batch(10_000, b * 100, 100, args.layer_stats, args.encoding)
+            body["project"], body["run"] = "warm-up", "warm-up"
+            conn.request("POST", "/api/v1/ingest", body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            conn.getresponse().read()
+        conn.close()
+
+    def agent(index, mine, t_start):
+        conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
+        for b, (raw, nvalues, _) in enumerate(mine):
+            if args.rate:
+                # staggered phases; latency counts from the scheduled send time, so a server that falls
+                # behind shows it (no coordinated omission)
+                due = t_start + (b + index / len(payloads)) * args.interval
+                pause = due - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                t = due
+            else:
+                t = time.perf_counter()
             conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-            dt = time.perf_counter() - t
+            now = time.perf_counter()
             with lock:
-                latencies.append(dt * 1000)
+                (first_latencies if b == 0 else latencies).append((now - t) * 1000)
+                done_at[0] = max(done_at[0], now)
                 if resp.status == 200:
                     accepted[0] += nvalues
                 else:
@@ -221,28 +306,38 @@ def main() -> int:
         conn.close()
 
     try:
-        threads = [threading.Thread(target=agent, args=(mine,)) for mine in payloads]
+        warm_up()
         t0 = time.perf_counter()
+        threads = [threading.Thread(target=agent, args=(i, mine, t0)) for i, mine in enumerate(payloads)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        wall = time.perf_counter() - t0
+        wall = done_at[0] - t0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     stored = stored_values(db)
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)]
+    every = sorted(latencies + first_latencies)
     print(f"database          {db.split(':', 1)[0]}")
-    print(f"agents x batches  {args.agents} x {args.batches}, {args.steps_per_batch} steps/batch, "
-          f"{total_values / (args.agents * args.batches * args.steps_per_batch):.0f} values/step, "
+    print(f"mode              {'open loop: each agent sends a batch every %.2f s' % args.interval if args.rate else 'closed loop: each agent sends its next batch as soon as the last is answered'}")
+    print(f"agents x batches  {args.agents} x {batches}, {steps_per_batch} steps/batch, "
+          f"{total_values / (args.agents * batches * steps_per_batch):.0f} values/step, "
           f"{mb:.1f} MB {'gzip' if args.gzip else 'JSON'}")
+    if args.rate:
+        offered = total_values / (batches * args.interval)
+        print(f"offered           {offered:,.0f} values/s")
     print(f"wall              {wall:.2f} s")
     print(f"accepted          {accepted[0]:,} values = {accepted[0] / wall:,.0f} values/s "
           f"({accepted[0] / wall * 60 / 100_000:,.0f}x W&B's 100k values/min/run guidance)")
     print(f"stored            {stored:,} values ({'all' if stored == total_values else 'MISMATCH vs ' + format(total_values, ',')})")
-    print(f"batch latency ms  p50 {statistics.median(latencies):.0f}  p99 {p99:.0f}  max {latencies[-1]:.0f}")
+    print(f"batch latency ms  p50 {statistics.median(every):.0f}  p99 {percentile(every, 0.99):.0f}  max {every[-1]:.0f}"
+          f"   (all {len(every)} batches)")
+    if latencies:
+        steady = sorted(latencies)
+        print(f"                  p50 {statistics.median(steady):.0f}  p99 {percentile(steady, 0.99):.0f}  "
+              f"max {steady[-1]:.0f}   (without each run's first batch, which creates the run)")
+    print(f"first batches ms  {', '.join(f'{x:.0f}' for x in first_latencies)}")
     if errors:
         print(f"errors            {len(errors)}: {errors[:3]}")
     if pg_admin is not None:

@@ -5,6 +5,7 @@ Nothing is created at import time: ``make_engine(settings)`` is called by
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,23 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+
+try:  # JSON columns (rule states, alert evidence) are read and written on every batch: orjson is 5-10x faster
+    import orjson
+
+    def _json_dumps(obj) -> str:
+        # Every writer already stores strict JSON (PostgreSQL's json type rejects NaN, so values go
+        # through numbers.json_safe / rules.stats.enc first); orjson would turn a stray NaN into null.
+        return orjson.dumps(obj).decode()
+
+    def _json_loads(text):
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:   # rows written by older versions may hold bare NaN tokens
+            return json.loads(text)
+except ImportError:  # pragma: no cover - orjson is in the server extra
+    _json_dumps, _json_loads = json.dumps, json.loads
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -30,7 +48,8 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
         path = url.split("///", 1)[1] if "///" in url else ""
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               json_serializer=_json_dumps, json_deserializer=_json_loads)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
@@ -48,7 +67,8 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("sqlite_immediate") else "BEGIN")
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
+    return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True,
+                         json_serializer=_json_dumps, json_deserializer=_json_loads)
 
 
 @dataclass(frozen=True)

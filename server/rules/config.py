@@ -160,22 +160,42 @@ def _project_row(session: Session, project: Any, *, create: bool) -> Optional[Pr
 
 def effective_config(session: Session, *, project_id: Optional[int], project_name: Optional[str],
                      settings: Any = None) -> dict[str, dict[str, Any]]:
-    """rule id → settings in force for that project (one small query)."""
-    cfg = {spec.id: spec.defaults() for spec in RULES}
+    """rule id → settings in force for that project (one small query).
+
+    The merge is cached on everything it depends on (the override rows as read now, the rules
+    file as loaded, the stall setting), so a changed override or rules file applies to the very
+    next batch; the caller gets its own copy.
+    """
     stall = getattr(settings, "stall_seconds", None) if settings is not None else None
-    if stall:
-        cfg["F2"]["timeout_s"] = float(stall)      # GRADWATCH_STALL_SECONDS sets F2's default
     rf = rules_file_of(settings)
-    if rf is not None:
-        for rid, values in rf.every_project.items():
-            cfg[rid].update(values)
-        for rid, values in rf.projects.get(project_name or "", {}).items():
-            cfg[rid].update(values)
+    overrides: tuple = ()
     if project_id is not None:
-        for row in session.scalars(select(RuleOverride).where(RuleOverride.project_id == project_id)):
-            if row.rule in cfg:
-                cfg[row.rule].update({k: v for k, v in (row.config or {}).items() if k in cfg[row.rule]})
-    return cfg
+        overrides = tuple(session.execute(
+            select(RuleOverride.rule, RuleOverride.config).where(RuleOverride.project_id == project_id)
+            .order_by(RuleOverride.rule)))
+    key = (project_name, stall, id(rf), repr(overrides))
+    cached = _config_cache.get(key)
+    if cached is None or cached[0] is not rf:
+        cfg = {spec.id: spec.defaults() for spec in RULES}
+        if stall:
+            cfg["F2"]["timeout_s"] = float(stall)      # GRADWATCH_STALL_SECONDS sets F2's default
+        if rf is not None:
+            for rid, values in rf.every_project.items():
+                cfg[rid].update(values)
+            for rid, values in rf.projects.get(project_name or "", {}).items():
+                cfg[rid].update(values)
+        for rule, config in overrides:
+            if rule in cfg:
+                cfg[rule].update({k: v for k, v in (config or {}).items() if k in cfg[rule]})
+        if len(_config_cache) > 1000:
+            _config_cache.clear()
+        cached = _config_cache[key] = (rf, cfg)
+    return {rid: dict(values) for rid, values in cached[1].items()}
+
+
+# (project, stall, rules file, overrides) -> (rules file object, merged config); the file object is kept
+# so its id() cannot be reused by another one while the entry lives
+_config_cache: dict[tuple, tuple[Any, dict[str, dict[str, Any]]]] = {}
 
 
 def get_rule_config(session: Session, *, project: Any, settings: Any = None) -> dict[str, dict[str, Any]]:
