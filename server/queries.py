@@ -295,7 +295,10 @@ def get_series(session: Session, *, run_id: int, signal: str, start: Optional[in
 
 
 def _series_points(session: Session, *, run_id: int, signal: str, rank: int, start: Optional[int],
-                   end: Optional[int], max_points: int, bounds: Optional[tuple[int, int]] = None):
+                   end: Optional[int], max_points: int, bounds: Optional[tuple[int, int]] = None,
+                   rollup_rows: Optional[dict] = None):
+    """(bucket size, points). ``rollup_rows``: a dict shared by the signals of one request; each
+    rollup partial holds every step signal, so they are read once, not once per signal."""
     max_points = max(1, int(max_points))
     table, col, nanflag, extra = _signal_source(signal)
     base = [table.run_id == run_id, table.rank == rank, *extra]
@@ -314,10 +317,15 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
     if level:
         bucket = math.ceil(bucket / level) * level
         start0 = (start // level) * level
-        rows = _fetch_blobs(session, select(StepRollup.bucket, StepRollup.data).where(
-            StepRollup.run_id == run_id, StepRollup.rank == rank, StepRollup.level == level,
-            StepRollup.bucket >= start // level, StepRollup.bucket <= end // level,
-        ).order_by(StepRollup.bucket))
+        key = (run_id, rank, level, start // level, end // level)
+        rows = None if rollup_rows is None else rollup_rows.get(key)
+        if rows is None:
+            rows = _fetch_blobs(session, select(StepRollup.bucket, StepRollup.data).where(
+                StepRollup.run_id == run_id, StepRollup.rank == rank, StepRollup.level == level,
+                StepRollup.bucket >= start // level, StepRollup.bucket <= end // level,
+            ).order_by(StepRollup.bucket))
+            if rollup_rows is not None:
+                rollup_rows[key] = rows
         merged = merge_step_partials(rows, signal_index=STEP_SIGNALS.index(signal), level=level, start0=start0,
                                      bucket_size=bucket)
         points = []
@@ -365,7 +373,10 @@ def _bucketed_points(session, table, col, nanflag, where, base, start: int, buck
 def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Sequence[str],
                      start: Optional[int] = None, end: Optional[int] = None, max_points: int = 2000,
                      rank: int = 0) -> list[Series]:
-    """Several runs × signals on one shared step axis (same buckets), for comparison."""
+    """Several runs × signals on one shared step axis (same buckets), for comparison.
+
+    Step signals read each run's rollup partials once for all of them (a
+    partial holds every step signal): a dozen signals cost about one."""
     sources = {signal: _signal_source(signal) for signal in signals}
     lo_all = hi_all = None
     for signal, (table, _, _, extra) in sources.items():
@@ -378,13 +389,15 @@ def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Seque
     if lo_all is not None:
         lo_all = lo_all if start is None else max(start, lo_all)
         hi_all = hi_all if end is None else min(end, hi_all)
+    rollup_rows: dict = {}
     for run_id in run_ids:
         for signal in signals:
             if lo_all is None:
                 out.append(Series(run_id=run_id, signal=signal, rank=rank, bucket_size=1, points=[]))
                 continue
             bucket, points = _series_points(session, run_id=run_id, signal=signal, rank=rank, start=lo_all,
-                                            end=hi_all, max_points=max_points, bounds=(lo_all, hi_all))
+                                            end=hi_all, max_points=max_points, bounds=(lo_all, hi_all),
+                                            rollup_rows=rollup_rows)
             out.append(Series(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points))
     return out
 
