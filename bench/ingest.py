@@ -69,22 +69,25 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
     import numpy as np
 
     rnd = np.random.default_rng(agent * 1_000_003 + first)
-    base = np.random.default_rng(agent).uniform(0.05, 2.0, size=(len(ALL_STATS), LAYERS))
+    # each statistic's usual range in a healthy run (update ratio ~1e-3, activations of unit scale, ...)
+    levels = {"grad_norm": (0.01, 1.0), "weight_norm": (1.0, 50.0), "update_ratio": (3e-4, 3e-3),
+              "act_mean": (-0.5, 0.5), "act_std": (0.5, 2.0), "act_absmax": (2.0, 20.0), "act_nonfinite": (0.0, 0.0),
+              "bn_mean_norm": (0.1, 1.0), "bn_var_norm": (1.0, 10.0)}
+    gen = np.random.default_rng(agent)
+    base = np.stack([gen.uniform(*levels[st], size=LAYERS) for st in ALL_STATS])
     steps = []
     for i in range(first, first + n):
         wanted = ALL_STATS if stats == "all" or i % 100 == 0 else ALL_STATS[:1]
         layers = {}
         for k, st in enumerate(wanted):
             v = (base[k] * (1.0 + 0.02 * rnd.standard_normal(LAYERS))).astype("<f4")
-            if st == "act_nonfinite":
-                v[:] = 0.0
             if st == "grad_norm" and i % 997 == 3:
                 v[5] = np.nan
             if encoding == "f32":
                 layers[st] = F32_B64_PREFIX + base64.b64encode(v.tobytes()).decode("ascii")
             else:
                 layers[st] = [x if x == x else "NaN" for x in np.round(v.astype(float), 6).tolist()]
-        loss = 2.0 * math.exp(-i / 200_000) * (1.0 + 0.02 * rnd.standard_normal())
+        loss = 4.0 * (1.0 + i / 2000) ** -0.3 * (1.0 + 0.02 * rnd.standard_normal())
         steps.append({
             "step": i, "time": 1.7e9 + i * 0.05, "loss": loss, "grad_norm": 0.8 + 0.1 * rnd.random(),
             "clip_max_norm": 1.0, "clipped": False, "loss_scale": 65536.0, "overflow": False, "overflow_count": 0,
@@ -182,6 +185,13 @@ def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str, en
         print(f"rules {'on ' if rules else 'off'}  {nvals / total:>12,.0f} values/s  "
               f"{batches * steps_per_batch / total:>7,.0f} steps/s   parse+validate {t_parse / total:4.0%}  "
               f"write{' + rules' if rules else ''} {t_write / total:4.0%}")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -307,6 +317,7 @@ def main() -> int:
 
     try:
         warm_up()
+        cpu0 = process_cpu_seconds(proc.pid)
         t0 = time.perf_counter()
         threads = [threading.Thread(target=agent, args=(i, mine, t0)) for i, mine in enumerate(payloads)]
         for t in threads:
@@ -314,6 +325,7 @@ def main() -> int:
         for t in threads:
             t.join()
         wall = done_at[0] - t0
+        server_cpu = process_cpu_seconds(proc.pid) - cpu0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -330,6 +342,9 @@ def main() -> int:
     print(f"wall              {wall:.2f} s")
     print(f"accepted          {accepted[0]:,} values = {accepted[0] / wall:,.0f} values/s "
           f"({accepted[0] / wall * 60 / 100_000:,.0f}x W&B's 100k values/min/run guidance)")
+    print(f"server process    {server_cpu:.2f} CPU-s over {wall:.2f} s wall ({server_cpu / wall:.0%} of one core, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+          f"{accepted[0] / server_cpu:,.0f} values per server CPU-second")
     print(f"stored            {stored:,} values ({'all' if stored == total_values else 'MISMATCH vs ' + format(total_values, ',')})")
     print(f"batch latency ms  p50 {statistics.median(every):.0f}  p99 {percentile(every, 0.99):.0f}  max {every[-1]:.0f}"
           f"   (all {len(every)} batches)")

@@ -13,6 +13,7 @@ from .db import Database, open_database, schema_problem
 from .metrics import IngestMetrics
 from .schemas import IngestBatchIn
 from .settings import Settings
+from .write_gate import FifoGate
 
 log = logging.getLogger("gradwatch.server")
 
@@ -59,6 +60,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.database = database
     app.state.auth = None
     app.state.metrics = IngestMetrics()
+    app.state.write_gate = FifoGate(1 if database.engine.dialect.name == "sqlite" else 2)
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 

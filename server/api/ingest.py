@@ -113,7 +113,8 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
         if token_project is not None and batch.project != token_project:
             raise HTTPException(403, f"project: this token is for project {token_project!r}, "
                                      f"not {batch.project!r}")
-        return _write(app, batch, settings)
+        with app.state.write_gate:
+            return _write(app, batch, settings)
 
     metrics = app.state.metrics
     try:
