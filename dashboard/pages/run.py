@@ -4,8 +4,13 @@ Data flow (all ids start with ``run-``):
 
 - ``run-range`` holds the visible step range. Zooming any chart sets it (a
   clientside callback, which also moves every other chart to the same range
-  at once); :func:`load_charts` then refetches every chart at full resolution
-  for that range. ``None`` means the whole run, downsampled by the server.
+  at once); the charts are then refetched at full resolution for that range.
+  ``None`` means the whole run, downsampled by the server.
+- Loading is staged so that the headline charts are usable first:
+  :func:`load_headline` draws loss, grad norm and loss scale and fixes the
+  shared step range (``run-head``); :func:`load_charts` then draws the other
+  charts, which sets ``run-layers-range`` and so loads the heatmaps last.
+  Each stage's response is drawn while the next one is on the server.
 - ``run-interval`` ticks twice a second; :func:`append_live` asks for the
   steps after ``run-live.cursor`` only and appends them with ``Patch`` (the
   history is never fetched again). After many appended points it redraws once
@@ -36,6 +41,12 @@ MAX_APPENDED = 4000        # raw points appended before a chart is redrawn downs
 HEATMAP_STEPS = 300
 HEATMAP_LAYERS = 48
 
+# Drawn first (docs/dashboard.md, "Big runs": the page is usable once these are drawn).
+HEADLINE = ("loss", "grad_norm", "loss_scale")
+HEAD_PANELS = tuple(p for p in PANELS if p.key in HEADLINE)
+REST_PANELS = tuple(p for p in PANELS if p.key not in HEADLINE)
+HEAD_IDS = [f"run-graph-{p.key}" for p in HEAD_PANELS]
+REST_IDS = [f"run-graph-{p.key}" for p in REST_PANELS]
 PANEL_IDS = [f"run-graph-{p.key}" for p in PANELS]
 HEATMAP_IDS = [f"run-heatmap-{stat}" for stat, _ in HEATMAPS]
 ALL_GRAPH_IDS = PANEL_IDS + ["run-graph-update_ratio"] + HEATMAP_IDS
@@ -65,6 +76,7 @@ def layout(run_id=None, **_query):
     return html.Div([
         dcc.Store(id="run-id", data=rid),
         dcc.Store(id="run-range", data=None),
+        dcc.Store(id="run-head", data=None),
         dcc.Store(id="run-live", data=None),
         dcc.Store(id="run-summary-sig", data=None),
         dcc.Store(id="run-layers-sig", data=None),
@@ -104,12 +116,25 @@ def _first_step(series: dict) -> Optional[int]:
     return min(firsts) if firsts else None
 
 
-def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tuple[list, dict]:
+def _signals(panels) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(sig for p in panels for sig in p.signals))
+
+
+def _panel_figures(panels, series: dict, alerts: list, smoothing: float, shown) -> tuple[list, dict]:
+    figs, smooth_states = [], {}
+    for panel in panels:
+        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown)
+        figs.append(fig)
+        smooth_states[panel.key] = state
+    return figs, smooth_states
+
+
+def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list, panels=PANELS) -> tuple[list, dict]:
     start, end = (x_range or (None, None))
     # The run's last step, read before the series: a downsampled series ends with a
     # bucket's first step, and live appends must continue after the bucket's end.
     last = (gateway.get_run(run_id) or {}).get("last_step")
-    series = gateway.get_series(run_id, SERIES_SIGNALS, start=start, end=end, max_points=MAX_POINTS)
+    series = gateway.get_series(run_id, _signals(panels), start=start, end=end, max_points=MAX_POINTS)
     cursor = figures.last_step(series)
     if cursor is not None and last is not None:
         cursor = max(cursor, last)
@@ -117,30 +142,51 @@ def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list) -> tupl
     # The whole run: every chart gets the same explicit step range (autorange
     # would pad charts with markers differently and break the shared axis).
     shown = x_range if x_range is not None else ([first, max(cursor, first + 1)] if cursor is not None else None)
-    figs, smooth_states = [], {}
-    for panel in PANELS:
-        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown)
-        figs.append(fig)
-        smooth_states[panel.key] = state
+    figs, smooth_states = _panel_figures(panels, series, alerts, smoothing, shown)
     if x_range is not None and last is not None:
         cursor = last  # a zoomed view ends inside the run; live appends continue from the run's end
     live = {"cursor": cursor, "first": first, "states": smooth_states, "appended": 0,
-            "alerts": figures.alerts_signature(alerts), "range": x_range}
+            "alerts": figures.alerts_signature(alerts), "range": x_range, "shown": shown}
     return figs, live
 
 
 @callback(
-    [Output(gid, "figure") for gid in PANEL_IDS],
+    [Output(gid, "figure") for gid in HEAD_IDS],
+    Output("run-head", "data"),
+    # No live appends until every chart is redrawn: the old cursor and range no longer match.
     Output("run-live", "data"),
-    Output("run-layers-range", "data"),
     Input("run-range", "data"),
     Input("run-smoothing", "value"),
     State("run-id", "data"),
     running=pause_while_running("run-interval"),
 )
-def load_charts(x_range, smoothing, run_id):
+def load_headline(x_range, smoothing, run_id):
     alerts = gateway.list_alerts(run_id=run_id)
-    figs, live = _chart_figures(run_id, x_range, smoothing, alerts)
+    figs, head = _chart_figures(run_id, x_range, smoothing, alerts, HEAD_PANELS)
+    return *figs, head, None
+
+
+@callback(
+    [Output(gid, "figure") for gid in REST_IDS],
+    Output("run-live", "data", allow_duplicate=True),
+    Output("run-layers-range", "data"),
+    Input("run-head", "data"),
+    State("run-id", "data"),
+    State("run-smoothing", "value"),
+    prevent_initial_call=True,
+    running=pause_while_running("run-interval"),
+)
+def load_charts(head, run_id, smoothing):
+    """The charts after the headline, on the same step range; then the heatmaps (run-layers-range)."""
+    if not head:
+        return [no_update] * (len(REST_IDS) + 2)
+    alerts = gateway.list_alerts(run_id=run_id)
+    x_range = head.get("range")
+    # The whole run: read up to the headline's cursor, where live appends will continue from.
+    start, end = x_range if x_range is not None else (None, head.get("cursor"))
+    series = gateway.get_series(run_id, _signals(REST_PANELS), start=start, end=end, max_points=MAX_POINTS)
+    figs, states = _panel_figures(REST_PANELS, series, alerts, smoothing, head.get("shown"))
+    live = dict(head, states={**(head.get("states") or {}), **states})
     # The heatmaps (below the fold) load once the charts are drawn, not in competition with them.
     return *figs, live, {"range": x_range}
 

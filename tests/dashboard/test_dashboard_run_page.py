@@ -138,3 +138,48 @@ def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(shared_server, 
     assert [x for x in grad["x"] if 2300 <= x <= 2400] == list(range(2300, 2401))
     save_screenshot(browser, "run-page-zoomed")
     assert severe_console_entries(browser) == []
+
+
+def test_run_page_loads_in_stages_and_every_chart_ends_filled(shared_server, browser):
+    """The headline charts load first, then the other charts on the same step range, then the
+    heatmaps (docs/dashboard.md, "Big runs"): after the first load, a zoom and its reset, every
+    stage ends drawn with the run's data on the shared range."""
+    steps = make_steps(1500, seed=11, layers_every=10)
+    run_id = ingest(shared_server, project="vision", run="staged-load", steps=steps, status="finished")
+    browser.get(f"{shared_server.url}/runs/{run_id}")
+    lines = ("run-graph-loss", "run-graph-grad_norm", "run-graph-lr", "run-graph-throughput", "run-graph-step_time",
+             "run-graph-memory")
+
+    def every_chart_shows(x_range: list, xs_ok):
+        """Every chart on ``x_range``; ``xs_ok(x values in the range)`` for each line chart's first trace."""
+        def check():
+            charts = {gid: graph(browser, gid) for gid in (*lines, "run-heatmap-grad_norm")}
+            if any(not c or not c["data"] or not c["xrange"] for c in charts.values()):
+                return False
+            on_range = all(abs(c["xrange"][0] - x_range[0]) < 1 and abs(c["xrange"][1] - x_range[1]) < 1
+                           for c in charts.values())
+            return on_range and all(xs_ok([x for x in charts[gid]["data"][0]["x"] if x_range[0] <= x <= x_range[1]])
+                                    for gid in lines)
+        return check
+
+    # The whole run (1,500 steps) arrives downsampled: 600 buckets at most, each drawn as two points.
+    wait_until(every_chart_shows([0, 1499], lambda xs: xs and xs[0] == 0 and len(xs) < 1500),
+               timeout=WAIT, what="every chart drawn, whole run")
+    heat = graph(browser, "run-heatmap-grad_norm")["data"][0]
+    assert heat["y"] == PARAM_NAMES and heat["x"] == list(range(0, 1500, 10))
+
+    # Zoom: the headline charts, then the others, come back at full resolution for the range.
+    browser.execute_script(
+        "Plotly.relayout(document.querySelector('#run-graph-loss .js-plotly-plot'), "
+        "{'xaxis.range[0]': 700, 'xaxis.range[1]': 760});")
+    wait_until(every_chart_shows([700, 760], lambda xs: xs == list(range(700, 761))), timeout=WAIT,
+               what="every chart zoomed at full resolution")
+    lr = trace(graph(browser, "run-graph-lr"), "lr")
+    assert approx_list([y for x, y in zip(lr["x"], lr["y"]) if 700 <= x <= 760],
+                       [steps[i]["lr"] for i in range(700, 761)])
+
+    click(browser, "#run-reset")
+    wait_until(every_chart_shows([0, 1499], lambda xs: xs and xs[0] == 0 and len(xs) < 1500),
+               timeout=WAIT, what="every chart back to the whole run")
+
+    assert severe_console_entries(browser) == []
