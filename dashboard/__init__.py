@@ -16,7 +16,12 @@ rules / webhooks modules); figures are built by :mod:`dashboard.figures`.
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
+
+# Vendored plotly.js bundles in assets/ (see assets/gradwatch.js): loaded by dcc.Graph on demand,
+# never as a page script tag; versioned names, so a browser may keep them for good.
+PLOTLY_BUNDLE = re.compile(r"^plotly-.*\.min\.js$")
 
 PAGE_MODULES = ("dashboard.pages.runs", "dashboard.pages.run", "dashboard.pages.compare",
                 "dashboard.pages.alerts", "dashboard.pages.settings")
@@ -46,6 +51,7 @@ def create_dash(sessionmaker, settings):
     """The dashboard app, reading through ``sessionmaker``; mount ``app.server`` at "/"."""
     import dash
     from dash import dcc, html
+    from flask import request
 
     from dashboard import gateway
 
@@ -59,7 +65,18 @@ def create_dash(sessionmaker, settings):
         title="gradwatch",
         update_title=None,
         suppress_callback_exceptions=True,
+        assets_ignore=PLOTLY_BUNDLE.pattern,
     )
+
+    @app.server.after_request
+    def _cache_plotly_bundle(response):
+        if response.status_code == 200 and PLOTLY_BUNDLE.match(request.path.rsplit("/", 1)[-1]):
+            response.cache_control.public = True
+            response.cache_control.max_age = 31536000
+            response.cache_control.immutable = True
+            response.cache_control.no_cache = None
+        return response
+
     _import_pages()
     app.callback_map.update(_page_callbacks)
     app._callback_list.extend(_page_callback_list)  # noqa: SLF001 - see _page_callbacks

@@ -1,4 +1,23 @@
 /* gradwatch dashboard: clientside callbacks (no server round trip). */
+
+/* plotly.js for dcc.Graph: the cartesian bundle beside this file (1.5 MB; scatter and heatmap
+   are all the dashboard draws) instead of the full one (4.8 MB) Dash would load. Parsing and
+   compiling plotly.js is most of a first visit's wait (docs/performance.md, "Dashboard page
+   load"). dcc.Graph loads plotly.js from window._dashPlotlyJSURL when the first chart mounts,
+   and the renderer sets that URL when it starts, after this file has run: so it is pinned here.
+   dashboard/__init__.py keeps the bundle out of the page's script tags and caches it for good
+   (its name carries its version). */
+(function () {
+  var me = document.currentScript && document.currentScript.src;
+  if (!me) { return; }
+  var url = new URL('plotly-cartesian-4.1.1.min.js', me).href;
+  try {
+    Object.defineProperty(window, '_dashPlotlyJSURL', {
+      configurable: true, get: function () { return url; }, set: function () { /* pinned */ }
+    });
+  } catch (e) { /* Dash's own (full) bundle then */ }
+})();
+
 window.dash_clientside = Object.assign({}, window.dash_clientside, {
   gradwatch: {
     /* Zoom one chart, all follow. Inputs: relayoutData of every chart of the
