@@ -113,6 +113,12 @@ def _stall_seconds() -> float:
 
 def _series(result: Any) -> dict:
     """A ``queries.Series`` as ``{"bucket_size", "steps": [bucket dicts]}`` (the read API's shape)."""
+    points = getattr(result, "points", None)
+    if points is not None:
+        # Thousands of points per page: spelled out, this is ~10x cheaper than the generic _plain walk.
+        return {"bucket_size": result.bucket_size or 1,
+                "steps": [{"step": p.step, "min": p.min, "max": p.max, "last": p.last, "count": p.count,
+                           "nonfinite": p.nonfinite} for p in points]}
     s = _plain(result) or {}
     return {"bucket_size": s.get("bucket_size", 1) or 1, "steps": list(s.get("points", s.get("steps")) or [])}
 
