@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -49,23 +49,37 @@ def _insert(session: Session, table):
     return (pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert)(table)
 
 
+# Statements built once: constructing a SQLAlchemy expression costs more than running it on a small
+# table, and these run on every batch.
+_PROJECT_BY_NAME = select(Project).where(Project.name == bindparam("name"))
+_RUN_FOR_UPDATE = (select(Run).where(Run.project_id == bindparam("project_id"), Run.name == bindparam("name"))
+                   .with_for_update())
+_STORED_STEPS = select(Step.step).where(Step.run_id == bindparam("run_id"), Step.rank == bindparam("rank"),
+                                        Step.step >= bindparam("lo"), Step.step <= bindparam("hi"))
+
+
 def get_or_create_project(session: Session, *, name: str, now: float) -> Project:
+    # look first: after a project's first batch this is one indexed read and no write
+    project = session.scalars(_PROJECT_BY_NAME, {"name": name}).one_or_none()
+    if project is not None:
+        return project
     session.execute(_insert(session, Project).values(name=name, created_at=now).on_conflict_do_nothing(index_elements=["name"]))
-    return session.scalars(select(Project).where(Project.name == name)).one()
+    return session.scalars(_PROJECT_BY_NAME, {"name": name}).one()
 
 
 def _get_or_create_run(session: Session, *, project: Project, name: str, world_size: int, now: float) -> Run:
+    # FOR UPDATE serialises batches of one run across replicas (PostgreSQL);
+    # rule state is read-modify-write and needs it. SQLite has one writer anyway.
+    run = session.scalars(_RUN_FOR_UPDATE, {"project_id": project.id, "name": name}).one_or_none()
+    if run is not None:
+        return run
     session.execute(
         _insert(session, Run).values(
             project_id=project.id, name=name, status="running", started_at=now, last_seen=now,
             world_size=world_size, param_names=[], module_names=[], bn_names=[], config={},
         ).on_conflict_do_nothing(index_elements=["project_id", "name"])
     )
-    # FOR UPDATE serialises batches of one run across replicas (PostgreSQL);
-    # rule state is read-modify-write and needs it. SQLite has one writer anyway.
-    return session.scalars(
-        select(Run).where(Run.project_id == project.id, Run.name == name).with_for_update()
-    ).one()
+    return session.scalars(_RUN_FOR_UPDATE, {"project_id": project.id, "name": name}).one()
 
 
 _STEP_COLUMNS = ("run_id", "rank", "step", "time", *STEP_SIGNALS, "nan_mask")
@@ -200,9 +214,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         # steps already stored can be read and skipped: a step sent again under
         # another batch id is neither doubled nor rolled up twice.
         stored = set(session.scalars(
-            select(Step.step).where(Step.run_id == run.id, Step.rank == rank,
-                                    Step.step >= steps[0].step, Step.step <= steps[-1].step)
-        ).all())
+            _STORED_STEPS, {"run_id": run.id, "rank": rank, "lo": steps[0].step, "hi": steps[-1].step}).all())
         fresh = [s for s in steps if s.step not in stored] if stored else _dedupe(steps)
         if stored:
             fresh = _dedupe(fresh)

@@ -26,7 +26,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from server.models import Project, RuleOverride
@@ -170,9 +170,7 @@ def effective_config(session: Session, *, project_id: Optional[int], project_nam
     rf = rules_file_of(settings)
     overrides: tuple = ()
     if project_id is not None:
-        overrides = tuple(session.execute(
-            select(RuleOverride.rule, RuleOverride.config).where(RuleOverride.project_id == project_id)
-            .order_by(RuleOverride.rule)))
+        overrides = tuple(session.execute(_OVERRIDES_OF_PROJECT, {"project_id": project_id}))
     key = (project_name, stall, id(rf), repr(overrides))
     cached = _config_cache.get(key)
     if cached is None or cached[0] is not rf:
@@ -193,6 +191,8 @@ def effective_config(session: Session, *, project_id: Optional[int], project_nam
     return {rid: dict(values) for rid, values in cached[1].items()}
 
 
+_OVERRIDES_OF_PROJECT = (select(RuleOverride.rule, RuleOverride.config)
+                         .where(RuleOverride.project_id == bindparam("project_id")).order_by(RuleOverride.rule))
 # (project, stall, rules file, overrides) -> (rules file object, merged config); the file object is kept
 # so its id() cannot be reused by another one while the entry lives
 _config_cache: dict[tuple, tuple[Any, dict[str, dict[str, Any]]]] = {}

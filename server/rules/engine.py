@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any, Optional
 
-from sqlalchemy import inspect, select
+from sqlalchemy import bindparam, inspect, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import flag_modified
 
@@ -30,6 +30,9 @@ from server.rules.stats import enc, fmt, median, num
 log = logging.getLogger("gradwatch.rules")
 
 _LOSS_NAN_BIT = 1 << STEP_SIGNALS.index("loss")
+
+_STATES_OF_RUN_RANK = select(RuleState).where(RuleState.run_id == bindparam("run_id"),
+                                              RuleState.rank == bindparam("rank"))
 
 # rule_states key for run-level memory of the engine itself (NaN origin seen, …)
 _ENGINE = "_"
@@ -78,8 +81,7 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
     project = session.get(Project, run.project_id)
     cfg = effective_config(session, project_id=run.project_id, project_name=project.name if project else None,
                            settings=settings)
-    rows = {row.rule: row for row in session.scalars(
-        select(RuleState).where(RuleState.run_id == run.id, RuleState.rank == rank))}
+    rows = {row.rule: row for row in session.scalars(_STATES_OF_RUN_RANK, {"run_id": run.id, "rank": rank})}
 
     def state_row(rule: str, for_rank: int = rank) -> RuleState:
         if for_rank != rank:
