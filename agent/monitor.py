@@ -133,6 +133,9 @@ class Monitor:
         self._stale_sealed = False  # the sender sealed the last record (set under the lock; training thread clears)
         self._open_stream = None   # the training thread's CUDA stream at the last step end
         self._open_lock = threading.Lock()
+        # Clear while the sender thread seals and submits a stale record (see _await_stale_seal).
+        self._stale_submitted = threading.Event()
+        self._stale_submitted.set()
         self._last_end: Optional[float] = None
         self._pending_scale = None
         self._pending_found_inf = None
@@ -180,9 +183,11 @@ class Monitor:
         """Send everything recorded so far; True when it reached the server or the spool in time."""
         if os.getpid() != self._pid or self.sender is None:
             return True
+        deadline = time.monotonic() + timeout
         with self._guard("flush"):
             self._seal_open()
-        return self.sender.flush(timeout)
+            self._await_stale_seal(timeout)
+        return self.sender.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: Optional[float] = None, status: str = "finished") -> None:
         """Flush (at most ``timeout`` seconds, default ``exit_timeout``), remove every hook and wrapper."""
@@ -191,6 +196,7 @@ class Monitor:
         if os.getpid() == self._pid:
             try:
                 self._seal_open()
+                self._await_stale_seal(self.config.exit_timeout if timeout is None else timeout)
             except Exception:  # noqa: BLE001
                 pass
         self._uninstall()
@@ -574,21 +580,47 @@ class Monitor:
         gap = min(time.monotonic() - self._open_since, 10.0)
         self._usual_gap = gap if gap > self._usual_gap else 0.98 * self._usual_gap
 
-    def _seal_stale(self) -> None:
+    def _seal_stale(self) -> Optional[float]:
         """Sender thread: seal a record left open longer than ``seal_grace`` and twice the usual
-        step-end-to-next-step gap (the loop stopped or hangs)."""
+        step-end-to-next-step gap (the loop stopped or hangs).
+
+        Returns the seconds until the record now open would become due (None: none open), so
+        that the sender wakes then rather than polling for it.
+        """
         wait = max(self.config.seal_grace, 2.0 * self._usual_gap)
-        if self._open is None or self.closed or time.monotonic() - self._open_since < wait:
-            return
+        if self._open is None or self.closed:
+            return None
+        left = self._open_since + wait - time.monotonic()
+        if left > 0:
+            return left
         with self._open_lock:
             rec = self._open
             if rec is None or time.monotonic() - self._open_since < wait:
-                return
+                return None
+            # Cleared before the record leaves _open: whoever sees it gone (flush, close) can
+            # then wait for it to reach the sender's queue (see _await_stale_seal).
+            self._stale_submitted.clear()
             self._open = None
             self._stale_sealed = True
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rec.stream = self._open_stream
-        self._finish_record(rec, in_training_thread=False)
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                rec.stream = self._open_stream
+            self._finish_record(rec, in_training_thread=False)
+        finally:
+            self._stale_submitted.set()
+        return None
+
+    def _await_stale_seal(self, timeout: float) -> None:
+        """Wait until a record the sender thread is sealing right now is in its queue.
+
+        flush() and close() put a marker in the sender's queue; a record sealed by the sender
+        thread (``_seal_stale``) at that very moment would be queued behind the marker and
+        miss the flush (or, at close, be lost). Taking the lock waits out a hand-over in
+        progress; the event, a seal and submit in progress.
+        """
+        with self._open_lock:
+            pass
+        self._stale_submitted.wait(timeout)
 
     def _finish_record(self, rec: StepRecord, in_training_thread: bool) -> None:
         """Turn a taken-out open record into a sealed one and submit it (either thread; nobody else holds it)."""

@@ -7,13 +7,19 @@ host values into :attr:`StepRecord.host`; :meth:`StepRecord.seal` concatenates
 the tensors into one flat float32 vector and starts a single copy to the host
 (on CUDA non-blocking into pinned memory, followed by an event). Nothing here
 reads a device value in the training thread. The sender thread calls
-:meth:`StepRecord.values`, which waits for the event and converts the vector
-to Python floats once.
+:meth:`StepRecord.read`, which waits for the event and copies the vector's
+bytes out once (one memcpy, no Python object per value): per-layer arrays go
+on the wire as those bytes (base64), and only the few scalars become Python
+floats.
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
+import sys
 import time
+from array import array
 from typing import Any, Optional
 
 import torch
@@ -68,24 +74,85 @@ class StepRecord:
         self.vector = host_vectors[0] if len(host_vectors) == 1 else host_vectors
         self.parts = []
 
-    def values(self) -> dict[str, list[float]]:
-        """Sender thread only: wait for the copy, then split the vector by key."""
+    def read(self) -> "StepValues":
+        """Sender thread only: wait for the copy, then take the vector's float32 bytes."""
         if self.vector is None:
-            return {}
+            return StepValues(b"", {})
         if self.event is not None:
             # Poll instead of synchronize(): never a blocking CUDA call, and the GIL is free meanwhile.
             while not self.event.query():
                 time.sleep(0.0005)
         vectors = self.vector if isinstance(self.vector, list) else [self.vector]
-        flat: list[float] = []
-        for v in vectors:
-            flat.extend(v.tolist())
-        out: dict[str, list[float]] = {}
+        chunks = [_host_bytes(v) for v in vectors]
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        where: dict[str, tuple[int, int]] = {}
         pos = 0
         for key, n in self.layout:
-            out[key] = flat[pos:pos + n]
+            where[key] = (pos, n)
             pos += n
-        return out
+        return StepValues(raw, where)
+
+
+class StepValues:
+    """A sealed record's numbers: little-endian float32 bytes and where each key's values lie.
+
+    >>> v = StepValues(struct.pack("<3f", 2.0, 0.5, 1.5), {"loss": (0, 1), "grad_norms": (1, 2)})
+    >>> v.scalar("loss"), v.floats("grad_norms"), v.scalar("lr"), len(v.f32("grad_norms"))
+    (2.0, [0.5, 1.5], None, 8)
+    """
+
+    __slots__ = ("raw", "where")
+
+    def __init__(self, raw: bytes, where: dict[str, tuple[int, int]]):
+        self.raw = raw
+        self.where = where
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def keys(self):
+        return self.where.keys()
+
+    def scalar(self, key: str) -> Optional[float]:
+        """The key's first value as a Python float, None when the record has no such part."""
+        at = self.where.get(key)
+        if at is None or not at[1]:
+            return None
+        return _F32.unpack_from(self.raw, 4 * at[0])[0]
+
+    def floats(self, key: str) -> Optional[list[float]]:
+        """The key's values as Python floats (only where a step needs them one by one)."""
+        at = self.where.get(key)
+        if at is None:
+            return None
+        return list(struct.unpack_from(f"<{at[1]}f", self.raw, 4 * at[0]))
+
+    def f32(self, key: str) -> Optional[bytes]:
+        """The key's values as little-endian float32 bytes, as they are (the compact wire form)."""
+        at = self.where.get(key)
+        if at is None:
+            return None
+        return self.raw[4 * at[0]:4 * (at[0] + at[1])]
+
+
+_F32 = struct.Struct("<f")
+
+
+def _host_bytes(v: torch.Tensor) -> bytes:
+    """A float32 CPU tensor's values as little-endian bytes, copied out in one go.
+
+    ``ctypes.string_at`` reads the tensor's memory directly: torch tensors do not export the
+    buffer protocol, and going through numpy would make it a dependency of the agent.
+    """
+    if not v.is_contiguous():
+        v = v.contiguous()
+    raw = ctypes.string_at(v.data_ptr(), 4 * v.numel())
+    if sys.byteorder != "little":
+        a = array("f")
+        a.frombytes(raw)
+        a.byteswap()
+        raw = a.tobytes()
+    return raw
 
 
 def _flat32(t: torch.Tensor) -> torch.Tensor:

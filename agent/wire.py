@@ -7,10 +7,61 @@ is set. See ``docs/wire-format.md`` for the shapes produced here.
 """
 from __future__ import annotations
 
+import base64
 import math
-from typing import Any, Optional
+import struct
+import sys
+from array import array
+from typing import Any, Callable, Optional
 
-from agent.record import StepRecord, finite
+from agent.record import StepRecord, StepValues, finite
+
+# Compact per-layer arrays (docs/wire-format.md, "Compact layer arrays"): "f32:" + base64 of the
+# little-endian float32 bytes; "not measured" is the quiet NaN with this bit pattern. The server
+# has its own decoder; the agent keeps this encoder (it imports nothing from server/).
+F32_PREFIX = "f32:"
+NULL_F32_BITS = 0x7FC0DEAD
+_NULL_F32 = struct.pack("<I", NULL_F32_BITS)
+_NONFINITE = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
+
+
+def f32_b64(le_bytes: bytes) -> str:
+    """Little-endian float32 bytes -> the compact wire string.
+
+    >>> f32_b64(struct.pack("<2f", 1.0, 2.0))
+    'f32:AACAPwAAAEA='
+    """
+    return F32_PREFIX + base64.b64encode(le_bytes).decode("ascii")
+
+
+def pack_f32(values: list) -> bytes:
+    """A list of floats with None for "not measured" -> little-endian float32 bytes.
+
+    For the arrays a step builds one value at a time (activation statistics scattered to their
+    modules, update ratios); arrays read straight off the device vector skip this.
+
+    >>> pack_f32([1.0, None])[4:] == _NULL_F32
+    True
+    """
+    a = array("f", [0.0 if v is None else v for v in values])
+    if sys.byteorder != "little":
+        a.byteswap()
+    out = a.tobytes()
+    if None in values:
+        buf = bytearray(out)
+        for i, v in enumerate(values):
+            if v is None:
+                buf[4 * i:4 * i + 4] = _NULL_F32
+        out = bytes(buf)
+    return out
+
+
+def wire_float(v: float):
+    """A finite float as itself, a non-finite one as the wire strings ("NaN", "Infinity", "-Infinity").
+
+    The strings keep every body strict JSON, so the server parses it in one pass.
+    """
+    return v if math.isfinite(v) else _NONFINITE[repr(v)]
 
 
 class NanHunt:
@@ -24,9 +75,9 @@ class NanHunt:
         self.reported = False   # one nan_origin per incident; re-armed after a finite step
 
 
-def _num(values: dict, key: str) -> Optional[float]:
-    v = values.get(key)
-    return v[0] if v else None
+# Step fields that are floats on the wire (non-finite values become strings).
+_FLOAT_FIELDS = ("loss", "grad_norm", "clip_max_norm", "loss_scale", "lr", "step_time", "samples_per_s",
+                 "tokens_per_s", "mem_peak", "ema_divergence")
 
 
 class StepAssembler:
@@ -38,91 +89,120 @@ class StepAssembler:
         self.overflow_count = 0
 
     def assemble(self, record: StepRecord) -> tuple[dict, list[dict], bool]:
-        """Returns (wire step, events, critical)."""
-        values = record.values()
+        """Returns (wire step, events, critical).
+
+        Fields with nothing measured are left out (the spec makes every step field but ``step``
+        and ``time`` optional), so an ordinary step is a dozen keys; per-layer arrays are the
+        record's float32 bytes in base64, never walked value by value here.
+        """
+        vals = record.read()
         host = record.host
+        get = host.get
+        scalar = vals.scalar
         events: list[dict] = []
-        step: dict[str, Any] = {"step": record.step, "time": host.get("time")}
 
-        loss = _num(values, "loss")
-        if host.get("loss_host") is not None:
-            loss = host["loss_host"] if loss is None else loss + host["loss_host"]
-        step["loss"] = loss
-
-        grad_norm = _num(values, "grad_norm")
-        step["grad_norm"] = grad_norm
-        max_norm = host.get("clip_max_norm")
-        step["clip_max_norm"] = max_norm
-        step["clipped"] = (bool(grad_norm > max_norm) if grad_norm is not None and max_norm is not None
-                           and not math.isnan(grad_norm) else None)
-
-        step["loss_scale"] = _num(values, "loss_scale")
-        found_inf = _num(values, "found_inf")
+        loss = scalar("loss")
+        loss_host = get("loss_host")
+        if loss_host is not None:
+            loss = loss_host if loss is None else loss + loss_host
+        grad_norm = scalar("grad_norm")
+        max_norm = get("clip_max_norm")
+        found_inf = scalar("found_inf")
         overflow = bool(found_inf) if found_inf is not None else False
         if overflow:
             self.overflow_count += 1
-        step["overflow"] = overflow if host.get("scaler_active") else False
+        lr = scalar("lr")
+        ema_diff, ema_ref = scalar("ema_diff"), scalar("ema_ref")
+        inp = scalar("input_nonfinite")
+
+        floats = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "clip_max_norm": max_norm,
+            "loss_scale": scalar("loss_scale"),
+            "lr": lr if lr is not None else get("lr"),
+            "step_time": get("step_time"),
+            "samples_per_s": get("samples_per_s"),
+            "tokens_per_s": get("tokens_per_s"),
+            "mem_peak": get("mem_peak"),
+            "ema_divergence": (ema_diff / ema_ref if ema_diff is not None and ema_ref else
+                               (float("nan") if ema_diff is not None and ema_ref == 0 else None)),
+        }
+        step: dict[str, Any] = {"step": record.step, "time": get("time")}
+        for key, v in floats.items():
+            if v is not None:
+                step[key] = v if math.isfinite(v) else _NONFINITE[repr(v)]
+        if grad_norm is not None and max_norm is not None and not math.isnan(grad_norm):
+            step["clipped"] = bool(grad_norm > max_norm)
+        step["overflow"] = overflow if get("scaler_active") else False
         step["overflow_count"] = self.overflow_count
+        if inp is not None and math.isfinite(inp):
+            step["input_nonfinite"] = int(inp)
 
-        lr = _num(values, "lr")
-        step["lr"] = lr if lr is not None else host.get("lr")
-        step["step_time"] = host.get("step_time")
-        step["samples_per_s"] = host.get("samples_per_s")
-        step["tokens_per_s"] = host.get("tokens_per_s")
-        step["mem_peak"] = host.get("mem_peak")
-
-        ema_diff, ema_ref = _num(values, "ema_diff"), _num(values, "ema_ref")
-        step["ema_divergence"] = (ema_diff / ema_ref if ema_diff is not None and ema_ref else
-                                  (float("nan") if ema_diff is not None and ema_ref == 0 else None))
-        inp = _num(values, "input_nonfinite")
-        step["input_nonfinite"] = int(inp) if inp is not None and math.isfinite(inp) else None
-
-        custom = dict(host.get("custom") or {})
-        for key, v in values.items():
+        custom = dict(get("custom") or {})
+        for key in vals.keys():
             if key.startswith("custom:"):
-                custom[key[7:]] = v[0]
+                custom[key[7:]] = scalar(key)
         if custom:
-            step["custom"] = custom
+            step["custom"] = {k: wire_float(v) for k, v in custom.items()}
 
-        layers: dict[str, list] = {}
-        grad_index = host.get("grad_index")
-        per_param = values.get("grad_norms")
-        if per_param is not None and grad_index is not None:
-            arr: list = [None] * len(self.param_names)
-            for i, v in zip(grad_index, per_param):
-                arr[i] = v
-            layers["grad_norm"] = arr
-        if "weight_norm" in values:
-            w = values["weight_norm"]
-            layers["weight_norm"] = w
-            if "update_norm" in values:
-                layers["update_ratio"] = [u / x if x else (0.0 if u == 0 else float("inf"))
-                                          for u, x in zip(values["update_norm"], w)]
-        act_index = host.get("act_index")
-        if act_index is not None and "act" in values:
-            stats = values["act"]
+        layers: dict[str, str] = {}
+        # Python lists of the same arrays, only for the few steps that look at single values
+        # (a critical step's top grad norms, the NaN-origin hunt).
+        lists: dict[str, list] = {}
+        n_params = len(self.param_names)
+        grad_index = get("grad_index")
+        if "grad_norms" in vals and grad_index is not None:
+            per = vals.f32("grad_norms")
+            if len(grad_index) == n_params:    # every parameter had a grad: index is 0..n-1
+                layers["grad_norm"] = f32_b64(per)
+            else:
+                buf = bytearray(_NULL_F32 * n_params)
+                for k, i in enumerate(grad_index):
+                    buf[4 * i:4 * i + 4] = per[4 * k:4 * k + 4]
+                layers["grad_norm"] = f32_b64(bytes(buf))
+
+        def grad_list() -> Optional[list]:
+            if "grad_norm" not in lists and "grad_norms" in vals and grad_index is not None:
+                arr: list = [None] * n_params
+                for i, v in zip(grad_index, vals.floats("grad_norms")):
+                    arr[i] = v
+                lists["grad_norm"] = arr
+            return lists.get("grad_norm")
+
+        if "weight_norm" in vals:
+            layers["weight_norm"] = f32_b64(vals.f32("weight_norm"))
+            if "update_norm" in vals:   # sampled steps only (weights_every)
+                layers["update_ratio"] = f32_b64(pack_f32(
+                    [u / x if x else (0.0 if u == 0 else float("inf"))
+                     for u, x in zip(vals.floats("update_norm"), vals.floats("weight_norm"))]))
+        act_index = get("act_index")
+        if act_index is not None and "act" in vals:   # sampled steps and the NaN hunt only
+            stats = vals.floats("act")
             cols = {name: [None] * len(self.module_names)
                     for name in ("act_mean", "act_std", "act_absmax", "act_nonfinite")}
             for k, mi in enumerate(act_index):
                 mean, std, absmax, nonfinite = stats[4 * k:4 * k + 4]
                 cols["act_mean"][mi], cols["act_std"][mi], cols["act_absmax"][mi] = mean, std, absmax
                 cols["act_nonfinite"][mi] = int(nonfinite) if math.isfinite(nonfinite) else None
-            layers.update(cols)
-        if "bn_mean" in values:
-            layers["bn_mean_norm"] = values["bn_mean"]
-            layers["bn_var_norm"] = values["bn_var"]
+            lists.update(cols)
+            for name, col in cols.items():
+                layers[name] = f32_b64(pack_f32(col))
+        if "bn_mean" in vals:
+            layers["bn_mean_norm"] = f32_b64(vals.f32("bn_mean"))
+            layers["bn_var_norm"] = f32_b64(vals.f32("bn_var"))
         if layers:
             step["layers"] = layers
 
         loss_bad = loss is not None and not finite(loss)
         grad_bad = grad_norm is not None and not finite(grad_norm)
         # A finite loss with overflowing fp16 grads is the scaler doing its job, not an incident.
-        critical = loss_bad or (grad_bad and not host.get("scaler_active"))
+        critical = loss_bad or (grad_bad and not get("scaler_active"))
         if critical:
-            top = self._top_grad_norms(step.get("layers", {}).get("grad_norm"))
+            top = self._top_grad_norms(grad_list())
             if top:
                 events.append({"step": record.step, "kind": "top_grad_norms", "data": {"params": top}})
-        events.extend(self._hunt(record.step, critical, grad_bad, act_index, step.get("layers", {})))
+        events.extend(self._hunt(record.step, critical, grad_bad, act_index, lists, grad_list))
         return step, events, critical
 
     def _top_grad_norms(self, arr: Optional[list]) -> list:
@@ -131,9 +211,10 @@ class StepAssembler:
         pairs = [(self.param_names[i], v) for i, v in enumerate(arr) if v is not None]
         # Non-finite first (they are the story), then the largest.
         pairs.sort(key=lambda p: (math.isfinite(p[1]), -p[1] if math.isfinite(p[1]) else 0.0))
-        return [[name, v] for name, v in pairs[:5]]
+        return [[name, wire_float(v)] for name, v in pairs[:5]]
 
-    def _hunt(self, step: int, critical: bool, grad_bad: bool, act_index, layers: dict) -> list[dict]:
+    def _hunt(self, step: int, critical: bool, grad_bad: bool, act_index, layers: dict,
+              grad_list: Callable[[], Optional[list]]) -> list[dict]:
         hunt = self.hunt
         if not hunt.enabled:
             return []
@@ -143,7 +224,7 @@ class StepAssembler:
             return []
         if hunt.reported:
             return []
-        found = self._origin(act_index, layers, grad_bad)
+        found = self._origin(act_index, layers, grad_list)
         if found is not None:
             hunt.active = False
             hunt.reported = True
@@ -158,7 +239,7 @@ class StepAssembler:
             return [{"step": step, "kind": "nan_origin_not_found", "data": {"hunted_steps": hunt.max_steps}}]
         return []
 
-    def _origin(self, act_index, layers: dict, grad_bad: bool) -> Optional[tuple[str, str]]:
+    def _origin(self, act_index, layers: dict, grad_list: Callable[[], Optional[list]]) -> Optional[tuple[str, str]]:
         if act_index is None:
             return None
         nonfinite = layers.get("act_nonfinite") or []
@@ -166,7 +247,7 @@ class StepAssembler:
             n = nonfinite[mi] if mi < len(nonfinite) else None
             if n is None or n > 0:
                 return self.module_names[mi], "activation"
-        grads = layers.get("grad_norm")
+        grads = grad_list()
         if grads and any(v is not None and not math.isfinite(v) for v in grads):
             # Activations were all finite: the NaN was born in backward, which runs in reverse
             # forward order, so the culprit is the bad parameter whose module ran last.

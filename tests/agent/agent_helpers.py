@@ -1,9 +1,12 @@
 """Agent test helpers: tiny real models, the checklist's training loops, a recording transport."""
 from __future__ import annotations
 
+import base64
 import json
+import math
+import struct
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,6 +33,11 @@ class RecordingTransport:
 
     @property
     def steps(self) -> list[dict]:
+        """Steps as values (see :func:`decode_step`); ``raw_steps`` has them as they went on the wire."""
+        return [decode_step(s) for s in self.raw_steps]
+
+    @property
+    def raw_steps(self) -> list[dict]:
         with self._lock:
             return [s for b in self.bodies for s in b["steps"]]
 
@@ -41,6 +49,45 @@ class RecordingTransport:
     def meta(self) -> Optional[dict]:
         with self._lock:
             return next((b["meta"] for b in self.bodies if b.get("meta")), None)
+
+
+# The optional step fields of docs/wire-format.md: absent means null ("not measured").
+OPTIONAL_STEP_FIELDS = ("loss", "grad_norm", "clip_max_norm", "clipped", "loss_scale", "overflow",
+                        "overflow_count", "lr", "step_time", "samples_per_s", "tokens_per_s", "mem_peak",
+                        "ema_divergence", "input_nonfinite")
+_WIRE_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NULL_F32_BITS = 0x7FC0DEAD
+
+
+def wire_value(v: Any) -> Any:
+    """A wire float as a Python float: the strings "NaN" / "Infinity" / "-Infinity" become floats."""
+    return _WIRE_NONFINITE[v] if isinstance(v, str) else v
+
+
+def decode_layer_array(v: Any) -> list:
+    """A per-layer array in either wire form -> floats, None where "not measured" (spec's decoding)."""
+    if not isinstance(v, str):
+        return [wire_value(x) for x in v]
+    assert v.startswith("f32:"), v[:20]
+    raw = base64.b64decode(v[4:], validate=True)
+    assert len(raw) % 4 == 0
+    bits = struct.unpack(f"<{len(raw) // 4}I", raw)
+    values = struct.unpack(f"<{len(raw) // 4}f", raw)
+    return [None if b == NULL_F32_BITS else x for b, x in zip(bits, values)]
+
+
+def decode_step(step: dict) -> dict:
+    """A wire step as the values it stands for, as the server reads it: absent optional fields
+    are None, non-finite strings are floats, compact layer arrays are lists."""
+    out = {k: None for k in OPTIONAL_STEP_FIELDS}
+    for k, v in step.items():
+        if k == "layers":
+            out[k] = {name: decode_layer_array(a) for name, a in v.items()}
+        elif k == "custom":
+            out[k] = {name: wire_value(x) for name, x in v.items()}
+        else:
+            out[k] = wire_value(v)
+    return out
 
 
 class TinyNet(torch.nn.Module):
