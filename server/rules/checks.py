@@ -29,6 +29,22 @@ class Context:
     bn_names: list[str]
     # kind → {step: data} for this batch's events
     events: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    # step keys with a value somewhere in the batch ("layers.<stat>" for non-empty arrays); None: not
+    # worked out (Rule.applies then looks at the steps itself)
+    present: Optional[frozenset] = None
+
+
+def keys_present(steps: list[dict]) -> frozenset:
+    """Every step key with a non-null value in ``steps``, and ``layers.<stat>`` for non-empty arrays."""
+    keys: set[str] = set()
+    for st in steps:
+        for key, value in st.items():
+            if value is not None and key != "layers":
+                keys.add(key)
+        for stat in st.get("layers") or ():
+            if _layer_present(st, stat):
+                keys.add("layers." + stat)
+    return frozenset(keys)
 
 
 def _layer(st: dict, stat: str) -> Optional[list]:
@@ -145,10 +161,12 @@ class Rule:
         return RULES_BY_ID[self.id]
 
     def applies(self, steps: list[dict], ctx: Context) -> bool:
+        if ctx.present is not None:
+            return any(key in ctx.present for key in self.needs)
         for st in steps:
             for key in self.needs:
                 if key.startswith("layers."):
-                    if _layer(st, key[7:]):
+                    if _layer_present(st, key[7:]):
                         return True
                 elif st.get(key) is not None:
                     return True
@@ -1083,16 +1101,26 @@ class WeightNormGrowth(Rule):
         return False
 
 
+_weights_only_cache: dict[tuple, np.ndarray] = {}   # (param names, bn names) -> indices E3 judges
+
+
 class UpdateRatio(Rule):
     id = "E3"
     needs = ("layers.update_ratio",)
 
     def begin(self, ctx, state, cfg):
         # weights only: a bias or a norm layer's gain starting at 0 / 1 has a meaningless ratio early on
-        bn_prefixes = tuple(b + "." for b in ctx.bn_names)
-        self.keep = [i for i, n in enumerate(ctx.param_names)
-                     if not n.endswith("bias") and not (bn_prefixes and n.startswith(bn_prefixes))]
-        self.keep_arr = np.asarray(self.keep, dtype=np.int64)
+        key = (tuple(ctx.param_names), tuple(ctx.bn_names))
+        keep = _weights_only_cache.get(key)
+        if keep is None:   # names x prefixes string tests: worth remembering across a run's batches
+            bn_prefixes = tuple(b + "." for b in ctx.bn_names)
+            keep = np.asarray([i for i, n in enumerate(ctx.param_names)
+                               if not n.endswith("bias") and not (bn_prefixes and n.startswith(bn_prefixes))],
+                              dtype=np.int64)
+            if len(_weights_only_cache) > 256:
+                _weights_only_cache.clear()
+            _weights_only_cache[key] = keep
+        self.keep_arr = keep
 
     def observe(self, ctx, state, cfg, st):
         if st.get("overflow"):

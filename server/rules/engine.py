@@ -23,7 +23,7 @@ from sqlalchemy.orm.attributes import flag_modified
 from server.models import STEP_SIGNALS, Alert, Project, Run, RuleOverride, RuleState, Step
 from server.rules.alerts import Episode, Hit
 from server.rules.catalogue import RULES_BY_ID
-from server.rules.checks import RULE_CLASSES, Context
+from server.rules.checks import RULE_CLASSES, Context, keys_present
 from server.rules.config import effective_config, rules_file_of
 from server.rules.stats import enc, fmt, median, num
 
@@ -97,7 +97,8 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
 
     ctx = Context(run_id=run.id, rank=rank, world_size=run.world_size or 1,
                   param_names=list(run.param_names or []), module_names=list(run.module_names or []),
-                  bn_names=list(run.bn_names or []), events=_events_by_kind(events))
+                  bn_names=list(run.bn_names or []), events=_events_by_kind(events),
+                  present=keys_present(steps))
     notify: list[Alert] = []
     episodes: dict[str, Episode] = {}
 
