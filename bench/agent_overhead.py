@@ -28,12 +28,23 @@ the agent, plus the CPU the sender thread used per step. The bare copy's
 unchanged), so the ratios slightly understate the overhead (by the patch's
 argument check).
 
+A fourth, ``--versus-steps N`` (with ``--rounds 0 --paired-blocks 0``), ranks the agent against
+the loggers: one copy of the loop per mode (bare, agent, tensorboard, wandb) in one process,
+each round steps every copy once in a rotating order, and the modes move across the copies
+(a Latin square) so no mode keeps a faster copy. It prints, per mode, the ratio of median step
+times to bare (wall and training-thread CPU) with a 95 % bootstrap interval over rounds, the
+background CPU (sender thread; TensorBoard's writer thread; wandb's threads and its wandb-core
+process), and for the agent against each logger the ratio of medians with its interval and
+the share of rounds in which the agent's step was the faster. An interval that excludes 1 is a
+ranking; one that straddles it is not.
+
 A separate RSS check runs the agent for --rss-steps steps (default 10,000) on a
 small version of the same model and prints the RSS growth after warm-up.
 
     python bench/agent_overhead.py                      # several minutes on 2 cores
     python bench/agent_overhead.py --rounds 3 --steps 30 --rss-steps 2000   # quick look
     python bench/agent_overhead.py --json results.json  # also write the raw figures
+    python bench/agent_overhead.py --rounds 0 --paired-blocks 0 --rss-steps 0 --versus-steps 400   # vs the loggers
 """
 from __future__ import annotations
 
@@ -345,6 +356,148 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
             "other_threads_cpu_per_step": other_cpu / steps, "load": os.getloadavg()[0]}
 
 
+def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, modes: list[str]) -> dict:
+    """bare, the agent and the loggers side by side in one process: one copy of the loop per mode.
+
+    Every round steps each copy once (in a rotating order). The modes move across the copies
+    in a Latin square (part p: copy c runs mode (c + p) mod K), so each mode spends the same
+    number of rounds on each copy and a copy that happens to be faster favours nobody. Per
+    round and mode: wall time and the training thread's CPU time. Background CPU, read from the
+    threads' own CPU clocks: the agent's sender thread, TensorBoard's event writer thread, and
+    wandb's threads plus its writer process (wandb-core, a child process; /proc, in clock ticks).
+    """
+    import threading
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    vocab = 256
+    loops = []
+    for _ in modes:
+        torch.manual_seed(0)
+        model = build(d_model, seq, vocab)
+        loops.append((model, torch.optim.AdamW(model.parameters(), lr=3e-4), torch.amp.GradScaler("cpu"),
+                      EMA(model)))
+    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    sys.path.insert(0, str(REPO))
+    import agent
+    tmp = tempfile.mkdtemp(prefix="gw-bench-versus-")
+    loggers = {}
+    counters = {"tensorboard": 0, "wandb": 0}
+    if "tensorboard" in modes:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(log_dir=tmp + "/tb")
+
+        def tb_log(values):
+            counters["tensorboard"] += 1
+            for k, v in values.items():
+                writer.add_scalar(k, v, counters["tensorboard"])
+        loggers["tensorboard"] = tb_log
+    if "wandb" in modes:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+        wandb_run = wandb.init(mode="offline", dir=tmp, project="bench")
+
+        def wandb_log(values):
+            counters["wandb"] += 1
+            wandb_run.log(values, step=counters["wandb"])
+        loggers["wandb"] = wandb_log
+    state = {k: {"prev_scale": None, "overflows": 0} for k in range(len(loops))}
+
+    def step(c, i, log_scalars):
+        model, opt, scaler, ema = loops[c]
+        idx = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale() if log_scalars else None   # what users of these loggers do
+        scaler.step(opt)
+        scaler.update()
+        ema.update(model)
+        if log_scalars is not None:
+            st = state[c]
+            new_scale = scaler.get_scale()
+            overflow = st["prev_scale"] is not None and new_scale < scale
+            st["overflows"] += int(overflow)
+            st["prev_scale"] = new_scale
+            log_scalars({"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
+                         "overflow": float(overflow), "overflow_count": st["overflows"],
+                         "lr": opt.param_groups[0]["lr"]})
+
+    def thread_cpu(pred) -> float:
+        total = 0.0
+        for t in threading.enumerate():
+            if t is not threading.main_thread() and pred(t) and t.ident is not None:
+                try:
+                    total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                except (OSError, AttributeError):
+                    pass
+        return total
+
+    def children_cpu() -> float:
+        """CPU seconds of this process's child processes (wandb's offline writer, wandb-core)."""
+        total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == os.getpid():
+                    total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
+    def background_cpu(mode: str) -> float:
+        if mode == "agent":
+            return thread_cpu(lambda t: t.name == "gradwatch-sender")
+        if mode == "tensorboard":
+            return thread_cpu(lambda t: type(t).__module__.startswith("tensorboard"))
+        if mode == "wandb":
+            return thread_cpu(lambda t: t.name.startswith(("wandb", "Otel"))) + children_cpu()
+        return 0.0
+
+    k = len(modes)
+    wall = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
+    background = {m: 0.0 for m in modes}
+    part_steps = steps // k
+    for part in range(k):
+        mode_of = {c: modes[(c + part) % k] for c in range(k)}
+        monitor = None
+        for c, m in mode_of.items():
+            if m == "agent":
+                model, opt, scaler, ema = loops[c]
+                monitor = agent.attach(model, scaler, optimizer=opt, ema=ema, project="bench",
+                                       run=f"versus-{os.getpid()}-{part}", spool_dir=tmp, mode="offline")
+        for i in range(warmup):
+            for c, m in mode_of.items():
+                step(c, i, loggers.get(m))
+        bg0 = {m: background_cpu(m) for m in modes}
+        for i in range(part_steps):
+            order = list(range(k))
+            order = order[i % k:] + order[:i % k]
+            for c in order:
+                m = mode_of[c]
+                t0, c0 = time.perf_counter(), time.thread_time()
+                step(c, i, loggers.get(m))
+                wall[m].append(time.perf_counter() - t0)
+                cpu[m].append(time.thread_time() - c0)
+        for m in modes:
+            background[m] += background_cpu(m) - bg0[m]
+        if monitor is not None:
+            monitor.close(timeout=10)
+    if "wandb" in loggers:
+        wandb_run.finish()
+    if "tensorboard" in loggers:
+        writer.close()
+    n = part_steps * k
+    return {"modes": modes, "wall": wall, "cpu": cpu,
+            "background_cpu_per_step": {m: v / n for m, v in background.items()}, "load": os.getloadavg()[0]}
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -376,6 +529,71 @@ def run_child(args, mode: str, steps: int, warmup: int, d_model: int, seq: int, 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _bootstrap_ci(pairs: list[tuple[float, float]], resamples: int = 2000, seed: int = 1) -> tuple[float, float]:
+    """95 % interval of median(a) / median(b) over rounds resampled with replacement (a round keeps its pair)."""
+    import random
+    rng = random.Random(seed)
+    med = statistics.median
+    ratios = []
+    for _ in range(resamples):
+        sample = rng.choices(pairs, k=len(pairs))
+        ratios.append(med(a for a, _ in sample) / med(b for _, b in sample))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def summarize_versus(res: dict) -> dict:
+    """Ratios to bare (wall, training-thread CPU, CPU with background threads), each with a 95 %
+    bootstrap interval, and agent against each logger: ratio of medians with its interval and
+    the share of rounds in which the agent's step was the faster."""
+    med = statistics.median
+    modes = res["modes"]
+    wall, cpu, bg = res["wall"], res["cpu"], res["background_cpu_per_step"]
+    out = {"rounds": len(wall["bare"]), "load_at_end": res["load"], "modes": {}, "agent_vs": {}}
+    for m in modes:
+        row = {"wall_ms": 1000 * med(wall[m]), "cpu_ms": 1000 * med(cpu[m]),
+               "background_cpu_ms": 1000 * bg.get(m, 0.0)}
+        if m != "bare":
+            row["wall_ratio"] = med(wall[m]) / med(wall["bare"])
+            row["wall_ci"] = _bootstrap_ci(list(zip(wall[m], wall["bare"])))
+            row["cpu_ratio"] = med(cpu[m]) / med(cpu["bare"])
+            row["cpu_ci"] = _bootstrap_ci(list(zip(cpu[m], cpu["bare"])))
+            row["cpu_ratio_with_background"] = (med(cpu[m]) + bg.get(m, 0.0)) / med(cpu["bare"])
+        out["modes"][m] = row
+    if "agent" in modes:
+        for other in (m for m in modes if m not in ("bare", "agent")):
+            pairs_w = list(zip(wall["agent"], wall[other]))
+            pairs_c = list(zip(cpu["agent"], cpu[other]))
+            out["agent_vs"][other] = {
+                "wall_ratio": med(wall["agent"]) / med(wall[other]), "wall_ci": _bootstrap_ci(pairs_w),
+                "wall_share_agent_faster": sum(a < b for a, b in pairs_w) / len(pairs_w),
+                "cpu_ratio": med(cpu["agent"]) / med(cpu[other]), "cpu_ci": _bootstrap_ci(pairs_c),
+                "cpu_share_agent_lower": sum(a < b for a, b in pairs_c) / len(pairs_c),
+            }
+    return out
+
+
+def print_versus(v: dict) -> None:
+    print(f"\nside by side, one process, one copy of the loop per mode stepped in turn, modes rotated over the "
+          f"copies; {v['rounds']} rounds; 95 % bootstrap intervals in brackets:")
+    print(f"{'mode':<12} {'wall':>9} {'wall ratio':>22} {'thread CPU':>11} {'CPU ratio':>22} "
+          f"{'background CPU':>15} {'CPU ratio incl. background':>27}")
+    for m, r in v["modes"].items():
+        if m == "bare":
+            print(f"{m:<12} {r['wall_ms']:>7.2f}ms {'1.000':>22} {r['cpu_ms']:>9.2f}ms {'1.000':>22}")
+            continue
+        print(f"{m:<12} {r['wall_ms']:>7.2f}ms {r['wall_ratio']:>7.3f} [{r['wall_ci'][0]:.3f}-{r['wall_ci'][1]:.3f}] "
+              f"{r['cpu_ms']:>9.2f}ms {r['cpu_ratio']:>7.3f} [{r['cpu_ci'][0]:.3f}-{r['cpu_ci'][1]:.3f}] "
+              f"{r['background_cpu_ms']:>13.3f}ms {r['cpu_ratio_with_background']:>27.3f}")
+    for other, r in v["agent_vs"].items():
+        print(f"agent / {other}: wall {r['wall_ratio']:.3f} [{r['wall_ci'][0]:.3f}-{r['wall_ci'][1]:.3f}], agent "
+              f"faster in {100 * r['wall_share_agent_faster']:.0f} % of rounds; training-thread CPU "
+              f"{r['cpu_ratio']:.3f} [{r['cpu_ci'][0]:.3f}-{r['cpu_ci'][1]:.3f}], lower in "
+              f"{100 * r['cpu_share_agent_lower']:.0f} % of rounds")
+    print("(background: the agent's sender thread, TensorBoard's writer thread, wandb's threads and its "
+          "wandb-core process; not on the training thread, so in no wall or CPU ratio but the last column)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
@@ -393,16 +611,26 @@ def main(argv=None) -> int:
     p.add_argument("--interleaved-steps", type=int, default=0,
                    help="steps per copy in the interleaved (two copies, one process) measurement; 0: skip it")
     p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture"])
+    p.add_argument("--versus-steps", type=int, default=0,
+                   help="rounds in the side-by-side measurement (bare, agent, tensorboard, wandb: one copy of the "
+                        "loop each, stepped in turn in one process); 0: skip it")
+    p.add_argument("--versus-modes", default="agent,tensorboard,wandb")
     p.add_argument("--json", help="write raw figures here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--paired-child", help=argparse.SUPPRESS)
     p.add_argument("--rss-every", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--interleaved-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--versus-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.interleaved_child:
         print(json.dumps(interleaved_child(args.interleaved_steps, args.warmup, args.d_model, args.seq, args.batch,
                                            args.server, args.interleaved_mode)))
+        return 0
+
+    if args.versus_child:
+        print(json.dumps(versus_child(args.versus_steps, args.warmup, args.d_model, args.seq, args.batch,
+                                      args.versus_modes.split(","))))
         return 0
 
     if args.paired_child:
@@ -508,6 +736,19 @@ def main(argv=None) -> int:
         print(f"  sender (other threads) CPU per step: {interleaved['sender_cpu_ms_per_step']:.2f} ms; "
               f"total CPU ratio with it: {interleaved['cpu_ratio_with_sender']:.3f}")
 
+    versus = None
+    if args.versus_steps:
+        vmodes = ["bare"] + [m for m in args.versus_modes.split(",") if m and m != "bare" and available(m)]
+        cmd = [sys.executable, __file__, "--versus-child", "--versus-steps", str(args.versus_steps),
+               "--versus-modes", ",".join(vmodes), "--warmup", str(args.warmup),
+               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        if out.returncode != 0:
+            raise RuntimeError(f"versus run failed:\n{out.stderr[-3000:]}")
+        versus = summarize_versus(json.loads(out.stdout.strip().splitlines()[-1]))
+        print_versus(versus)
+
     rss = None
     if args.rss_steps:
         warm = min(500, args.rss_steps // 10)
@@ -529,6 +770,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"medians": medians, "ratios": ratios, "cpu_medians": cpu_medians,
                                                "cpu_ratios": cpu_ratios, "summary": summary,
                                                "paired": paired, "interleaved": interleaved,
+                                               "versus": versus,
                                                "rss": rss, "args": vars(args)}, indent=2))
     return 0
 
