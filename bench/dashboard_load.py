@@ -176,7 +176,8 @@ def visit(drv, url: str, timeout: float = 60.0) -> dict:
 
 def summarise(r: dict) -> dict:
     def slowest(pred):
-        ts = [c["headers"] - c["sent"] for c in r["calls"] if "_dash-update-component" in c["url"] and pred(c["output"])]
+        ts = [c["headers"] - c["sent"] for c in r["calls"]
+              if "_dash-update-component" in c["url"] and pred(c["output"])]
         return max(ts) if ts else None
 
     first_charts = [c for c in r["calls"] if "run-graph-loss.figure" in c["output"]]

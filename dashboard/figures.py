@@ -125,7 +125,14 @@ PANELS: tuple[Panel, ...] = (
           include_zero=True),
 )
 PANELS_BY_KEY = {p.key: p for p in PANELS}
-SERIES_SIGNALS: tuple[str, ...] = tuple(dict.fromkeys(s for p in PANELS for s in p.signals))
+
+
+def panel_signals(panels: Iterable[Panel]) -> tuple[str, ...]:
+    """The signals some panels draw, each once, in panel order."""
+    return tuple(dict.fromkeys(s for p in panels for s in p.signals))
+
+
+SERIES_SIGNALS: tuple[str, ...] = panel_signals(PANELS)
 
 # Per-layer heatmaps on the run page: (stat, title, names kind).
 HEATMAPS: tuple[tuple[str, str], ...] = (

@@ -116,10 +116,6 @@ def _first_step(series: dict) -> Optional[int]:
     return min(firsts) if firsts else None
 
 
-def _signals(panels) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(sig for p in panels for sig in p.signals))
-
-
 def _panel_figures(panels, series: dict, alerts: list, smoothing: float, shown) -> tuple[list, dict]:
     figs, smooth_states = [], {}
     for panel in panels:
@@ -134,7 +130,7 @@ def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list, panels=
     # The run's last step, read before the series: a downsampled series ends with a
     # bucket's first step, and live appends must continue after the bucket's end.
     last = (gateway.get_run(run_id) or {}).get("last_step")
-    series = gateway.get_series(run_id, _signals(panels), start=start, end=end, max_points=MAX_POINTS)
+    series = gateway.get_series(run_id, figures.panel_signals(panels), start=start, end=end, max_points=MAX_POINTS)
     cursor = figures.last_step(series)
     if cursor is not None and last is not None:
         cursor = max(cursor, last)
@@ -184,7 +180,7 @@ def load_charts(head, run_id, smoothing):
     x_range = head.get("range")
     # The whole run: read up to the headline's cursor, where live appends will continue from.
     start, end = x_range if x_range is not None else (None, head.get("cursor"))
-    series = gateway.get_series(run_id, _signals(REST_PANELS), start=start, end=end, max_points=MAX_POINTS)
+    series = gateway.get_series(run_id, figures.panel_signals(REST_PANELS), start=start, end=end, max_points=MAX_POINTS)
     figs, states = _panel_figures(REST_PANELS, series, alerts, smoothing, head.get("shown"))
     live = dict(head, states={**(head.get("states") or {}), **states})
     # The heatmaps (below the fold) load once the charts are drawn, not in competition with them.
