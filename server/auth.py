@@ -20,9 +20,11 @@ import base64
 import hashlib
 import hmac
 import html
+import logging
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 from urllib.parse import parse_qs, quote
 
@@ -31,7 +33,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse
 
 from .settings import Settings
-from .tokens import project_for_token
+from .tokens import lookup_token, touch_token
+
+log = logging.getLogger("gradwatch.auth")
 
 COOKIE = "gw_session"
 SESSION_SECONDS = 7 * 24 * 3600
@@ -63,7 +67,7 @@ def load_session_secret(settings: Settings, sessionmaker) -> bytes:
 class Auth:
     """Token checks with a short cache; cookie signing."""
 
-    def __init__(self, sessionmaker, secret, *, cache_seconds: float = 30.0):
+    def __init__(self, sessionmaker, secret, *, cache_seconds: float = 5.0):
         """``secret``: the cookie key, or a callable returning it (read on first use, after the
         lifespan has checked the schema)."""
         self._sessionmaker = sessionmaker
@@ -72,6 +76,7 @@ class Auth:
         self._cache: dict[str, tuple[Optional[str], float]] = {}
         self._lock = threading.Lock()
         self._cache_seconds = cache_seconds
+        self._toucher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwatch-token-touch")
 
     @property
     def _secret(self) -> bytes:
@@ -90,12 +95,24 @@ class Auth:
         if hit and hit[1] > now:
             return hit[0]
         with self._sessionmaker() as session:
-            project = project_for_token(session, token=token)
+            use = lookup_token(session, token=token)
+        project = use.project if use else None
+        if use is not None and use.needs_touch:
+            # recorded off the request path: on SQLite the write may wait for an ingest transaction
+            self._toucher.submit(self._touch, use.token_id)
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[key] = (project, now + self._cache_seconds)
         return project
+
+    def _touch(self, token_id: int) -> None:
+        try:
+            with self._sessionmaker() as session:
+                touch_token(session, token_id=token_id)
+                session.commit()
+        except Exception:  # noqa: BLE001 - bookkeeping only; the token check already answered
+            log.debug("could not record the use of token %s", token_id, exc_info=True)
 
     # -- cookies
     def sign(self, project: str, *, now: Optional[float] = None) -> str:

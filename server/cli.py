@@ -182,10 +182,17 @@ def run_token_list(args) -> int:
     try:
         with database.sessionmaker() as session:
             for t in list_tokens(session, project=args.project):
-                print(f"{t.id}\t{t.project}\t{t.name}")
+                print(f"{t.id}\t{t.project}\t{t.name}\tcreated {_utc(t.created_at)}\t"
+                      f"last used {_utc(t.last_used_at) if t.last_used_at else 'never'}")
     finally:
         database.dispose()
     return 0
+
+
+def _utc(ts: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def run_token_delete(args) -> int:

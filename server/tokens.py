@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from .models import ApiToken, Project
@@ -28,6 +28,7 @@ class TokenRecord:
     project: str
     name: str
     created_at: float
+    last_used_at: Optional[float] = None
 
 
 def create_token(session: Session, *, project: str, name: str = "", now: Optional[float] = None) -> str:
@@ -42,16 +43,43 @@ def create_token(session: Session, *, project: str, name: str = "", now: Optiona
     return secret
 
 
+# last_used_at is written at most this often per token: a lookup is not worth a write every time
+TOUCH_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class TokenUse:
+    token_id: int
+    project: str
+    needs_touch: bool      # last_used_at is older than TOUCH_SECONDS (or never set)
+
+
+def lookup_token(session: Session, *, token: str, now: Optional[float] = None) -> Optional[TokenUse]:
+    """The token's id and project, or None for an unknown token (a read only)."""
+    row = session.execute(
+        select(ApiToken.id, ApiToken.last_used_at, Project.name).join(Project, ApiToken.project_id == Project.id)
+        .where(ApiToken.token_hash == hash_token(token))
+    ).first()
+    if row is None:
+        return None
+    now = time.time() if now is None else now
+    return TokenUse(row.id, row.name, row.last_used_at is None or now - row.last_used_at >= TOUCH_SECONDS)
+
+
+def touch_token(session: Session, *, token_id: int, now: Optional[float] = None) -> None:
+    """Record a use of the token (``gradwatch token list`` shows it); the caller commits."""
+    session.execute(update(ApiToken).where(ApiToken.id == token_id)
+                    .values(last_used_at=time.time() if now is None else now))
+
+
 def project_for_token(session: Session, *, token: str) -> Optional[str]:
     """The project a token belongs to, or None for an unknown token."""
-    return session.scalar(
-        select(Project.name).join(ApiToken, ApiToken.project_id == Project.id)
-        .where(ApiToken.token_hash == hash_token(token))
-    )
+    use = lookup_token(session, token=token)
+    return use.project if use else None
 
 
 def list_tokens(session: Session, *, project: Optional[str] = None) -> list[TokenRecord]:
-    q = select(ApiToken.id, Project.name, ApiToken.name, ApiToken.created_at).join(
+    q = select(ApiToken.id, Project.name, ApiToken.name, ApiToken.created_at, ApiToken.last_used_at).join(
         Project, Project.id == ApiToken.project_id)
     if project:
         q = q.where(Project.name == project)
