@@ -11,6 +11,8 @@ The database is ``--db`` / ``GRADWATCH_DATABASE_URL`` / the default SQLite file,
 """
 from __future__ import annotations
 
+import argparse
+
 import sys
 import time
 
@@ -36,6 +38,10 @@ def add_subparser(subparsers) -> None:
     log = sub.add_parser("log", help="the delivery log, newest first")
     log.add_argument("--endpoint", type=int, default=None)
     log.add_argument("--limit", type=int, default=20)
+    for sp in (add, ls, rm, test, log):
+        # --db also after the subcommand, as `gradwatch token ... --db URL` takes it; SUPPRESS keeps a
+        # value given before the subcommand when none is given after
+        sp.add_argument("--db", default=argparse.SUPPRESS, help="database URL (default as for serve)")
     p.set_defaults(func=run)
 
 

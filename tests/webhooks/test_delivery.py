@@ -149,10 +149,12 @@ def test_endpoint_api_test_delivery_ack_and_rule_overrides(server_factory, sqlit
     _ack_and_rule_overrides_api(srv)
 
     # the CLI works on the same database; the running server's worker sends what it queues
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "server", "webhooks", "--db", sqlite_url, *args], cwd=REPO_ROOT,
+    def cli(*args, db_after=False):
+        where = [*args, "--db", sqlite_url] if db_after else ["--db", sqlite_url, *args]
+        return subprocess.run([sys.executable, "-m", "server", "webhooks", *where], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=60, env={**os.environ, **srv.env})
-    out = cli("add", "--project", "p", "--url", webhook_receiver.url + "/cli", "--format", "discord")
+    # --db after the subcommand, as `gradwatch token` takes it, works too
+    out = cli("add", "--project", "p", "--url", webhook_receiver.url + "/cli", "--format", "discord", db_after=True)
     assert out.returncode == 0, out.stderr
     endpoint_id = int(re.search(r"endpoint (\d+)", out.stdout).group(1))
     assert cli("test", str(endpoint_id)).returncode == 0
