@@ -549,7 +549,7 @@ def summarize_versus(res: dict) -> dict:
     med = statistics.median
     modes = res["modes"]
     wall, cpu, bg = res["wall"], res["cpu"], res["background_cpu_per_step"]
-    out = {"rounds": len(wall["bare"]), "load_at_end": res["load"], "modes": {}, "agent_vs": {}}
+    out = {"rounds": len(wall["bare"]), "load_at_end": res["load"], "modes": {}, "agent_vs": {}, "raw": res}
     for m in modes:
         row = {"wall_ms": 1000 * med(wall[m]), "cpu_ms": 1000 * med(cpu[m]),
                "background_cpu_ms": 1000 * bg.get(m, 0.0)}
@@ -559,6 +559,11 @@ def summarize_versus(res: dict) -> dict:
             row["cpu_ratio"] = med(cpu[m]) / med(cpu["bare"])
             row["cpu_ci"] = _bootstrap_ci(list(zip(cpu[m], cpu["bare"])))
             row["cpu_ratio_with_background"] = (med(cpu[m]) + bg.get(m, 0.0)) / med(cpu["bare"])
+            # Means count the sampled steps (EMA divergence every 10, activations every 100),
+            # which medians leave out: the complete cost, at the price of more noise.
+            mean = statistics.fmean
+            row["cpu_mean_ratio"] = mean(cpu[m]) / mean(cpu["bare"])
+            row["cpu_mean_ratio_with_background"] = (mean(cpu[m]) + bg.get(m, 0.0)) / mean(cpu["bare"])
         out["modes"][m] = row
     if "agent" in modes:
         for other in (m for m in modes if m not in ("bare", "agent")):
@@ -569,6 +574,8 @@ def summarize_versus(res: dict) -> dict:
                 "wall_share_agent_faster": sum(a < b for a, b in pairs_w) / len(pairs_w),
                 "cpu_ratio": med(cpu["agent"]) / med(cpu[other]), "cpu_ci": _bootstrap_ci(pairs_c),
                 "cpu_share_agent_lower": sum(a < b for a, b in pairs_c) / len(pairs_c),
+                "cpu_mean_ratio_with_background": out["modes"]["agent"]["cpu_mean_ratio_with_background"]
+                / out["modes"][other]["cpu_mean_ratio_with_background"],
             }
     return out
 
@@ -585,11 +592,15 @@ def print_versus(v: dict) -> None:
         print(f"{m:<12} {r['wall_ms']:>7.2f}ms {r['wall_ratio']:>7.3f} [{r['wall_ci'][0]:.3f}-{r['wall_ci'][1]:.3f}] "
               f"{r['cpu_ms']:>9.2f}ms {r['cpu_ratio']:>7.3f} [{r['cpu_ci'][0]:.3f}-{r['cpu_ci'][1]:.3f}] "
               f"{r['background_cpu_ms']:>13.3f}ms {r['cpu_ratio_with_background']:>27.3f}")
+    print("mean training-thread CPU per step (sampled steps included) over bare's, without / with background: "
+          + ", ".join(f"{m} {r['cpu_mean_ratio']:.3f} / {r['cpu_mean_ratio_with_background']:.3f}"
+                      for m, r in v["modes"].items() if m != "bare"))
     for other, r in v["agent_vs"].items():
         print(f"agent / {other}: wall {r['wall_ratio']:.3f} [{r['wall_ci'][0]:.3f}-{r['wall_ci'][1]:.3f}], agent "
               f"faster in {100 * r['wall_share_agent_faster']:.0f} % of rounds; training-thread CPU "
               f"{r['cpu_ratio']:.3f} [{r['cpu_ci'][0]:.3f}-{r['cpu_ci'][1]:.3f}], lower in "
-              f"{100 * r['cpu_share_agent_lower']:.0f} % of rounds")
+              f"{100 * r['cpu_share_agent_lower']:.0f} % of rounds; mean CPU with background "
+              f"{r['cpu_mean_ratio_with_background']:.3f}")
     print("(background: the agent's sender thread, TensorBoard's writer thread, wandb's threads and its "
           "wandb-core process; not on the training thread, so in no wall or CPU ratio but the last column)")
 
