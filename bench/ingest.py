@@ -112,12 +112,14 @@ def count_values(body: dict) -> int:
     return n
 
 
-def start_server(db: str, port: int, data_dir: str) -> subprocess.Popen:
+def start_server(db: str, port: int, data_dir: str, root: Path = ROOT) -> subprocess.Popen:
+    """``gradwatch serve`` from the checkout at ``root`` (``python -m`` imports from the working directory,
+    so another checkout's server can be measured against this one)."""
     env = dict(os.environ, GRADWATCH_DATA_DIR=data_dir)
-    subprocess.run([sys.executable, "-m", "server", "db", "upgrade", "--db", db], cwd=ROOT, env=env, check=True,
+    subprocess.run([sys.executable, "-m", "server", "db", "upgrade", "--db", db], cwd=root, env=env, check=True,
                    capture_output=True)
     proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--db", db, "--port", str(port),
-                             "--log-level", "warning"], cwd=ROOT, env=env,
+                             "--log-level", "warning"], cwd=root, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
         if proc.poll() is not None:
@@ -214,6 +216,8 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.5, help="open loop: seconds between an agent's batches "
                     "(the agent's flush_interval)")
     ap.add_argument("--seconds", type=float, default=20.0, help="open loop: how long to send")
+    ap.add_argument("--server-root", help="run the server of another checkout (e.g. `git worktree add /tmp/base "
+                                          "<commit>`), for before / after figures with the same client")
     ap.add_argument("--warmup", type=int, default=5, help="batches sent to an uncounted run first")
     ap.add_argument("--gzip", action="store_true", help="send Content-Encoding: gzip bodies")
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
@@ -269,7 +273,7 @@ def main() -> int:
     if args.gzip:
         headers["Content-Encoding"] = "gzip"
 
-    proc = start_server(db, args.port, tmp)
+    proc = start_server(db, args.port, tmp, Path(args.server_root).resolve() if args.server_root else ROOT)
     latencies: list[float] = []
     first_latencies: list[float] = []
     accepted = [0]
