@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 # Vendored plotly.js bundles in assets/ (see assets/gradwatch.js): loaded by dcc.Graph on demand,
-# never as a page script tag; versioned names, so a browser may keep them for good.
+# never as a page script tag; their names carry their version, so a browser may keep them for a year.
 PLOTLY_BUNDLE = re.compile(r"^plotly-.*\.min\.js$")
 
 PAGE_MODULES = ("dashboard.pages.runs", "dashboard.pages.run", "dashboard.pages.compare",

@@ -154,8 +154,8 @@ def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = 
 
     A range (or the whole run) is one ``queries.get_series_multi`` call: the
     rollup partials, which hold every step signal, are read once for all the
-    signals instead of once per signal (a 1M-step run: ~30 ms instead of
-    ~250 ms for the run page's 12). Live tails are raw rows, read in
+    signals instead of once per signal (a 1M-step run: ~45 ms instead of
+    ~200 ms for the run page's 12). Live tails are raw rows, read in
     parallel, one session per signal: the database does the work with the GIL
     released.
     """

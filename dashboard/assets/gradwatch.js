@@ -5,8 +5,10 @@
    compiling plotly.js is most of a first visit's wait (docs/performance.md, "Dashboard page
    load"). dcc.Graph loads plotly.js from window._dashPlotlyJSURL when the first chart mounts,
    and the renderer sets that URL when it starts, after this file has run: so it is pinned here.
-   dashboard/__init__.py keeps the bundle out of the page's script tags and caches it for good
-   (its name carries its version). */
+   dashboard/__init__.py keeps the bundle out of the page's script tags and has browsers cache it
+   for a year (its name carries its version). To update it: `npm pack
+   plotly.js-cartesian-dist-min@<the plotly.js version the installed plotly ships>`, put its
+   plotly-cartesian.min.js and LICENSE here under the new version's names, change the name below. */
 (function () {
   var me = document.currentScript && document.currentScript.src;
   if (!me) { return; }
