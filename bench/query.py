@@ -1,7 +1,7 @@
 """Query benchmark: a synthetic 1,000,000-step, 150-layer run; chart and heatmap latency.
 
     .venv/bin/python bench/query.py                          # SQLite file under ./bench-data
-    .venv/bin/python bench/query.py --db postgresql://postgres@127.0.0.1:5432/gw_bench
+    createdb -h 127.0.0.1 -U postgres gw_bench && .venv/bin/python bench/query.py --db postgresql://postgres@127.0.0.1:5432/gw_bench
     .venv/bin/python bench/query.py --steps 200000 --reuse   # smaller run / keep the data
 
 The run is written in-process through ``server.ingest.ingest_batch`` (the
@@ -222,7 +222,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--reuse", action="store_true", help="keep an existing benchmark run")
-    ap.add_argument("--port", type=int, default=8479)
+    ap.add_argument("--port", type=int, default=0, help="default: a free port")
     ap.add_argument("--layouts", type=int, metavar="STEPS", default=0,
                     help="instead: compare storage layouts on STEPS x 150 values (e.g. 20000)")
     args = ap.parse_args()
@@ -243,6 +243,12 @@ def main() -> int:
                 if p.exists():
                     p.unlink()
         run_id = build_run(db, args.steps)
+    if not args.port:   # never a fixed default: another benchmark's or test's server may hold it
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            args.port = sock.getsockname()[1]
     env = dict(os.environ, GRADWATCH_DATA_DIR=str(ROOT / "bench-data"))
     proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--db", db, "--port", str(args.port),
                              "--log-level", "warning"], cwd=ROOT, env=env,
@@ -250,6 +256,8 @@ def main() -> int:
     base = f"http://127.0.0.1:{args.port}"
     try:
         for _ in range(200):
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited with {proc.returncode} (port {args.port} taken?)")
             try:
                 timed_get(base + "/api/health")
                 break
