@@ -227,8 +227,11 @@ class Sender:
             return
         self._steps.append(step)
         self._events.extend(events)
-        if critical:
-            self._ship()  # critical steps do not wait for the next tick
+        # Critical steps do not wait for the next tick. The size cap is checked per step, not
+        # after a whole drain: after a pause of the sender (or a fast loop) one drain can take
+        # thousands of records, and a batch that outgrows the spool bound could never be spooled.
+        if critical or len(self._steps) >= self.config.max_batch_steps:
+            self._ship()
 
     def _count_drop(self, reason: str, steps: int) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + steps

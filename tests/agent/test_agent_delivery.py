@@ -149,9 +149,12 @@ def test_unwritable_spool_counts_drops_and_reports_them_when_the_server_returns(
 
 def test_full_spool_drops_are_counted_and_reported_to_the_server(server_factory, sqlite_url, tmp_path):
     port = free_port()
+    # Batches of at most 10 steps (~4 KB): without the cap, how many steps one batch holds
+    # depends on how fast the loop runs against the 20 ms tick, and on a fast run every batch
+    # outgrew the 10 KB spool, so none was kept (the test failed with kept == []).
     monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
                                           "run": "tiny-spool", "spool_dir": str(tmp_path / "spool"),
-                                          "spool_max_mb": 0.01, "flush_interval": 0.02,
+                                          "spool_max_mb": 0.01, "flush_interval": 0.02, "max_batch_steps": 10,
                                           "http_timeout": 0.5}, 120)
     assert monitor.flush(timeout=5)
     kept = spooled_steps(tmp_path / "spool")

@@ -174,3 +174,18 @@ def test_close_waits_for_a_step_the_sender_thread_is_sealing_right_then(tmp_path
     monitor.close(timeout=10)
     assert [s["step"] for s in transport.steps] == [0, 1, 2], "the step being sealed at close is not lost"
     assert transport.bodies[-1]["status"] == "finished"
+
+
+def test_no_batch_holds_more_than_max_batch_steps_even_when_one_drain_takes_many(tmp_path):
+    transport = RecordingTransport()
+    model = PartlyUsedNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    # No tick for a minute: whatever the sender drains in one go must still be cut at 5 steps.
+    monitor = agent.attach(model, scaler, transport=transport, spool_dir=str(tmp_path / "spool"),
+                           flush_interval=60.0, max_batch_steps=5)
+    for x, y in batches(23):
+        checklist_step(model, opt, scaler, x, y)
+    monitor.close(timeout=10)
+    sizes = [len(b["steps"]) for b in transport.bodies]
+    assert sum(sizes) == 23 and max(sizes) <= 5, sizes
