@@ -166,9 +166,13 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
 
     param_count = sum(1 for _ in model.parameters())
     times, cpu_times, rss = [], [], []
+    sender_cpu = None   # the agent's sender thread's own CPU over the timed steps (its thread clock)
     prev_scale = None
     overflow_count = 0
     for i in range(warmup + steps):
+        if i == warmup and monitor is not None and monitor.sender is not None and monitor.sender._thread:
+            sender_clock = time.pthread_getcpuclockid(monitor.sender._thread.ident)
+            sender_cpu = -time.clock_gettime(sender_clock)
         idx = data[i % len(data)]
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
@@ -194,6 +198,8 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
         if rss_every and i % rss_every == 0:
             rss.append((i, _rss_mb()))
     rss.append((warmup + steps, _rss_mb()))
+    if sender_cpu is not None:
+        sender_cpu = (sender_cpu + time.clock_gettime(sender_clock)) / steps
     if monitor is not None:
         monitor.close(timeout=10)
     if mode == "tensorboard":
@@ -201,7 +207,7 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
     if mode == "wandb":
         wandb_run.finish()
     return {"mode": mode, "times": times[warmup:], "cpu_times": cpu_times[warmup:], "params": param_count,
-            "rss": rss}
+            "rss": rss, "sender_cpu_per_step": sender_cpu}
 
 
 def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d_model: int, seq: int,
@@ -667,6 +673,7 @@ def main(argv=None) -> int:
     ratios: dict[str, list[float]] = {m: [] for m in modes if m != "bare"}
     cpu_ratios: dict[str, list[float]] = {m: [] for m in modes if m != "bare"}
     params = None
+    sender_cpu: list[float] = []
     for r in range(args.rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]   # rotate so no mode always runs first
         round_medians, round_cpu = {}, {}
@@ -677,6 +684,8 @@ def main(argv=None) -> int:
             round_cpu[m] = statistics.median(res["cpu_times"])
             medians[m].append(round_medians[m])
             cpu_medians[m].append(round_cpu[m])
+            if m == "agent" and res.get("sender_cpu_per_step") is not None:
+                sender_cpu.append(res["sender_cpu_per_step"])
         for m in ratios:
             ratios[m].append(round_medians[m] / round_medians["bare"])
             cpu_ratios[m].append(round_cpu[m] / round_cpu["bare"])
@@ -695,6 +704,10 @@ def main(argv=None) -> int:
             summary[m] = {"wall": statistics.median(rs), "cpu": statistics.median(cpu_ratios[m])}
             print(f"{m:<14} {1000 * statistics.median(medians[m]):>10.2f}ms {summary[m]['wall']:>11.3f} "
                   f"{1000 * statistics.median(cpu_medians[m]):>9.2f}ms {summary[m]['cpu']:>10.3f}")
+        if sender_cpu:
+            summary["agent_sender_cpu_ms_per_step"] = 1000 * statistics.median(sender_cpu)
+            print(f"agent: sender thread CPU per step (its own thread clock, median over rounds): "
+                  f"{summary['agent_sender_cpu_ms_per_step']:.3f} ms")
 
     paired = None
     if args.paired_blocks:
