@@ -60,7 +60,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.database = database
     app.state.auth = None
     app.state.metrics = IngestMetrics()
-    app.state.write_gate = FifoGate(1 if database.engine.dialect.name == "sqlite" else 2)
+    app.state.write_gate = FifoGate(settings.write_concurrency or 1)
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 

@@ -60,6 +60,8 @@ class Settings(BaseModel):
     max_body_bytes: int = 32 * 1024 * 1024
     max_decoded_bytes: int = 256 * 1024 * 1024
     max_steps_per_batch: int = 100_000
+    # batches of one process inside their write transaction at once (server/write_gate.py); 0: 1
+    write_concurrency: int = Field(default=0, ge=0, le=64)
     session_secret: str = ""
 
     @field_validator("database_url")
@@ -116,4 +118,5 @@ class Settings(BaseModel):
             session_secret=env.get("GRADWATCH_SESSION_SECRET", ""),
             max_body_bytes=int(env.get("GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024)),
             max_decoded_bytes=int(env.get("GRADWATCH_MAX_DECODED_BYTES", 256 * 1024 * 1024)),
+            write_concurrency=int(env.get("GRADWATCH_WRITE_CONCURRENCY", 0)),
         )
