@@ -4,8 +4,10 @@ The training thread only calls :meth:`Sender.submit` (a non-blocking
 ``put_nowait`` on a bounded queue; a full queue drops the step and counts it).
 Everything else happens here, in one daemon thread started on first use:
 
-* every ``flush_interval`` seconds (or at once for a critical step: non-finite
-  loss or grads) the assembled steps become one batch with a fresh ``batch_id``;
+* every ``flush_interval`` seconds, every ``max_batch_steps`` steps, or as soon
+  as a critical step (non-finite loss or grads) is taken (the thread wakes at
+  least every ``poll_interval``, 0.2 s) the assembled steps become one batch
+  with a fresh ``batch_id``;
 * the batch is written to the spool first, then the spool is replayed oldest
   first, deleting each file the server accepted. A server that is down or slow
   therefore only makes the spool grow (up to ``spool_max_mb``); order is kept

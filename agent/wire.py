@@ -1,6 +1,6 @@
 """Turns sealed :class:`~agent.record.StepRecord` objects into wire-format step dicts and events.
 
-Runs in the sender thread only. Also decides what is *critical* (sent at once)
+Runs in the sender thread only. Also decides what is *critical* (sent without waiting for the tick)
 and drives the NaN-origin hunt: the training thread reads ``NanHunt.active``
 (a plain attribute, no lock needed for a bool) and hooks every module while it
 is set. See ``docs/wire-format.md`` for the shapes produced here.
