@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from query import build_run, find_run  # noqa: E402 - bench/ is not a package
+from query import find_or_build_run  # noqa: E402 - bench/ is not a package
 
 HEADLINE = ("run-graph-loss", "run-graph-grad_norm", "run-graph-loss_scale")
 
@@ -242,14 +242,7 @@ def main() -> int:
 
     db = normalize_db_url(args.db)
     (ROOT / "bench-data").mkdir(exist_ok=True)
-    run_id = find_run(db) if args.reuse else None
-    if run_id is None:
-        if db.startswith("sqlite"):
-            for suffix in ("", "-wal", "-shm"):
-                p = Path(db.split("///", 1)[1] + suffix)
-                if p.exists():
-                    p.unlink()
-        run_id = build_run(db, args.steps)
+    run_id = find_or_build_run(db, args.steps, reuse=args.reuse)
     env = dict(os.environ, GRADWATCH_DATA_DIR=str(ROOT / "bench-data"))
     proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--db", db, "--port", str(args.port),
                              "--log-level", "warning"], cwd=ROOT, env=env,

@@ -209,6 +209,19 @@ def find_run(db_url: str):
     return rid
 
 
+def find_or_build_run(db: str, steps: int, *, reuse: bool) -> int:
+    """The benchmark run already in ``db`` (``reuse``), or a new one built there (a SQLite file starts over)."""
+    run_id = find_run(db) if reuse else None
+    if run_id is None:
+        if db.startswith("sqlite"):
+            for suffix in ("", "-wal", "-shm"):
+                p = Path(db.split("///", 1)[1] + suffix)
+                if p.exists():
+                    p.unlink()
+        run_id = build_run(db, steps)
+    return run_id
+
+
 def timed_get(url: str) -> tuple[float, bytes]:
     t = time.perf_counter()
     with urllib.request.urlopen(url, timeout=60) as r:
@@ -235,14 +248,7 @@ def main() -> int:
         upgrade(db)
         compare_layouts(db, args.layouts)
         return 0
-    run_id = find_run(db) if args.reuse else None
-    if run_id is None:
-        if db.startswith("sqlite"):
-            for suffix in ("", "-wal", "-shm"):
-                p = Path(db.split("///", 1)[1] + suffix)
-                if p.exists():
-                    p.unlink()
-        run_id = build_run(db, args.steps)
+    run_id = find_or_build_run(db, args.steps, reuse=args.reuse)
     if not args.port:   # never a fixed default: another benchmark's or test's server may hold it
         import socket
 
