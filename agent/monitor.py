@@ -27,7 +27,6 @@ import os
 import socket
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -83,6 +82,7 @@ class Monitor:
         self._pid = os.getpid()
         self._warn = OnceLogger(log)
         self._disabled: set[str] = set()
+        self._guards: dict[str, _Guard] = {}
         self._handles: list[Any] = []
         self._act_handles: list[Any] = []
         self._wrapped_scaler: dict[str, Any] = {}
@@ -96,6 +96,8 @@ class Monitor:
                 self._param_names.append(name)
                 self._params.append(p)
         self._param_ids = seen
+        self._param_id_list = [id(p) for p in self._params]
+        self._all_index = list(range(len(self._params)))   # grad_index when every parameter has a grad (never modified)
         self._modules = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
         self._bns = [(n, m) for n, m in model.named_modules()
                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
@@ -225,7 +227,6 @@ class Monitor:
 
     def _install(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._on_forward_post))
         clip_capture.register(self)
         if self.scaler is not None:
             for name in ("scale", "unscale_", "step", "update"):
@@ -278,16 +279,21 @@ class Monitor:
 
     # ------------------------------------------------------------------ guarding
 
-    @contextmanager
-    def _guard(self, collector: str):
-        """Never let the agent raise into training: log once, turn the collector off."""
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001
-            self._disabled.add(collector)
-            self._warn.warning("guard:" + collector,
-                               "gradwatch: the %s collector failed and is now off (training continues): %r",
-                               collector, e)
+    def _guard(self, collector: str) -> "_Guard":
+        """Never let the agent raise into training: log once, turn the collector off.
+
+        One reusable context manager per collector (hooks use it several times a step; a
+        generator-based one would be created and torn down at each use)."""
+        g = self._guards.get(collector)
+        if g is None:
+            g = self._guards[collector] = _Guard(self, collector)
+        return g
+
+    def _failed(self, collector: str, e: BaseException) -> None:
+        self._disabled.add(collector)
+        self._warn.warning("guard:" + collector,
+                           "gradwatch: the %s collector failed and is now off (training continues): %r",
+                           collector, e)
 
     def _on(self, collector: str) -> bool:
         return collector not in self._disabled and not self.closed and _process.pid == self._pid
@@ -317,7 +323,7 @@ class Monitor:
     def _compute_grads(self) -> None:
         if self._grads is None and self.config.grad_norms and self._on("grad_norms"):
             with self._guard("grad_norms"):
-                self._grads = grad_norms(self._params) or False
+                self._grads = grad_norms(self._params, self._all_index) or False
 
     def _snapshot_weights(self) -> None:
         if self._weights_before is None and self._sampled(self.config.weights_every) and self._on("weights"):
@@ -344,6 +350,9 @@ class Monitor:
                     self._input_nonfinite = count_nonfinite(args, kwargs)
             if first and (hunting or self._sampled(self.config.activations_every)) and self._on("activations"):
                 with self._guard("activations"):
+                    # Removes these hooks after this forward; installed only on such steps, so the
+                    # usual forward has no post hook to run.
+                    self._act_handles.append(self.model.register_forward_hook(self._on_forward_post))
                     for i, (_, m) in enumerate(self._modules):
                         self._act_handles.append(m.register_forward_hook(self._activation_hook(i)))
         return None
@@ -388,9 +397,9 @@ class Monitor:
         def unscale_(optimizer):
             result = original(optimizer)
             if self._on("scaler"):
-                with self._guard("scaler"):
-                    self._unscaled = True
-                    if self._in_scaler_step:   # implicit unscale inside scaler.step(): grads are ready now
+                self._unscaled = True
+                if self._in_scaler_step:   # implicit unscale inside scaler.step(): grads are ready now
+                    with self._guard("scaler"):
                         self._compute_grads()
             return result
         return unscale_
@@ -430,7 +439,12 @@ class Monitor:
         if not getattr(s, "_enabled", False) or getattr(s, "_scale", None) is None:
             return
         self._pending_scale = s._scale.detach().clone()
-        found = [f for state in s._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        states = s._per_optimizer_states
+        if len(states) == 1:   # one optimizer (the usual case): no nested comprehension
+            for state in states.values():
+                found = list(state["found_inf_per_device"].values())
+        else:
+            found = [f for state in states.values() for f in state["found_inf_per_device"].values()]
         if len(found) == 1:
             self._pending_found_inf = found[0]   # update() only adds into it when there are several
         elif found:
@@ -456,15 +470,15 @@ class Monitor:
 
     def on_clip(self, parameters: list, max_norm, norm_type, error_if_nonfinite, foreach, original):
         """Called by the clip_grad_norm_ patch. Returns (handled, total_norm)."""
-        if not self._on("clip") or not parameters or id(parameters[0]) not in self._param_ids:
+        if not parameters or id(parameters[0]) not in self._param_ids or not self._on("clip"):
             return False, None
         try:
             if not isinstance(max_norm, torch.Tensor):
                 self._clip_max_norm = float(max_norm)
-            same = len(parameters) == len(self._params) and all(a is b for a, b in zip(parameters, self._params))
-            if (same and float(norm_type) == 2.0 and not error_if_nonfinite and self._grads is None
-                    and self.config.grad_norms and self._on("grad_norms")):
-                grads = grad_norms(self._params)
+            if (self._grads is None and not error_if_nonfinite and float(norm_type) == 2.0
+                    and self.config.grad_norms and self._on("grad_norms")
+                    and list(map(id, parameters)) == self._param_id_list):   # the model's parameters, in order
+                grads = grad_norms(self._params, self._all_index)
                 if grads:
                     self._grads = grads
                     clip_capture.clip_with_norm(parameters, max_norm, grads[2], foreach)
@@ -512,6 +526,10 @@ class Monitor:
         if opt is not None and self._on("lr"):
             with self._guard("lr"):
                 groups = opt.param_groups
+                lr = groups[0].get("lr") if len(groups) == 1 else None
+                if lr.__class__ is float:   # the usual case: one group, a float LR
+                    host["lr"] = lr
+                    groups = ()
                 for i, g in enumerate(groups):
                     lr = g.get("lr")
                     key = "lr" if i == 0 else f"lr/{i}"
@@ -541,7 +559,7 @@ class Monitor:
         if self._input_nonfinite is not None:
             rec.add("input_nonfinite", self._input_nonfinite)
 
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = torch.cuda.is_initialized()   # implies available; a cheaper call
         if cuda:   # where this step's tensors were made, should the sender thread have to seal them
             self._open_stream = torch.cuda.current_stream()
         if self.config.memory and self._on("memory") and cuda:
@@ -603,7 +621,7 @@ class Monitor:
             self._open = None
             self._stale_sealed = True
         try:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_initialized():
                 rec.stream = self._open_stream
             self._finish_record(rec, in_training_thread=False)
         finally:
@@ -650,8 +668,30 @@ class Monitor:
             self.sender.submit(rec)
 
 
+class _Guard:
+    """Monitor._guard's context manager: an exception in the block turns the collector off."""
+
+    __slots__ = ("monitor", "collector")
+
+    def __init__(self, monitor: Monitor, collector: str):
+        self.monitor, self.collector = monitor, collector
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None or not issubclass(exc_type, Exception):
+            return False
+        self.monitor._failed(self.collector, exc)
+        return True
+
+
 def _accumulate(target: dict, key: str, value) -> None:
     """Sum of a step's micro-batch losses, kept on the device."""
+    if key not in target and value.__class__ is torch.Tensor and value.dtype is torch.float32 \
+            and value.dim() == 0:   # the usual call: one fp32 loss per step
+        target[key] = value.detach()
+        return
     if isinstance(value, torch.Tensor):
         v = value.detach()
         if v.dim() > 0:

@@ -38,7 +38,8 @@ class StepRecord:
         self.stream = None   # the training thread's CUDA stream, for a record sealed by the sender thread
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
-        self.parts.append((key, tensor))
+        """A 0-d or 1-d tensor (a higher-dimensional one is flattened)."""
+        self.parts.append((key, tensor if tensor.dim() < 2 else tensor.reshape(-1)))
 
     def seal(self) -> None:
         """Flatten the device parts into one vector and start its copy to the host (no sync)."""
@@ -51,6 +52,35 @@ class StepRecord:
             self._seal()
 
     def _seal(self) -> None:
+        parts = self.parts
+        try:
+            # One op for the usual record (every part on one device): hstack makes 0-d parts 1-d,
+            # concatenates and promotes mixed dtypes; it always allocates a new vector.
+            vec = torch.hstack([t for _, t in parts])
+        except RuntimeError:   # parts on different devices
+            self._seal_by_device()
+            return
+        if vec.requires_grad:
+            vec = vec.detach()
+        if vec.dtype != torch.float32:
+            vec = vec.float()
+        self.layout = [(key, t.numel()) for key, t in parts]
+        device = vec.device
+        if device.type == "cpu":
+            self.vector = vec
+        else:
+            self.vector = self._to_host(vec, device)
+        self.parts = []
+
+    def _to_host(self, vec: torch.Tensor, device: torch.device) -> torch.Tensor:
+        pinned = torch.empty(vec.shape, dtype=vec.dtype, device="cpu", pin_memory=device.type == "cuda")
+        pinned.copy_(vec, non_blocking=True)
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
+        return pinned
+
+    def _seal_by_device(self) -> None:
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for key, t in self.parts:
             by_device.setdefault(t.device, []).append((key, t))
@@ -60,16 +90,7 @@ class StepRecord:
             flat = [_flat32(t) for _, t in items]
             layout.extend((key, f.numel()) for (key, _), f in zip(items, flat))
             vec = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-            if device.type == "cpu":
-                host_vectors.append(vec)
-            else:
-                pinned = torch.empty(vec.shape, dtype=vec.dtype, device="cpu",
-                                     pin_memory=device.type == "cuda")
-                pinned.copy_(vec, non_blocking=True)
-                host_vectors.append(pinned)
-                if device.type == "cuda":
-                    self.event = torch.cuda.Event()
-                    self.event.record(torch.cuda.current_stream(device))
+            host_vectors.append(vec if device.type == "cpu" else self._to_host(vec, device))
         self.layout = layout
         self.vector = host_vectors[0] if len(host_vectors) == 1 else host_vectors
         self.parts = []

@@ -31,7 +31,7 @@ def activation_stats(out: torch.Tensor) -> torch.Tensor:
     std, mean = torch.std_mean(x, correction=0)
     absmax = torch.linalg.vector_norm(x, float("inf"))
     nonfinite = x.numel() - torch.isfinite(x).sum()
-    return torch.stack([mean, std, absmax, nonfinite.to(torch.float32)])
+    return torch.stack([mean, std, absmax, nonfinite])   # stack promotes the int64 count to float32
 
 
 def count_nonfinite(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -49,6 +49,9 @@ def count_nonfinite(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
 def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
     """(samples, tokens) of one forward call, from shapes only (host metadata, no sync).
     Tokens are counted for an integer 2-D input (token ids)."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1:   # the usual call: model(x)
+        t = args[0]
+        return t.shape[0], (t.numel() if (t.dim() == 2 and not t.is_floating_point()) else 0)
     for value in list(args) + list(kwargs.values()):
         t = value if isinstance(value, torch.Tensor) else first_tensor(value)
         if isinstance(t, torch.Tensor) and t.dim() >= 1:

@@ -6,11 +6,14 @@ from typing import Optional, Sequence
 import torch
 
 
-def grad_norms(params: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, list[int], torch.Tensor]]:
+def grad_norms(params: Sequence[torch.Tensor], all_index: Optional[list[int]] = None
+               ) -> Optional[tuple[torch.Tensor, list[int], torch.Tensor]]:
     """Per-parameter L2 grad norms, which parameters had a grad, and the global norm.
 
     The global norm is computed exactly as ``clip_grad_norm_`` does it (the norm
     of the stacked per-tensor norms), so it equals the value clipping sees.
+    ``all_index`` (``list(range(len(params)))``, kept by the caller and never
+    modified) is returned as the index when every parameter has a grad.
 
     >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.full((2,), 3.0)
     >>> per, index, total = grad_norms([w, torch.nn.Parameter(torch.ones(1))])
@@ -18,15 +21,19 @@ def grad_norms(params: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, l
     ([0], 4.2426)
     """
     grads = [p.grad for p in params]   # one pass over the parameters (this runs every step)
-    if any(g is None for g in grads):
+    if not grads:
+        return None
+    try:   # the usual case, every parameter has a grad: no second pass over the list
+        norms = torch._foreach_norm(grads, 2)
+        index = all_index if all_index is not None and len(all_index) == len(grads) else list(range(len(grads)))
+    except TypeError:   # some parameter has no grad (None in the list)
         index = [i for i, g in enumerate(grads) if g is not None]
         if not index:
             return None
-        grads = [grads[i] for i in index]
-    else:
-        index = list(range(len(grads)))
-    norms = torch._foreach_norm(grads, 2)
-    per = torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(norms)
+        norms = torch._foreach_norm([grads[i] for i in index], 2)
+    per = torch.stack(norms)   # promotes mixed dtypes; one conversion of the stacked vector, not one per norm
+    if per.dtype != torch.float32:
+        per = per.float()
     return per, index, torch.linalg.vector_norm(per, 2)
 
 
@@ -34,9 +41,5 @@ def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Stacked L2 norms of each tensor, float32."""
     with torch.no_grad():
         norms = torch._foreach_norm(list(tensors), 2)
-    return torch.stack([n.to(torch.float32) for n in norms]) if _mixed(norms) else torch.stack(norms)
-
-
-def _mixed(norms) -> bool:
-    first = norms[0].dtype
-    return first != torch.float32 or any(n.dtype != first for n in norms)
+        out = torch.stack(norms)   # promotes mixed dtypes
+    return out if out.dtype == torch.float32 else out.float()
