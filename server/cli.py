@@ -67,9 +67,28 @@ def run_serve(args) -> int:
         return 2
     _eprint(f"gradwatch: database {database.dialect}; dashboard at http://{settings.host}:{settings.port}/")
     app = create_app(settings, database=database)
+    _tune_gc_for_serving()
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                 access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
     return 0
+
+
+def _tune_gc_for_serving() -> None:
+    """Keep Python's cyclic garbage collector off the ingest tail.
+
+    With the default thresholds (a collection every 700 net allocations) an ingest batch, which
+    allocates hundreds of thousands of short-lived objects, triggers dozens of collections, and the
+    full ones walk every object the process holds: Dash, plotly and SQLAlchemy bring several hundred
+    thousand. Measured at 1,000,000 values/s on PostgreSQL (bench/ingest.py --rate, 8 agents): p99
+    165-185 ms with the defaults, 67-74 ms with this, and 8-10 % less server CPU. Objects alive after
+    start-up are moved out of the collector's sight (``gc.freeze``); collections are rarer. Reference
+    counting still frees almost everything at once; only reference cycles wait a little longer.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def _port_problem(host: str, port: int) -> Optional[str]:
