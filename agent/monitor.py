@@ -34,7 +34,7 @@ import torch
 
 from agent.capture import clip as clip_capture
 from agent.capture.activations import CONTAINERS, activation_stats, batch_shape, count_nonfinite, first_tensor
-from agent.capture.ema import check_ema, ema_divergence
+from agent.capture.ema import EmaMatcher, check_ema, ema_divergence
 from agent.capture.norms import grad_norms, tensor_norms
 from agent.config import AgentConfig
 from agent.record import StepRecord
@@ -98,6 +98,7 @@ class Monitor:
         self._param_ids = seen
         self._param_id_list = [id(p) for p in self._params]
         self._all_index = list(range(len(self._params)))   # grad_index when every parameter has a grad (never modified)
+        self._ema_matcher = EmaMatcher(self._param_names, self._params)
         self._modules = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
         self._bns = [(n, m) for n, m in model.named_modules()
                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
@@ -659,7 +660,7 @@ class Monitor:
         if (in_training_thread and self.ema is not None and self._sampled(self.config.ema_every, rec.step)
                 and self._on("ema")):
             with self._guard("ema"), torch.no_grad():
-                pair = ema_divergence(self.ema, self._param_names, self._params)
+                pair = ema_divergence(self.ema, self._param_names, self._params, self._ema_matcher)
                 if pair is not None:
                     rec.add("ema_diff", pair[0])
                     rec.add("ema_ref", pair[1])

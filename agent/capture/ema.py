@@ -40,31 +40,80 @@ def check_ema(ema: Any) -> None:
         )
 
 
-def _lookup(source: dict, name: str):
-    t = source.get(name)
-    if t is None and name.startswith("module."):
-        t = source.get(name[7:])
-    if t is None:
-        t = source.get("module." + name)
-    return t
+def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor],
+                   matcher: Optional["EmaMatcher"] = None):
+    """(||θ_ema − θ||, ||θ||) as two 0-d device tensors over the matched parameters, or None.
 
-
-def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor]):
-    """(||θ_ema − θ||, ||θ||) as two 0-d device tensors over the matched parameters, or None."""
+    ``matcher`` (one per monitor) remembers which EMA tensor goes with which parameter, so
+    that a sampled step whose EMA holds the same tensor objects as last time skips the
+    per-name lookup and checks."""
     source = ema_tensors(ema)
     if not source:
         return None
-    shadows, live = [], []
-    for name, p in zip(names, params):
-        t = _lookup(source, name)
-        if isinstance(t, torch.Tensor) and t.shape == p.shape and t.device == p.device:
-            shadows.append(t)      # the caller holds torch.no_grad(): no detach() per tensor needed
-            live.append(p)
-    if not live:
+    if matcher is None:
+        matcher = EmaMatcher(names, params)
+    matched = matcher.match(source)
+    if matched is None:
         return None
-    if any(s.dtype != q.dtype for s, q in zip(shadows, live)):
+    try:
+        return _divergence(*matched)
+    except RuntimeError:   # a remembered tensor changed shape, device or dtype in place: match afresh
+        matched = matcher.match(source, fresh=True)
+        return None if matched is None else _divergence(*matched)
+
+
+def _divergence(shadows: list, live: list, cast: bool):
+    if cast:
         shadows = [s.to(q.dtype) for s, q in zip(shadows, live)]
     diffs = torch._foreach_sub(shadows, live)
     num = torch.linalg.vector_norm(tensor_norms(diffs))
     den = torch.linalg.vector_norm(tensor_norms(live))
     return num, den
+
+
+class EmaMatcher:
+    """EMA tensor ↔ parameter pairs, matched by name, shape and device; re-matched when the
+    EMA holds other tensor objects than at the last match (EMA classes that replace their
+    tensors), else taken as they were."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor]):
+        self.names, self.params = names, params
+        self._keys: Optional[list] = None   # the source key of each matched parameter
+        self._ids: list[int] = []
+        self._source_id = 0
+        self._live: list = []
+        self._cast = False
+
+    def match(self, source: dict, fresh: bool = False):
+        keys = self._keys
+        if keys is not None and not fresh and id(source) == self._source_id:
+            try:
+                shadows = [source[k] for k in keys]
+            except KeyError:
+                shadows = None
+            if shadows is not None and list(map(id, shadows)) == self._ids:
+                return shadows, self._live, self._cast
+        shadows, live, keys = [], [], []
+        for name, p in zip(self.names, self.params):
+            key = _key(source, name)
+            t = source.get(key) if key is not None else None
+            if isinstance(t, torch.Tensor) and t.shape == p.shape and t.device == p.device:
+                shadows.append(t)      # the caller holds torch.no_grad(): no detach() per tensor needed
+                live.append(p)
+                keys.append(key)
+        if not live:
+            self._keys = None
+            return None
+        self._keys, self._ids, self._source_id, self._live = keys, [id(t) for t in shadows], id(source), live
+        self._cast = any(s.dtype != q.dtype for s, q in zip(shadows, live))
+        return shadows, live, self._cast
+
+
+def _key(source: dict, name: str):
+    if name in source:
+        return name
+    if name.startswith("module.") and name[7:] in source:
+        return name[7:]
+    if "module." + name in source:
+        return "module." + name
+    return None
