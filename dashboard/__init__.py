@@ -47,15 +47,18 @@ def _import_pages() -> None:
     _callback.GLOBAL_CALLBACK_LIST.clear()
 
 
-def create_dash(sessionmaker, settings):
-    """The dashboard app, reading through ``sessionmaker``; mount ``app.server`` at "/"."""
+def create_dash(sessionmaker, settings, *, deliveries_queued=None):
+    """The dashboard app, reading through ``sessionmaker``; mount ``app.server`` at "/".
+
+    ``deliveries_queued``: called (from any thread) after the dashboard queues a webhook delivery.
+    """
     import dash
     from dash import dcc, html
     from flask import request
 
     from dashboard import gateway
 
-    gateway.configure(sessionmaker, settings)
+    gateway.configure(sessionmaker, settings, deliveries_queued=deliveries_queued)
     app = dash.Dash(
         __name__,
         use_pages=True,

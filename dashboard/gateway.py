@@ -15,13 +15,15 @@ from typing import Any, Iterator, Optional, Sequence
 
 _sessionmaker = None
 _settings = None
+_deliveries_queued = None   # the server's "send due webhook deliveries now" (None: it polls every second)
 
 
-def configure(sessionmaker, settings) -> None:
+def configure(sessionmaker, settings, *, deliveries_queued=None) -> None:
     """Called once by ``create_dash``: every later call reads through this sessionmaker."""
-    global _sessionmaker, _settings
+    global _sessionmaker, _settings, _deliveries_queued
     _sessionmaker = sessionmaker
     _settings = settings
+    _deliveries_queued = deliveries_queued
 
 
 def settings():
@@ -276,12 +278,15 @@ def delete_endpoint(endpoint_id: int) -> bool:
 
 
 def send_test(endpoint_id: int) -> dict:
-    """Queue a sample alert to one endpoint; the server's delivery worker sends it (it polls every second)."""
+    """Queue a sample alert to one endpoint; the server's delivery worker sends it right away."""
     from server.webhooks import endpoints
     with _session(write=True) as s:
         _own_endpoint(s, endpoint_id)
-        return endpoints.delivery_to_dict(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings,
-                                                              now=time.time()))
+        delivery = endpoints.delivery_to_dict(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings,
+                                                                  now=time.time()))
+    if _deliveries_queued is not None:   # committed: wake the worker instead of waiting for its poll
+        _deliveries_queued()
+    return delivery
 
 
 def list_deliveries(*, limit: int = 50) -> list[dict]:

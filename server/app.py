@@ -118,7 +118,12 @@ def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> No
     try:
         from dashboard import create_dash
 
-        dash_app = create_dash(database.sessionmaker, settings)
+        def deliveries_queued() -> None:     # the worker exists once the lifespan has started
+            worker = getattr(app.state, "delivery_worker", None)
+            if worker is not None:
+                worker.wake()
+
+        dash_app = create_dash(database.sessionmaker, settings, deliveries_queued=deliveries_queued)
     except Exception as e:  # noqa: BLE001 - the API must keep serving even if the dashboard cannot load
         log.exception("dashboard failed to load; serving the API only")
         from fastapi.responses import PlainTextResponse
