@@ -140,8 +140,14 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
             for ev_step, hit in rule.event_hits(ctx, state, rcfg):
                 episode.feed(ev_step, hit)
             if episode.firing or not rule.fast(ctx, state, rcfg, steps):
+                # feed() ignores None, and False while nothing is firing: skip the call for those
+                observe, feed, firing = rule.observe, episode.feed, episode.firing
                 for st in steps:
-                    episode.feed(int(st["step"]), rule.observe(ctx, state, rcfg, st))
+                    verdict = observe(ctx, state, rcfg, st)
+                    if verdict is None or (verdict is False and not firing):
+                        continue
+                    feed(int(st["step"]), verdict)
+                    firing = episode.firing
             rule.end(ctx, state, rcfg)
         except Exception:   # noqa: BLE001 - one broken rule must not lose the batch
             log.exception("rule %s failed on run %s rank %s; skipped for this batch", rule.id, run.id, rank)
