@@ -121,18 +121,54 @@ class EMA:
             torch._foreach_lerp_([s for s, _ in self._pairs], [p.detach() for _, p in self._pairs], 1 - self.decay)
 
 
+def make_loop(d_model: int, seq: int, vocab: int):
+    """(model, AdamW, GradScaler, EMA) of the reference loop, from seed 0."""
+    import torch
+    torch.manual_seed(0)
+    model = build(d_model, seq, vocab)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-4), torch.amp.GradScaler("cpu"), EMA(model)
+
+
+def make_data(batch: int, seq: int, vocab: int) -> list:
+    import torch
+    return [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+
+
+def train_step(loop, idx, vocab: int, log_scalars=None, state=None) -> None:
+    """One step of the reference loop. With ``log_scalars`` (a callable taking a dict), the per-step
+    scalars go to it the way TensorBoard and W&B users log them (``.item()``, ``get_scale()``);
+    ``state`` ({"prev_scale", "overflows"}) carries the overflow count between steps."""
+    import torch
+    import torch.nn.functional as F
+    model, opt, scaler, ema = loop
+    opt.zero_grad(set_to_none=True)
+    logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scale = scaler.get_scale() if log_scalars is not None else None   # what users of these loggers do
+    scaler.step(opt)
+    scaler.update()
+    ema.update(model)
+    if log_scalars is not None:
+        new_scale = scaler.get_scale()
+        overflow = state["prev_scale"] is not None and new_scale < scale
+        state["overflows"] += int(overflow)
+        state["prev_scale"] = new_scale
+        log_scalars({"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
+                     "overflow": float(overflow), "overflow_count": state["overflows"],
+                     "lr": opt.param_groups[0]["lr"]})
+
+
 def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int, server: str | None,
           rss_every: int) -> dict:
     import torch
-    import torch.nn.functional as F
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     vocab = 256
-    model = build(d_model, seq, vocab)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    scaler = torch.amp.GradScaler("cpu")
-    ema = EMA(model)
-    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    loop = make_loop(d_model, seq, vocab)
+    model, opt, scaler, ema = loop
+    data = make_data(batch, seq, vocab)
     tmp = tempfile.mkdtemp(prefix=f"gw-bench-{mode}-")
     log_scalars = None
     monitor = None
@@ -167,32 +203,14 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
     param_count = sum(1 for _ in model.parameters())
     times, cpu_times, rss = [], [], []
     sender_cpu = None   # the agent's sender thread's own CPU over the timed steps (its thread clock)
-    prev_scale = None
-    overflow_count = 0
+    state = {"prev_scale": None, "overflows": 0}
     for i in range(warmup + steps):
         if i == warmup and monitor is not None and monitor.sender is not None and monitor.sender._thread:
             sender_clock = time.pthread_getcpuclockid(monitor.sender._thread.ident)
             sender_cpu = -time.clock_gettime(sender_clock)
         idx = data[i % len(data)]
         t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad(set_to_none=True)
-        logits = model(idx[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scale = scaler.get_scale() if log_scalars else None   # what users of these loggers do
-        scaler.step(opt)
-        scaler.update()
-        ema.update(model)
-        if log_scalars is not None:
-            new_scale = scaler.get_scale()
-            overflow = prev_scale is not None and new_scale < scale
-            overflow_count += int(overflow)
-            prev_scale = new_scale
-            log_scalars(i, {"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
-                            "overflow": float(overflow), "overflow_count": overflow_count,
-                            "lr": opt.param_groups[0]["lr"]})
+        train_step(loop, idx, vocab, (lambda values, i=i: log_scalars(i, values)) if log_scalars else None, state)
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         if rss_every and i % rss_every == 0:
@@ -218,15 +236,11 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
     far better than separate processes do.
     """
     import torch
-    import torch.nn.functional as F
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     vocab = 256
-    model = build(d_model, seq, vocab)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    scaler = torch.amp.GradScaler("cpu")
-    ema = EMA(model)
-    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    loop = make_loop(d_model, seq, vocab)
+    model, opt, scaler, ema = loop
+    data = make_data(batch, seq, vocab)
     tmp = tempfile.mkdtemp(prefix="gw-bench-paired-")
     loggers = {}
     if "tensorboard" in modes:
@@ -245,25 +259,8 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
     def step(log_scalars):
         i = state["i"]
         state["i"] += 1
-        idx = data[i % len(data)]
-        opt.zero_grad(set_to_none=True)
-        logits = model(idx[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scale = scaler.get_scale() if log_scalars else None
-        scaler.step(opt)
-        scaler.update()
-        ema.update(model)
-        if log_scalars is not None:
-            new_scale = scaler.get_scale()
-            overflow = state["prev_scale"] is not None and new_scale < scale
-            state["overflows"] += int(overflow)
-            state["prev_scale"] = new_scale
-            log_scalars(i, {"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
-                            "overflow": float(overflow), "overflow_count": state["overflows"],
-                            "lr": opt.param_groups[0]["lr"]})
+        train_step(loop, data[i % len(data)], vocab,
+                   (lambda values: log_scalars(i, values)) if log_scalars is not None else None, state)
 
     for _ in range(warmup):
         step(None)
@@ -302,16 +299,10 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
                       mode: str = "agent") -> dict:
     """Two copies of the loop, agent and bare, stepped alternately in one process."""
     import torch
-    import torch.nn.functional as F
     torch.set_num_threads(1)
     vocab = 256
-    loops = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        model = build(d_model, seq, vocab)
-        loops.append((model, torch.optim.AdamW(model.parameters(), lr=3e-4), torch.amp.GradScaler("cpu"),
-                      EMA(model)))
-    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    loops = [make_loop(d_model, seq, vocab) for _ in range(2)]
+    data = make_data(batch, seq, vocab)
     sys.path.insert(0, str(REPO))
     import agent
     tmp = tempfile.mkdtemp(prefix="gw-bench-interleaved-")
@@ -323,17 +314,7 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
     else:
         settings["mode"] = "offline"
     def step(loop, i):
-        model, opt, scaler, ema = loop
-        idx = data[i % len(data)]
-        opt.zero_grad(set_to_none=True)
-        logits = model(idx[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        ema.update(model)
+        train_step(loop, data[i % len(data)], vocab)
 
     # The agent sits on copy 0 for the first half and on copy 1 for the second half, so that
     # whatever makes one copy faster than the other (where its memory landed) cancels out.
@@ -374,16 +355,10 @@ def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, mo
     """
     import threading
     import torch
-    import torch.nn.functional as F
     torch.set_num_threads(1)
     vocab = 256
-    loops = []
-    for _ in modes:
-        torch.manual_seed(0)
-        model = build(d_model, seq, vocab)
-        loops.append((model, torch.optim.AdamW(model.parameters(), lr=3e-4), torch.amp.GradScaler("cpu"),
-                      EMA(model)))
-    data = [torch.randint(0, vocab, (batch, seq + 1)) for _ in range(16)]
+    loops = [make_loop(d_model, seq, vocab) for _ in modes]
+    data = make_data(batch, seq, vocab)
     sys.path.insert(0, str(REPO))
     import agent
     tmp = tempfile.mkdtemp(prefix="gw-bench-versus-")
@@ -410,27 +385,7 @@ def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, mo
     state = {k: {"prev_scale": None, "overflows": 0} for k in range(len(loops))}
 
     def step(c, i, log_scalars):
-        model, opt, scaler, ema = loops[c]
-        idx = data[i % len(data)]
-        opt.zero_grad(set_to_none=True)
-        logits = model(idx[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scale = scaler.get_scale() if log_scalars else None   # what users of these loggers do
-        scaler.step(opt)
-        scaler.update()
-        ema.update(model)
-        if log_scalars is not None:
-            st = state[c]
-            new_scale = scaler.get_scale()
-            overflow = st["prev_scale"] is not None and new_scale < scale
-            st["overflows"] += int(overflow)
-            st["prev_scale"] = new_scale
-            log_scalars({"loss": loss.item(), "grad_norm": grad_norm.item(), "loss_scale": scale,
-                         "overflow": float(overflow), "overflow_count": st["overflows"],
-                         "lr": opt.param_groups[0]["lr"]})
+        train_step(loops[c], data[i % len(data)], vocab, log_scalars, state[c])
 
     def thread_cpu(pred) -> float:
         total = 0.0
