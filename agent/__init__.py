@@ -40,14 +40,23 @@ import threading
 from typing import Any, Optional
 
 from agent.config import AgentConfig
-from agent.monitor import Monitor, _existing, _remember, close_all
 
 __all__ = ["attach", "AgentConfig", "Monitor", "close_all"]
 
 
+def __getattr__(name: str) -> Any:
+    # torch is imported with the monitor, on first use: `gradwatch sync` (agent.sync, agent.spool,
+    # agent.transport) then runs where torch is not installed, e.g. in the server image
+    if name in ("Monitor", "close_all"):
+        from agent import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module 'agent' has no attribute {name!r}")
+
+
 def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[str] = None,
            run: Optional[str] = None, server: Optional[str] = None, transport: Any = None,
-           **config: Any) -> Monitor:
+           **config: Any) -> "Monitor":
     """Start monitoring ``model`` (and ``scaler`` / ``optimizer`` / ``ema`` when given).
 
     Returns a :class:`Monitor`; ``monitor.close()`` (alias ``detach()``) flushes
@@ -67,6 +76,8 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     >>> monitor.step
     1
     """
+    from agent.monitor import Monitor, _existing, _remember
+
     cfg = AgentConfig.from_sources({**config, "project": project, "run": run, "server": server})
     existing = _existing(model)
     if existing is not None:
@@ -90,6 +101,8 @@ def _install_exit_handlers() -> None:
         if _exit_installed:
             return
         _exit_installed = True
+        from agent.monitor import close_all
+
         atexit.register(close_all)
         previous = sys.excepthook
 

@@ -7,8 +7,10 @@ run and rank; each accepted file is deleted, so a second sync resumes where
 the first stopped, and a batch that had already arrived is recognised by its
 batch id and not stored twice.
 
-The agent package imports torch, so this command runs where the agent runs
-(not in the torch-free server image).
+Only the agent's torch-free modules are used (``agent.sync``, ``agent.spool``,
+``agent.transport``; ``agent`` imports torch on first ``attach``), so it also
+runs in the server image: copy an offline machine's spool next to the server
+and sync it there.
 """
 from __future__ import annotations
 
@@ -42,8 +44,7 @@ def run(args) -> int:
         from agent.config import DEFAULT_SERVER, default_spool_dir
         from agent.sync import sync_spool
     except ImportError as e:
-        _eprint(f"gradwatch sync: needs the agent's dependencies ({e}); run it where training runs "
-                f"(pip install torch gradwatch)")
+        _eprint(f"gradwatch sync: the agent package is missing ({e}); install gradwatch")
         return 1
     explicit = args.directory is not None
     directory = os.path.expanduser(args.directory or os.environ.get("GRADWATCH_SPOOL_DIR") or default_spool_dir())

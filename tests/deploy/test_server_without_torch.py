@@ -1,11 +1,12 @@
 """The server image has no PyTorch (server/Dockerfile installs the ``server`` extra only).
 
 Run the commands the image runs — ``db upgrade``, ``serve``, ``token create``,
-``export`` — in processes where ``import torch`` (and the training frameworks)
+``export``, ``sync`` — in processes where ``import torch`` (and the training frameworks)
 fail, and use the server: health, ingest, the dashboard page, /metrics.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,21 @@ def test_server_commands_work_without_torch(tmp_path):
         assert status == 200, "the dashboard's login page is served"
         status, metrics = http_json("GET", base + "/metrics")
         assert status == 200 and "gradwatch_run_last_step" in metrics
+
+        # an offline machine's spool, copied next to the server, is synced from the torch-free image
+        from agent.spool import Spool
+
+        spool_dir = tmp_path / "spool"
+        spool = Spool(spool_dir, max_bytes=1 << 20)
+        for first in (0, 3):
+            batch = {"batch_id": uuid.uuid4().hex, "project": "p", "run": "offline", "rank": 0,
+                     "world_size": 1, "steps": [{"step": i, "time": 1e9 + i, "loss": 2.0} for i in range(first, first + 3)]}
+            assert spool.append(json.dumps(batch).encode())
+        synced = run("sync", str(spool_dir), "--server", base, "--token", token.stdout.strip(), "--quiet")
+        assert synced.returncode == 0, synced.stderr
+        assert "2 batch(es) sent (6 steps)" in synced.stderr
+        status, runs = http_json("GET", base + "/api/v1/runs?name=offline", headers=auth)
+        assert status == 200 and [r["last_step"] for r in runs["runs"]] == [5], runs
     finally:
         proc.terminate()
         proc.wait(timeout=30)
