@@ -34,6 +34,12 @@ def default_spool_dir() -> str:
     return str(Path(os.path.expanduser("~")) / ".cache" / "gradwatch" / "spool")
 
 
+# The sampling intervals that put every collector on every step (``AgentConfig.every_step``, the
+# benchmark's "agent-full" mode).
+EVERY_STEP: Mapping[str, int] = {"weights_every": 1, "activations_every": 1, "inputs_every": 1, "ema_every": 1,
+                                 "bn_every": 1}
+
+
 @dataclass
 class AgentConfig:
     """Everything the agent can be told.
@@ -108,9 +114,7 @@ class AgentConfig:
     @classmethod
     def every_step(cls, **overrides: Any) -> "AgentConfig":
         """Every collector on, every step (what the benchmark calls "full")."""
-        values = dict(weights_every=1, activations_every=1, inputs_every=1, ema_every=1, bn_every=1)
-        values.update(overrides)
-        return cls.from_sources(values)
+        return cls.from_sources({**EVERY_STEP, **overrides})
 
     @classmethod
     def from_sources(cls, arguments: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> "AgentConfig":

@@ -161,6 +161,23 @@ def train_step(loop, idx, vocab: int, log_scalars=None, state=None) -> None:
                      "lr": opt.param_groups[0]["lr"]})
 
 
+def agent_settings(mode: str, run: str, spool_dir: str, ema, server: str | None) -> dict:
+    """``agent.attach`` keyword arguments for an agent mode: ``agent-capture`` (hooks, no sender),
+    ``agent`` (offline spool, or ``server``), ``agent-full`` (every collector every step)."""
+    from agent.config import EVERY_STEP
+
+    settings = dict(project="bench", run=run, spool_dir=spool_dir, ema=ema)
+    if mode == "agent-capture":
+        settings["mode"] = "disabled"
+    elif server:
+        settings["server"] = server
+    else:
+        settings["mode"] = "offline"
+    if mode == "agent-full":
+        settings.update(EVERY_STEP)
+    return settings
+
+
 def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int, server: str | None,
           rss_every: int) -> dict:
     import torch
@@ -175,16 +192,8 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
     if mode.startswith("agent"):
         sys.path.insert(0, str(REPO))
         import agent
-        settings = dict(project="bench", run=f"{mode}-{os.getpid()}", spool_dir=tmp, ema=ema)
-        if mode == "agent-capture":
-            settings["mode"] = "disabled"
-        elif server:
-            settings["server"] = server
-        else:
-            settings["mode"] = "offline"
-        if mode == "agent-full":
-            settings.update(weights_every=1, activations_every=1, inputs_every=1, ema_every=1, bn_every=1)
-        monitor = agent.attach(model, scaler, optimizer=opt, **settings)
+        monitor = agent.attach(model, scaler, optimizer=opt,
+                               **agent_settings(mode, f"{mode}-{os.getpid()}", tmp, ema, server))
     elif mode == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(log_dir=tmp)
@@ -270,16 +279,8 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
         for m in order:
             monitor = None
             if m.startswith("agent"):
-                settings = dict(project="bench", run=f"paired-{m}-{os.getpid()}-{b}", spool_dir=tmp, ema=ema)
-                if m == "agent-capture":
-                    settings["mode"] = "disabled"
-                elif server:
-                    settings["server"] = server
-                else:
-                    settings["mode"] = "offline"
-                if m == "agent-full":
-                    settings.update(weights_every=1, activations_every=1, inputs_every=1, ema_every=1, bn_every=1)
-                monitor = agent.attach(model, scaler, optimizer=opt, **settings)
+                monitor = agent.attach(model, scaler, optimizer=opt,
+                                       **agent_settings(m, f"paired-{m}-{os.getpid()}-{b}", tmp, ema, server))
             log_scalars = loggers.get(m)
             step(log_scalars)   # untimed: first-use costs (sender thread start, writer open)
             times = []
@@ -306,13 +307,7 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
     sys.path.insert(0, str(REPO))
     import agent
     tmp = tempfile.mkdtemp(prefix="gw-bench-interleaved-")
-    settings = dict(project="bench", run=f"interleaved-{os.getpid()}", spool_dir=tmp, ema=loops[0][3])
-    if mode == "agent-capture":
-        settings["mode"] = "disabled"
-    elif server:
-        settings["server"] = server
-    else:
-        settings["mode"] = "offline"
+    settings = agent_settings(mode, f"interleaved-{os.getpid()}", tmp, loops[0][3], server)
     def step(loop, i):
         train_step(loop, data[i % len(data)], vocab)
 
