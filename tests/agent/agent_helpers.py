@@ -102,6 +102,12 @@ class TinyNet(torch.nn.Module):
         return self.fc2(self.act(self.bn(self.fc1(x))))
 
 
+def tiny_loop(lr: float = 0.05):
+    """(TinyNet, SGD, a CPU GradScaler): the loop most agent tests train; seed before calling for fixed weights."""
+    model = TinyNet()
+    return model, torch.optim.SGD(model.parameters(), lr=lr), torch.amp.GradScaler("cpu")
+
+
 class ShadowEMA:
     """The checklist's EMA class (section 4.4), verbatim in behaviour."""
 

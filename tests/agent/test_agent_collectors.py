@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import agent
-from agent_helpers import RecordingTransport, ShadowEMA, TinyNet, batches, checklist_step
+from agent_helpers import RecordingTransport, ShadowEMA, TinyNet, batches, checklist_step, tiny_loop
 
 
 def _attach(model, scaler, recorder, settings, **kw):
@@ -17,9 +17,7 @@ def _attach(model, scaler, recorder, settings, **kw):
 
 
 def test_activation_stats_are_sampled_every_k_steps_and_hooks_exist_only_then(recorder, agent_settings):
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     seen = {}
     model.fc1.register_forward_hook(lambda m, a, out: seen.setdefault("fc1", []).append(out.detach().clone()))
     monitor = _attach(model, scaler, recorder, agent_settings, activations_every=3)

@@ -11,7 +11,7 @@ import torch
 import agent
 from agent.sync import sync_spool
 from agent_helpers import (StubbornServer, TinyNet, batches, checklist_step, find_run, spooled_steps,
-                           stored_counts, stored_events)
+                           stored_counts, stored_events, tiny_loop)
 from tests.conftest import free_port, wait_until
 
 
@@ -45,9 +45,7 @@ def test_server_down_mid_run_every_step_arrives_exactly_once(server_factory, sql
     srv = server_factory(sqlite_url)
     args = {"server": srv.url, "project": "deliv", "run": "outage", "spool_dir": str(tmp_path / "spool"),
             "flush_interval": 0.05, "http_timeout": 1.0}
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     monitor = agent.attach(model, scaler, **args)
     phases: dict[str, list[float]] = {"up": [], "down": [], "back": []}
     data = iter(batches(150))
@@ -174,9 +172,7 @@ def test_full_spool_drops_are_counted_and_reported_to_the_server(server_factory,
 
 def test_a_nonfinite_loss_is_sent_at_once_not_at_the_next_flush_tick(shared_server, tmp_path):
     srv = shared_server
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     monitor = agent.attach(model, scaler, server=srv.url, project="deliv", run="critical",
                            spool_dir=str(tmp_path / "spool"), flush_interval=60.0)
     data = batches(6)

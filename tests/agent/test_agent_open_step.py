@@ -14,7 +14,7 @@ import time
 import torch
 
 import agent
-from agent_helpers import ShadowEMA, TinyNet, batches, checklist_step, find_run, stored_counts
+from agent_helpers import ShadowEMA, batches, checklist_step, find_run, stored_counts, tiny_loop
 from tests.conftest import wait_until
 
 
@@ -28,9 +28,7 @@ def test_a_nan_step_right_before_a_stall_reaches_the_server_with_its_alert_witho
         server_factory, sqlite_url, tmp_path):
     srv = server_factory(sqlite_url)
     torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     # A 60 s flush interval: only the stale-record seal (plus the critical-step fast path) can send step 4 now.
     monitor = agent.attach(model, scaler, server=srv.url, project="stall", run="nan-then-hang",
                            spool_dir=str(tmp_path / "spool"), flush_interval=60.0)
@@ -67,9 +65,7 @@ def test_a_nan_step_right_before_a_stall_reaches_the_server_with_its_alert_witho
 
 def test_post_step_ema_and_logged_values_stay_with_their_step(recorder, agent_settings):
     torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     ema = ShadowEMA(model, decay=0.9)
     monitor = agent.attach(model, scaler, ema=ema, transport=recorder, ema_every=1, **agent_settings)
     expected_div: dict[int, float] = {}
@@ -108,9 +104,7 @@ def test_a_slow_data_loader_does_not_make_every_step_a_stall(recorder, agent_set
     agent knows that gap is usual, keeps the records open and measures EMA divergence in the
     training thread."""
     torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     ema = ShadowEMA(model, decay=0.9)
     monitor = agent.attach(model, scaler, ema=ema, transport=recorder, ema_every=1, **agent_settings)
     for x, y in batches(6):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import agent
-from agent_helpers import RecordingTransport, TinyNet, batches, checklist_step, find_run, stored_counts
+from agent_helpers import RecordingTransport, TinyNet, batches, checklist_step, find_run, stored_counts, tiny_loop
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -69,9 +69,7 @@ def test_interpreter_exit_flushes_and_a_crash_is_reported_as_crashed(shared_serv
 
 def test_a_forked_child_inherits_the_hooks_but_does_nothing(tmp_path, agent_settings):
     recorder = RecordingTransport()
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     monitor = agent.attach(model, scaler, transport=recorder, **agent_settings)
     for x, y in batches(3):
         checklist_step(model, opt, scaler, x, y)
@@ -106,9 +104,7 @@ def test_a_forked_child_inherits_the_hooks_but_does_nothing(tmp_path, agent_sett
 
 
 def test_a_dataloader_with_forked_workers_trains_normally(recorder, agent_settings):
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
+    model, opt, scaler = tiny_loop()
     monitor = agent.attach(model, scaler, transport=recorder, **agent_settings)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     loader = torch.utils.data.DataLoader(data, batch_size=16, num_workers=2,
