@@ -29,9 +29,8 @@ class Context:
     bn_names: list[str]
     # kind → {step: data} for this batch's events
     events: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
-    # step keys with a value somewhere in the batch ("layers.<stat>" for non-empty arrays); None: not
-    # worked out (Rule.applies then looks at the steps itself)
-    present: Optional[frozenset] = None
+    # step keys with a value somewhere in the batch ("layers.<stat>" for non-empty arrays): keys_present()
+    present: frozenset = frozenset()
 
 
 def keys_present(steps: list[dict]) -> frozenset:
@@ -161,16 +160,7 @@ class Rule:
         return RULES_BY_ID[self.id]
 
     def applies(self, steps: list[dict], ctx: Context) -> bool:
-        if ctx.present is not None:
-            return any(key in ctx.present for key in self.needs)
-        for st in steps:
-            for key in self.needs:
-                if key.startswith("layers."):
-                    if _layer_present(st, key[7:]):
-                        return True
-                elif st.get(key) is not None:
-                    return True
-        return False
+        return any(key in ctx.present for key in self.needs)
 
     def begin(self, ctx: Context, state: dict, cfg: dict) -> None:
         """Called once per batch before the steps."""
