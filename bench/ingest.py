@@ -33,7 +33,6 @@ Target: >= 1,000,000 values/s per server process with p99 < 200 ms.
 from __future__ import annotations
 
 import argparse
-import base64
 import gzip
 import http.client
 import json
@@ -53,7 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LAYERS = 150
-F32_B64_PREFIX = "f32:"   # docs/wire-format.md, "Compact layer arrays"
 ALL_STATS = ("grad_norm", "weight_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_nonfinite",
              "bn_mean_norm", "bn_var_norm")
 
@@ -67,6 +65,8 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
     compact ``"f32:"`` layer arrays (docs/wire-format.md) or plain JSON lists.
     """
     import numpy as np
+
+    from server.numbers import pack_f32_b64
 
     rnd = np.random.default_rng(agent * 1_000_003 + first)
     # each statistic's usual range in a healthy run (update ratio ~1e-3, activations of unit scale, ...)
@@ -84,7 +84,7 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
             if st == "grad_norm" and i % 997 == 3:
                 v[5] = np.nan
             if encoding == "f32":
-                layers[st] = F32_B64_PREFIX + base64.b64encode(v.tobytes()).decode("ascii")
+                layers[st] = pack_f32_b64(v)
             else:
                 layers[st] = [x if x == x else "NaN" for x in np.round(v.astype(float), 6).tolist()]
         loss = 4.0 * (1.0 + i / 2000) ** -0.3 * (1.0 + 0.02 * rnd.standard_normal())
@@ -104,10 +104,12 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
 
 
 def count_values(body: dict) -> int:
+    from server.numbers import unpack_f32_b64
+
     n = 0
     for s in body["steps"]:
         n += sum(1 for k, v in s.items() if k not in ("step", "time", "custom", "layers") and v is not None)
-        n += sum(len(base64.b64decode(v[len(F32_B64_PREFIX):])) // 4 if isinstance(v, str) else len(v)
+        n += sum(len(unpack_f32_b64(v, max_values=LAYERS)) // 4 if isinstance(v, str) else len(v)
                  for v in s["layers"].values())
     return n
 
