@@ -160,7 +160,19 @@ def _project_row(session: Session, project: Any, *, create: bool) -> Optional[Pr
 
 def effective_config(session: Session, *, project_id: Optional[int], project_name: Optional[str],
                      settings: Any = None) -> dict[str, dict[str, Any]]:
-    """rule id → settings in force for that project (one small query).
+    """rule id → settings in force for that project (one small query)."""
+    return _merged_config(project_name, settings, _override_rows(session, project_id))
+
+
+def _override_rows(session: Session, project_id: Optional[int]) -> tuple:
+    """The project's stored overrides as ((rule, config), ...) ordered by rule."""
+    if project_id is None:
+        return ()
+    return tuple(session.execute(_OVERRIDES_OF_PROJECT, {"project_id": project_id}))
+
+
+def _merged_config(project_name: Optional[str], settings: Any, overrides: tuple) -> dict[str, dict[str, Any]]:
+    """Defaults, then the stall setting, the rules file and the override rows, merged.
 
     The merge is cached on everything it depends on (the override rows as read now, the rules
     file as loaded, the stall setting), so a changed override or rules file applies to the very
@@ -168,9 +180,6 @@ def effective_config(session: Session, *, project_id: Optional[int], project_nam
     """
     stall = getattr(settings, "stall_seconds", None) if settings is not None else None
     rf = rules_file_of(settings)
-    overrides: tuple = ()
-    if project_id is not None:
-        overrides = tuple(session.execute(_OVERRIDES_OF_PROJECT, {"project_id": project_id}))
     key = (project_name, stall, id(rf), repr(overrides))
     cached = _config_cache.get(key)
     if cached is None or cached[0] is not rf:
@@ -205,11 +214,9 @@ def get_rule_config(session: Session, *, project: Any, settings: Any = None) -> 
     """
     row = _project_row(session, project, create=False)
     name = row.name if row is not None else str(project)
-    cfg = effective_config(session, project_id=row.id if row else None, project_name=name, settings=settings)
-    overrides: dict[str, dict[str, Any]] = {}
-    if row is not None:
-        overrides = {o.rule: dict(o.config or {}) for o in
-                     session.scalars(select(RuleOverride).where(RuleOverride.project_id == row.id))}
+    rows = _override_rows(session, row.id if row is not None else None)   # read once, for both uses
+    cfg = _merged_config(name, settings, rows)
+    overrides = {rule: dict(config or {}) for rule, config in rows}
     out = {}
     for spec in RULES:
         values = cfg[spec.id]
