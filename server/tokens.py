@@ -72,12 +72,6 @@ def touch_token(session: Session, *, token_id: int, now: Optional[float] = None)
                     .values(last_used_at=time.time() if now is None else now))
 
 
-def project_for_token(session: Session, *, token: str) -> Optional[str]:
-    """The project a token belongs to, or None for an unknown token."""
-    use = lookup_token(session, token=token)
-    return use.project if use else None
-
-
 def list_tokens(session: Session, *, project: Optional[str] = None) -> list[TokenRecord]:
     q = select(ApiToken.id, Project.name, ApiToken.name, ApiToken.created_at, ApiToken.last_used_at).join(
         Project, Project.id == ApiToken.project_id)
