@@ -472,17 +472,26 @@ def available(mode: str) -> bool:
     return True
 
 
-def run_child(args, mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int,
-              rss_every: int = 0) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, "--steps", str(steps), "--warmup", str(warmup),
-           "--d-model", str(d_model), "--seq", str(seq), "--batch", str(batch), "--rss-every", str(rss_every)]
-    if args.server:
+def _child_json(what: str, flags: list[str], args, *, size: tuple[int, int, int], timeout: float,
+                with_server: bool = True) -> dict:
+    """Run this script with ``flags`` in a fresh process (one torch thread; model ``size`` = d_model,
+    seq, batch; ``--server`` passed on unless ``with_server`` is False) and return the JSON its last
+    line prints."""
+    d_model, seq, batch = size
+    cmd = [sys.executable, __file__, *flags, "--d-model", str(d_model), "--seq", str(seq), "--batch", str(batch)]
+    if with_server and args.server:
         cmd += ["--server", args.server]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_child(args, mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int,
+              rss_every: int = 0) -> dict:
+    return _child_json(mode, ["--child", mode, "--steps", str(steps), "--warmup", str(warmup),
+                              "--rss-every", str(rss_every)], args, size=(d_model, seq, batch), timeout=1800)
 
 
 def _bootstrap_ci(pairs: list[tuple[float, float]], resamples: int = 2000, seed: int = 1) -> tuple[float, float]:
@@ -661,16 +670,10 @@ def main(argv=None) -> int:
 
     paired = None
     if args.paired_blocks:
-        cmd = [sys.executable, __file__, "--paired-child", ",".join(modes), "--paired-blocks",
-               str(args.paired_blocks), "--block-steps", str(args.block_steps), "--warmup", str(args.warmup),
-               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch)]
-        if args.server:
-            cmd += ["--server", args.server]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-        if out.returncode != 0:
-            raise RuntimeError(f"paired run failed:\n{out.stderr[-3000:]}")
-        blocks = json.loads(out.stdout.strip().splitlines()[-1])["block_medians"]
+        blocks = _child_json("paired run", ["--paired-child", ",".join(modes), "--paired-blocks",
+                                            str(args.paired_blocks), "--block-steps", str(args.block_steps),
+                                            "--warmup", str(args.warmup)], args,
+                             size=(args.d_model, args.seq, args.batch), timeout=3600)["block_medians"]
         paired = {m: statistics.median(a / b for a, b in zip(blocks[m], blocks["bare"])) for m in modes if m != "bare"}
         print(f"\npaired, one process, {args.paired_blocks} blocks x {args.block_steps} steps per mode, alternating "
               f"(agent attached / detached around its blocks):")
@@ -681,16 +684,9 @@ def main(argv=None) -> int:
 
     interleaved = None
     if args.interleaved_steps:
-        cmd = [sys.executable, __file__, "--interleaved-child", "--interleaved-steps", str(args.interleaved_steps),
-               "--interleaved-mode", args.interleaved_mode, "--warmup", str(args.warmup),
-               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch)]
-        if args.server:
-            cmd += ["--server", args.server]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-        if out.returncode != 0:
-            raise RuntimeError(f"interleaved run failed:\n{out.stderr[-3000:]}")
-        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res = _child_json("interleaved run", ["--interleaved-child", "--interleaved-steps", str(args.interleaved_steps),
+                                              "--interleaved-mode", args.interleaved_mode, "--warmup", str(args.warmup)],
+                          args, size=(args.d_model, args.seq, args.batch), timeout=3600)
         med = statistics.median
         interleaved = {
             "wall_ratio": med(res["agent_wall"]) / med(res["bare_wall"]),
@@ -713,14 +709,10 @@ def main(argv=None) -> int:
     versus = None
     if args.versus_steps:
         vmodes = ["bare"] + [m for m in args.versus_modes.split(",") if m and m != "bare" and available(m)]
-        cmd = [sys.executable, __file__, "--versus-child", "--versus-steps", str(args.versus_steps),
-               "--versus-modes", ",".join(vmodes), "--warmup", str(args.warmup),
-               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-        if out.returncode != 0:
-            raise RuntimeError(f"versus run failed:\n{out.stderr[-3000:]}")
-        versus = summarize_versus(json.loads(out.stdout.strip().splitlines()[-1]))
+        versus = summarize_versus(_child_json(
+            "versus run", ["--versus-child", "--versus-steps", str(args.versus_steps), "--versus-modes",
+                           ",".join(vmodes), "--warmup", str(args.warmup)],
+            args, size=(args.d_model, args.seq, args.batch), timeout=3600, with_server=False))
         print_versus(versus)
 
     rss = None
