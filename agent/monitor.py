@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from agent.capture import clip as clip_capture
 from agent.capture.activations import CONTAINERS, activation_stats, batch_shape, count_nonfinite, first_tensor
 from agent.capture.ema import EmaMatcher, check_ema, ema_divergence
+from agent.capture.ema_worker import BARRIER_TIMEOUT, EmaWorker
 from agent.capture.norms import grad_norms, tensor_norms
 from agent.config import AgentConfig
 from agent.record import StepRecord
@@ -99,6 +101,8 @@ class Monitor:
         self._param_id_list = [id(p) for p in self._params]
         self._all_index = list(range(len(self._params)))   # grad_index when every parameter has a grad (never modified)
         self._ema_matcher = EmaMatcher(self._param_names, self._params)
+        # CPU-trained models compute the sampled EMA divergence on this thread (see ema_worker.py).
+        self._ema_worker: Optional[EmaWorker] = EmaWorker(on_late=self._ema_late) if ema is not None else None
         self._modules = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
         self._bns = [(n, m) for n, m in model.named_modules()
                      if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
@@ -190,6 +194,7 @@ class Monitor:
         with self._guard("flush"):
             self._seal_open()
             self._await_stale_seal(timeout)
+            self._ema_barrier()
         return self.sender.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: Optional[float] = None, status: str = "finished") -> None:
@@ -200,6 +205,8 @@ class Monitor:
             try:
                 self._seal_open()
                 self._await_stale_seal(self.config.exit_timeout if timeout is None else timeout)
+                if self._ema_worker is not None:
+                    self._ema_worker.stop()   # its record reaches the sender before the close marker
             except Exception:  # noqa: BLE001
                 pass
         self._uninstall()
@@ -236,6 +243,10 @@ class Monitor:
                 setattr(self.scaler, name, getattr(self, "_wrap_" + name.rstrip("_"))(original))
         elif self.optimizer is not None:
             self._hook_optimizer(self.optimizer)
+        if self._ema_worker is not None:
+            # Any optimizer step (through the scaler or not) waits for an EMA divergence job reading
+            # the weights it is about to change.
+            self._handles.append(register_optimizer_step_pre_hook(self._ema_barrier_hook))
 
     def _hook_optimizer(self, optimizer) -> None:
         self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
@@ -643,6 +654,7 @@ class Monitor:
 
     def _finish_record(self, rec: StepRecord, in_training_thread: bool) -> None:
         """Turn a taken-out open record into a sealed one and submit it (either thread; nobody else holds it)."""
+        self._ema_barrier()   # the previous record's EMA job submits it first: records stay in step order
         host = rec.host
         loss = host.pop("logged_loss", None)
         if loss is None:
@@ -659,14 +671,58 @@ class Monitor:
         # updating right now: a step sealed by the sender thread goes without it.
         if (in_training_thread and self.ema is not None and self._sampled(self.config.ema_every, rec.step)
                 and self._on("ema")):
+            if self._ema_offload():
+                self._ema_worker.submit(lambda: self._ema_job(rec))
+                return
             with self._guard("ema"), torch.no_grad():
-                pair = ema_divergence(self.ema, self._param_names, self._params, self._ema_matcher)
-                if pair is not None:
-                    rec.add("ema_diff", pair[0])
-                    rec.add("ema_ref", pair[1])
+                self._add_ema_divergence(rec)
+        self._submit_sealed(rec)
+
+    def _submit_sealed(self, rec: StepRecord) -> None:
         rec.seal()
         if self.sender is not None:
             self.sender.submit(rec)
+
+    def _add_ema_divergence(self, rec: StepRecord) -> None:
+        pair = ema_divergence(self.ema, self._param_names, self._params, self._ema_matcher)
+        if pair is not None:
+            rec.add("ema_diff", pair[0])
+            rec.add("ema_ref", pair[1])
+
+    # ------------------------------------------------------------------ EMA divergence off the training thread
+
+    def _ema_offload(self) -> bool:
+        """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights
+        (on a GPU it is three fused kernel launches) and an optimizer whose steps the
+        barrier hook sees (with neither a scaler nor an optimizer the agent cannot tell
+        when the weights change, so it computes inline)."""
+        w = self._ema_worker
+        return (w is not None and not w.broken and bool(self._params) and self._params[0].is_cpu
+                and (self.scaler is not None or self.optimizer is not None))
+
+    def _ema_job(self, rec: StepRecord) -> None:
+        """Worker thread: the divergence into the record, then seal and submit it (always)."""
+        try:
+            with torch.no_grad():
+                self._add_ema_divergence(rec)
+        except Exception as e:  # noqa: BLE001
+            self._failed("ema", e)
+        try:
+            self._submit_sealed(rec)
+        except Exception as e:  # noqa: BLE001
+            self._warn.warning("ema:seal", "gradwatch: a step record could not be sealed and was dropped: %r", e)
+
+    def _ema_barrier(self) -> None:
+        if self._ema_worker is not None:
+            self._ema_worker.barrier()
+
+    def _ema_barrier_hook(self, optimizer, args, kwargs):
+        if _process.pid == self._pid:   # a forked child never has a job in flight
+            self._ema_worker.barrier()
+        return None
+
+    def _ema_late(self) -> None:
+        self._failed("ema", TimeoutError(f"the EMA divergence worker took over {BARRIER_TIMEOUT:.0f} s"))
 
 
 class _Guard:

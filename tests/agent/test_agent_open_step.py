@@ -115,3 +115,66 @@ def test_a_slow_data_loader_does_not_make_every_step_a_stall(recorder, agent_set
     assert [s["step"] for s in steps] == list(range(6))
     # Step 0 may be sealed by the sender (nothing known yet); from then on the gap is the usual one.
     assert all(s["ema_divergence"] is not None for s in steps[1:]), [s["ema_divergence"] for s in steps]
+
+
+class GatedEMA(ShadowEMA):
+    """A ShadowEMA whose ``shadow`` blocks its reader while ``gate`` is an unset Event."""
+
+    def __init__(self, model, decay=0.9):
+        self.gate = None
+        self.readers: list[str] = []
+        super().__init__(model, decay)
+
+    @property
+    def shadow(self):
+        if self.gate is not None and not self.gate.is_set():
+            import threading
+            self.readers.append(threading.current_thread().name)
+            self.gate.wait(30)
+            time.sleep(0.3)   # a slow job: without the barrier the optimizer step would run meanwhile
+        return self._shadow
+
+    @shadow.setter
+    def shadow(self, value):
+        self._shadow = value
+
+
+def test_a_cpu_models_ema_divergence_runs_off_the_training_thread_and_the_optimizer_step_waits_for_it(
+        recorder, agent_settings):
+    """On CPU the sampled EMA divergence is computed by the agent's worker thread while the next
+    forward and backward run; the next optimizer step must wait for it, or it would read weights
+    that the step is changing. The job is held at the EMA until the optimizer step has begun;
+    the value must still be the one of the state right after the EMA update."""
+    import threading
+    torch.manual_seed(0)
+    model, opt, scaler = tiny_loop()
+    ema = GatedEMA(model, decay=0.9)
+    job_done_when_step_began: list[bool] = []
+
+    def release_gate(optimizer, args, kwargs):   # global: registered before the agent's, so it runs first
+        if ema.gate is not None:
+            ema.gate.set()
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    first = register_optimizer_step_pre_hook(release_gate)
+    monitor = agent.attach(model, scaler, ema=ema, transport=recorder, ema_every=1, **agent_settings)
+    # Runs after every global hook, the agent's barrier included.
+    mine = opt.register_step_pre_hook(
+        lambda o, a, k: job_done_when_step_began.append(monitor._ema_worker._idle.is_set()))
+    try:
+        data = batches(3)
+        checklist_step(model, opt, scaler, *data[0], ema=ema)
+        expected = _ema_divergence(ema, model)
+        ema.gate = threading.Event()
+        checklist_step(model, opt, scaler, *data[1], ema=ema)   # its forward seals step 0: the job starts
+        ema.gate = None
+        checklist_step(model, opt, scaler, *data[2], ema=ema)
+        monitor.close()
+    finally:
+        first.remove()
+        mine.remove()
+    assert ema.readers == ["gradwatch-ema"], ema.readers
+    assert job_done_when_step_began[1] is True
+    steps = recorder.steps
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert math.isclose(steps[0]["ema_divergence"], expected, rel_tol=1e-4), (steps[0], expected)
+    assert not any(t.name == "gradwatch-ema" for t in threading.enumerate())   # close() ended it
