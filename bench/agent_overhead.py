@@ -13,7 +13,7 @@ Modes:
   agent-full      agent with every collector every step
   tensorboard     the same per-step scalars through torch.utils.tensorboard.SummaryWriter
   wandb           the same per-step scalars through wandb in offline mode
-(tensorboard / wandb are skipped when the package is not installed.)
+(tensorboard / wandb are skipped when the package is not installed: `.venv/bin/pip install -e ".[bench]"`.)
 
 A third measurement, ``--interleaved-steps N`` (run with ``--rounds 0 --paired-blocks 0``
 to have only it), builds two identical copies of the loop in one process, one
@@ -33,7 +33,7 @@ the loggers: one copy of the loop per mode (bare, agent, tensorboard, wandb) in 
 each round steps every copy once in a rotating order, and the modes move across the copies
 (a Latin square) so no mode keeps a faster copy. It prints, per mode, the ratio of median step
 times to bare (wall and training-thread CPU) with a 95 % bootstrap interval over rounds, the
-background CPU (sender thread; TensorBoard's writer thread; wandb's threads and its wandb-core
+background CPU (the agent's sender and EMA threads; TensorBoard's writer thread; wandb's threads and its wandb-core
 process), and for the agent against each logger the ratio of medians with its interval and
 the share of rounds in which the agent's step was the faster. An interval that excludes 1 is a
 ranking; one that straddles it is not.
@@ -345,7 +345,7 @@ def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, mo
     in a Latin square (part p: copy c runs mode (c + p) mod K), so each mode spends the same
     number of rounds on each copy and a copy that happens to be faster favours nobody. Per
     round and mode: wall time and the training thread's CPU time. Background CPU, read from the
-    threads' own CPU clocks: the agent's sender thread, TensorBoard's event writer thread, and
+    threads' own CPU clocks: the agent's sender and EMA-divergence threads, TensorBoard's event writer thread, and
     wandb's threads plus its writer process (wandb-core, a child process; /proc, in clock ticks).
     """
     import threading
@@ -408,7 +408,8 @@ def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, mo
 
     def background_cpu(mode: str) -> float:
         if mode == "agent":
-            return thread_cpu(lambda t: t.name == "gradwatch-sender")
+            # the sender, and the worker that computes a CPU model's EMA divergence
+            return thread_cpu(lambda t: t.name.startswith("gradwatch-"))
         if mode == "tensorboard":
             return thread_cpu(lambda t: type(t).__module__.startswith("tensorboard"))
         if mode == "wandb":
@@ -566,7 +567,7 @@ def print_versus(v: dict) -> None:
               f"{r['cpu_ratio']:.3f} [{r['cpu_ci'][0]:.3f}-{r['cpu_ci'][1]:.3f}], lower in "
               f"{100 * r['cpu_share_agent_lower']:.0f} % of rounds; mean CPU with background "
               f"{r['cpu_mean_ratio_with_background']:.3f}")
-    print("(background: the agent's sender thread, TensorBoard's writer thread, wandb's threads and its "
+    print("(background: the agent's sender and EMA threads, TensorBoard's writer thread, wandb's threads and its "
           "wandb-core process; not on the training thread, so in no wall or CPU ratio but the last column)")
 
 
