@@ -14,8 +14,12 @@ its device tensors become one flat vector whose copy to the host starts
 without a sync, and the sender thread takes it from there. A record still
 open ``seal_grace`` seconds after its step ended (the loop stopped or hangs
 right after a step) is sealed by the sender thread instead, without the EMA
-divergence, which only the training thread may compute; ``_open_lock``
-guards the hand-over of the open record between the two threads.
+divergence (training may change the weights the moment it resumes);
+``_open_lock`` guards the hand-over of the open record between the two
+threads. A sampled step of a CPU-trained model hands its record to the EMA
+worker thread instead (agent/capture/ema_worker.py), which adds the
+divergence, seals and submits it; every optimizer step and the next seal wait
+for that job.
 
 Every hook body runs under :meth:`Monitor._guard`: an exception is logged
 once, that collector turns itself off, and training goes on.
