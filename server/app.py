@@ -61,7 +61,6 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.auth = None
     app.state.metrics = IngestMetrics()
     app.state.write_gate = FifoGate(settings.write_concurrency or 1)
-    app.state.group_writer = ingest.make_group_writer(app, settings)
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 

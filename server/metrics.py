@@ -29,17 +29,6 @@ class IngestMetrics:
         self.latency_counts = [0] * len(LATENCY_BUCKETS)
         self.latency_sum = 0.0
         self.latency_count = 0
-        self.group_commits = 0      # transactions that wrote several queued batches (server/write_groups.py)
-        self.group_batches = 0      # batches written that way
-        self.group_fallbacks = 0    # such groups rolled back and written batch by batch
-
-    def observe_group(self, batches: int, fell_back: bool) -> None:
-        with self._lock:
-            if fell_back:
-                self.group_fallbacks += 1
-            else:
-                self.group_commits += 1
-                self.group_batches += batches
 
     def observe_batch(self, *, seconds: float, steps: int = 0, values: int = 0, rows: int = 0,
                       duplicate: bool = False, rejected: bool = False) -> None:
@@ -65,11 +54,6 @@ class IngestMetrics:
                 ("gradwatch_ingest_steps_total", self.steps, "Steps stored by this process."),
                 ("gradwatch_ingest_values_total", self.values, "Metric values stored (scalars + per-layer values)."),
                 ("gradwatch_ingest_rows_written_total", self.rows, "Database rows inserted by ingest."),
-                ("gradwatch_ingest_group_commits_total", self.group_commits,
-                 "Transactions that wrote several queued batches at once (group commit)."),
-                ("gradwatch_ingest_group_batches_total", self.group_batches, "Batches written by group commits."),
-                ("gradwatch_ingest_group_fallbacks_total", self.group_fallbacks,
-                 "Group commits rolled back and written batch by batch (a bad batch, a deadlock)."),
             ):
                 yield f"# HELP {name} {doc}"
                 yield f"# TYPE {name} counter"

@@ -62,8 +62,6 @@ class Settings(BaseModel):
     max_steps_per_batch: int = 100_000
     # batches of one process inside their write transaction at once (server/write_gate.py); 0: 1
     write_concurrency: int = Field(default=0, ge=0, le=64)
-    # at most this many queued batches written in one transaction (server/write_groups.py); 1: off
-    write_group: int = Field(default=16, ge=1, le=256)
     session_secret: str = ""
 
     @field_validator("database_url")
@@ -121,5 +119,4 @@ class Settings(BaseModel):
             max_body_bytes=int(env.get("GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024)),
             max_decoded_bytes=int(env.get("GRADWATCH_MAX_DECODED_BYTES", 256 * 1024 * 1024)),
             write_concurrency=int(env.get("GRADWATCH_WRITE_CONCURRENCY", 0)),
-            write_group=int(env.get("GRADWATCH_WRITE_GROUP", 16)),
         )

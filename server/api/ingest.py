@@ -13,7 +13,6 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
-from ..write_groups import GroupWriter
 from ..schemas import IngestBatchIn, IngestResult
 from .deps import SettingsDep, get_read_scope
 
@@ -114,7 +113,8 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
         if token_project is not None and batch.project != token_project:
             raise HTTPException(403, f"project: this token is for project {token_project!r}, "
                                      f"not {batch.project!r}")
-        return app.state.group_writer.write(batch)
+        with app.state.write_gate:
+            return _write(app, batch, settings)
 
     metrics = app.state.metrics
     try:
@@ -127,33 +127,6 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
     metrics.observe_batch(seconds=time.perf_counter() - started, steps=outcome.accepted,
                           values=outcome.values_written, rows=outcome.rows_written, duplicate=outcome.duplicate)
     return IngestResult(run_id=outcome.run_id, accepted=outcome.accepted, duplicate=outcome.duplicate)
-
-
-def make_group_writer(app, settings) -> GroupWriter:
-    """The app's ingest writer: the write gate, group commit over it, and the two write paths."""
-    return GroupWriter(app.state.write_gate,
-                       write_group=lambda batches: _write_group(app, batches, settings),
-                       write_one=lambda batch: _write(app, batch, settings),
-                       max_batches=settings.write_group, steps_of=lambda b: len(b.steps),
-                       on_group=app.state.metrics.observe_group)
-
-
-def _write_group(app, batches: list, settings) -> list:
-    """Several batches in one transaction (server/write_groups.py); raises with nothing committed.
-
-    Runs are locked in (project, run) order, the same in every replica; batches of one run
-    keep their arrival order (the sort is stable)."""
-    order = sorted(range(len(batches)), key=lambda i: (batches[i].project, batches[i].run))
-    outcomes: list = [None] * len(batches)
-    with app.state.database.write_sessionmaker() as session:
-        try:
-            for i in order:
-                outcomes[i] = ingest_batch(session, batch=batches[i], settings=settings, now=time.time())
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-    return outcomes
 
 
 def _write(app, batch: IngestBatchIn, settings):
