@@ -13,7 +13,7 @@ from .db import Database, open_database, schema_problem
 from .metrics import IngestMetrics
 from .schemas import IngestBatchIn
 from .settings import Settings
-from .write_gate import FifoGate
+from .write_gate import FifoGate, default_permits
 
 log = logging.getLogger("gradwatch.server")
 
@@ -60,7 +60,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.database = database
     app.state.auth = None
     app.state.metrics = IngestMetrics()
-    app.state.write_gate = FifoGate(settings.write_concurrency or 1)
+    app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(settings.database_url))
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 

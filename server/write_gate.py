@@ -8,16 +8,30 @@ seconds while later ones slip in, and on PostgreSQL every batch in flight
 slows all the others down. Behind a FIFO gate each batch waits only for the
 ones that came before it, and the process's throughput is the same.
 
-One permit on both databases by default: on PostgreSQL two let a batch
-compute while another waits on the database, but measured at 1,000,000
-values/s (bench/ingest.py --rate) they raised p99 from ~180 to ~240 ms.
-``GRADWATCH_WRITE_CONCURRENCY`` raises it, e.g. for a PostgreSQL server far
-away on the network.
+Permits by default (``default_permits``): one on SQLite, which has a single
+writer anyway; two on PostgreSQL, so that one batch's Python (parse, rules,
+rollups) runs while another waits on PostgreSQL's COPYs and commit. Measured
+at 1,000,000 values/s with bench/ingest.py --rate (docs/performance.md,
+"Write permits on PostgreSQL"): with 16 agents one permit fell behind
+(0.80–0.98 M values/s, p99 0.45–4.9 s) where two kept up better (0.89–1.0 M,
+p99 0.16–2.4 s); with 8 agents they tied (p99 83–112 ms). (Earlier, before
+the garbage-collector tuning, two had measured worse: p99 ~240 vs ~180 ms.)
+``GRADWATCH_WRITE_CONCURRENCY`` sets it, e.g. higher for a PostgreSQL server
+far away on the network.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
+
+
+def default_permits(database_url: str) -> int:
+    """Write permits when ``GRADWATCH_WRITE_CONCURRENCY`` is not set (see the module docstring).
+
+    >>> default_permits("sqlite:////tmp/gw.db"), default_permits("postgresql+psycopg://db/gw")
+    (1, 2)
+    """
+    return 2 if database_url.startswith("postgresql") else 1
 
 
 class FifoGate:

@@ -68,3 +68,9 @@ def test_an_exception_inside_gives_the_permit_back():
 def test_permits_must_be_positive():
     with pytest.raises(ValueError):
         FifoGate(0)
+
+
+def test_default_permits_are_one_on_sqlite_and_two_on_postgresql():
+    from server.write_gate import default_permits
+    assert default_permits("sqlite:////var/lib/gradwatch/gradwatch.db") == 1
+    assert default_permits("postgresql+psycopg://postgres@127.0.0.1:5432/gw") == 2
