@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import agent
-from agent_helpers import ShadowEMA, TinyNet, batches, checklist_step
+from agent_helpers import ShadowEMA, TinyNet, batches, checklist_step, tiny_loop
 
 
 def _attach(model, scaler=None, recorder=None, settings=None, **kw):
@@ -229,3 +229,21 @@ def test_optimizer_hooks_are_removed_on_detach(recorder, agent_settings):
     assert opt._optimizer_step_pre_hooks and opt._optimizer_step_post_hooks
     monitor.detach()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_the_ema_barrier_hook_and_worker_thread_are_gone_after_detach(recorder, agent_settings):
+    import threading
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    model, opt, scaler = tiny_loop()
+    ema = ShadowEMA(model)
+    before = dict(_global_optimizer_pre_hooks)
+    monitor = _attach(model, scaler, recorder, agent_settings, ema=ema, ema_every=1)
+    assert len(_global_optimizer_pre_hooks) == len(before) + 1
+    for x, y in batches(3):
+        checklist_step(model, opt, scaler, x, y, ema=ema)
+    assert any(t.name == "gradwatch-ema" for t in threading.enumerate())
+    monitor.detach()
+    assert dict(_global_optimizer_pre_hooks) == before
+    assert not any(t.name == "gradwatch-ema" for t in threading.enumerate())
+    assert [s["step"] for s in recorder.steps] == [0, 1, 2]
+    assert all(s["ema_divergence"] is not None for s in recorder.steps[:2])
