@@ -112,11 +112,17 @@ def pg_url() -> Iterator[str]:
     try:
         yield f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}"
     finally:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        # Servers of the test may still be up (pytest tears this fixture down before a
+        # server_factory requested earlier) and reconnect at any moment: FORCE terminates
+        # their sessions and drops in one statement (PostgreSQL 13+).
+        if admin.info.server_version >= 130000:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        else:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (name,),
+            )
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
         admin.close()
 
 
