@@ -35,11 +35,12 @@ def test_bulk_tables_of_postgresql_carry_no_foreign_key_and_sqlite_keeps_them(db
                                     "WHERE name = 'default_toast_compression'")).scalar()
             methods = dict(conn.execute(text(
                 "SELECT c.relname, a.attcompression FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
-                "WHERE (c.relname, a.attname) IN (('layer_stats', 'values'), ('layer_rollups', 'data'))")).all())
+                "WHERE (c.relname, a.attname) IN (('layer_stats', 'values'), ('layer_rollups', 'data'), "
+                "('rule_states', 'state'))")).all())
     finally:
         engine.dispose()
     if lz4:
-        assert methods == {"layer_stats": "l", "layer_rollups": "l"}, methods
+        assert methods == {"layer_stats": "l", "layer_rollups": "l", "rule_states": "l"}, methods
 
     command.downgrade(alembic_config(db_url), "0003")
     assert set(BULK) <= _fk_tables(db_url)

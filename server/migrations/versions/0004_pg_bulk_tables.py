@@ -1,4 +1,4 @@
-"""PostgreSQL: no per-row foreign-key checks and lz4 TOAST compression on the bulk tables
+"""PostgreSQL: no per-row foreign-key checks and lz4 TOAST compression on the bulk tables and rule states
 
 Revision ID: 0004
 Revises: 0003
@@ -28,7 +28,10 @@ branch_labels = None
 depends_on = None
 
 BULK_TABLES = ("steps", "custom_scalars", "layer_stats", "step_rollups", "layer_rollups")
-BLOB_COLUMNS = (("layer_stats", "values"), ("layer_rollups", "data"), ("step_rollups", "data"))
+# The rule states too: ~80 KB of JSON rewritten by every batch of a run at agent defaults
+# (E1 and E2 keep per-layer baselines, ~30 KB each), over the TOAST threshold.
+BLOB_COLUMNS = (("layer_stats", "values"), ("layer_rollups", "data"), ("step_rollups", "data"),
+                ("rule_states", "state"))
 
 
 def _lz4_available(bind) -> bool:
