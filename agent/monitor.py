@@ -422,6 +422,9 @@ class Monitor:
 
     def _wrap_step(self, original):
         def step(optimizer, *args, **kwargs):
+            # An EMA divergence job reads the weights this step changes. The global optimizer
+            # hook waits for it too, but only for torch optimizers; the scaler takes any object.
+            self._ema_barrier()
             if self._on("scaler"):
                 with self._guard("scaler"):
                     if self.optimizer is None:
@@ -717,12 +720,13 @@ class Monitor:
             self._warn.warning("ema:seal", "gradwatch: a step record could not be sealed and was dropped: %r", e)
 
     def _ema_barrier(self) -> None:
-        if self._ema_worker is not None:
+        # A forked child never has a job in flight (the worker thread did not fork with it),
+        # even if it inherited the flag of one.
+        if self._ema_worker is not None and _process.pid == self._pid:
             self._ema_worker.barrier()
 
     def _ema_barrier_hook(self, optimizer, args, kwargs):
-        if _process.pid == self._pid:   # a forked child never has a job in flight
-            self._ema_worker.barrier()
+        self._ema_barrier()
         return None
 
     def _ema_late(self) -> None:

@@ -11,9 +11,10 @@ which happens at the next step's start (its first forward, ``scaler.scale()`` or
 optimizer step), after the user's EMA update. From then until the next optimizer
 step, nothing writes the weights or the EMA tensors (forward and backward only
 read them), so the job reads a consistent state. Every optimizer step waits for
-the job first (a global optimizer step pre-hook, :meth:`EmaWorker.barrier`; on an
-ordinary step it only reads one flag), and so does the sealing of the next
-record, so records still reach the sender in step order.
+the job first (:meth:`EmaWorker.barrier`, called by the ``scaler.step()`` wrapper and
+by a global optimizer step pre-hook; on an ordinary step it only reads one flag),
+and so does the sealing of the next record, so records still reach the sender in
+step order.
 
 One job at a time: the barrier guarantees a job is done before the next one can
 be submitted.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 
 import agent
@@ -118,7 +119,9 @@ def test_a_slow_data_loader_does_not_make_every_step_a_stall(recorder, agent_set
 
 
 class GatedEMA(ShadowEMA):
-    """A ShadowEMA whose ``shadow`` blocks its reader while ``gate`` is an unset Event."""
+    """A ShadowEMA whose ``shadow``, read by any thread but the main one while ``gate`` is set up,
+    waits for the gate and then 0.3 s more: a slow EMA divergence job that began no earlier than
+    the gate opened, whenever its thread got to run."""
 
     def __init__(self, model, decay=0.9):
         self.gate = None
@@ -127,11 +130,12 @@ class GatedEMA(ShadowEMA):
 
     @property
     def shadow(self):
-        if self.gate is not None and not self.gate.is_set():
-            import threading
+        import threading
+        gate = self.gate
+        if gate is not None and threading.current_thread() is not threading.main_thread():
             self.readers.append(threading.current_thread().name)
-            self.gate.wait(30)
-            time.sleep(0.3)   # a slow job: without the barrier the optimizer step would run meanwhile
+            gate.wait(30)
+            time.sleep(0.3)   # without the barrier the optimizer step would run meanwhile
         return self._shadow
 
     @shadow.setter
@@ -139,38 +143,54 @@ class GatedEMA(ShadowEMA):
         self._shadow = value
 
 
+@pytest.mark.parametrize("with_scaler", [True, False], ids=["scaler", "optimizer-only"])
 def test_a_cpu_models_ema_divergence_runs_off_the_training_thread_and_the_optimizer_step_waits_for_it(
-        recorder, agent_settings):
+        recorder, agent_settings, with_scaler):
     """On CPU the sampled EMA divergence is computed by the agent's worker thread while the next
-    forward and backward run; the next optimizer step must wait for it, or it would read weights
-    that the step is changing. The job is held at the EMA until the optimizer step has begun;
-    the value must still be the one of the state right after the EMA update."""
+    forward and backward run; the next optimizer step must wait for it, or it would change the
+    weights the job is reading. The job is held at the EMA until just before the optimizer step
+    and then takes 0.3 s more; the step must begin only after it, and the value must be the one
+    of the state right after the EMA update. (Barriers: the scaler.step() wrapper, and a global
+    optimizer step pre-hook for loops without a scaler.)"""
     import threading
     torch.manual_seed(0)
     model, opt, scaler = tiny_loop()
+    if not with_scaler:
+        scaler = None
     ema = GatedEMA(model, decay=0.9)
+    monitor = agent.attach(model, scaler, optimizer=opt, ema=ema, transport=recorder, ema_every=1,
+                           **agent_settings)
     job_done_when_step_began: list[bool] = []
-
-    def release_gate(optimizer, args, kwargs):   # global: registered before the agent's, so it runs first
-        if ema.gate is not None:
-            ema.gate.set()
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    first = register_optimizer_step_pre_hook(release_gate)
-    monitor = agent.attach(model, scaler, ema=ema, transport=recorder, ema_every=1, **agent_settings)
-    # Runs after every global hook, the agent's barrier included.
+    # Per-optimizer pre-hooks run after every global one and after the scaler wrapper.
     mine = opt.register_step_pre_hook(
         lambda o, a, k: job_done_when_step_began.append(monitor._ema_worker._idle.is_set()))
+
+    def step(x, y, gate=None):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)   # seals the previous step: its job starts
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        if gate is not None:
+            gate.set()   # the job may read the EMA now (and then takes 0.3 s)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        ema.update(model)
+
     try:
         data = batches(3)
-        checklist_step(model, opt, scaler, *data[0], ema=ema)
+        step(*data[0])
         expected = _ema_divergence(ema, model)
-        ema.gate = threading.Event()
-        checklist_step(model, opt, scaler, *data[1], ema=ema)   # its forward seals step 0: the job starts
+        gate = ema.gate = threading.Event()
+        step(*data[1], gate=gate)
         ema.gate = None
-        checklist_step(model, opt, scaler, *data[2], ema=ema)
+        step(*data[2])
         monitor.close()
     finally:
-        first.remove()
         mine.remove()
     assert ema.readers == ["gradwatch-ema"], ema.readers
     assert job_done_when_step_began[1] is True
