@@ -702,9 +702,9 @@ class Monitor:
         """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights
         (on a GPU it is three fused kernel launches) and an optimizer whose steps the
         barrier hook sees (with neither a scaler nor an optimizer the agent cannot tell
-        when the weights change, so it computes inline)."""
-        w = self._ema_worker
-        return (w is not None and not w.broken and bool(self._params) and self._params[0].is_cpu
+        when the weights change, so it computes inline). A worker that once ran late has
+        turned the EMA collector off (``_ema_late``), so this is never asked again."""
+        return (self._ema_worker is not None and bool(self._params) and self._params[0].is_cpu
                 and (self.scaler is not None or self.optimizer is not None))
 
     def _ema_job(self, rec: StepRecord) -> None:

@@ -45,8 +45,7 @@ class EmaWorker:
         self._idle.set()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
-        self._on_late = on_late
-        self.broken = False   # a barrier timed out: callers compute inline from then on
+        self._on_late = on_late   # a barrier timed out (the monitor turns its EMA collector off)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the worker thread (call :meth:`barrier` before the next submit).
@@ -64,7 +63,6 @@ class EmaWorker:
         if self._idle.is_set():
             return
         if not self._idle.wait(BARRIER_TIMEOUT):
-            self.broken = True
             self._idle.set()   # let the other waiters go; the late job still submits its record
             if self._on_late is not None:
                 self._on_late()
