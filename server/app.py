@@ -60,7 +60,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.database = database
     app.state.auth = None
     app.state.metrics = IngestMetrics()
-    app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(settings.database_url))
+    app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(database.engine.dialect.name))
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 

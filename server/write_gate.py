@@ -25,13 +25,14 @@ import threading
 from collections import deque
 
 
-def default_permits(database_url: str) -> int:
-    """Write permits when ``GRADWATCH_WRITE_CONCURRENCY`` is not set (see the module docstring).
+def default_permits(dialect: str) -> int:
+    """Write permits when ``GRADWATCH_WRITE_CONCURRENCY`` is not set (see the module docstring),
+    by SQLAlchemy dialect name.
 
-    >>> default_permits("sqlite:////tmp/gw.db"), default_permits("postgresql+psycopg://db/gw")
+    >>> default_permits("sqlite"), default_permits("postgresql")
     (1, 2)
     """
-    return 2 if database_url.startswith("postgresql") else 1
+    return 2 if dialect == "postgresql" else 1
 
 
 class FifoGate:

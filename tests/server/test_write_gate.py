@@ -72,5 +72,10 @@ def test_permits_must_be_positive():
 
 def test_default_permits_are_one_on_sqlite_and_two_on_postgresql():
     from server.write_gate import default_permits
-    assert default_permits("sqlite:////var/lib/gradwatch/gradwatch.db") == 1
-    assert default_permits("postgresql+psycopg://postgres@127.0.0.1:5432/gw") == 2
+    from server.db import make_engine
+    for url, permits in (("sqlite:////tmp/gw-permits.db", 1), ("postgresql+psycopg://postgres@127.0.0.1:5432/gw", 2)):
+        engine = make_engine(url)   # no connection made: only the dialect is read
+        try:
+            assert default_permits(engine.dialect.name) == permits
+        finally:
+            engine.dispose()
