@@ -32,6 +32,52 @@ def _group_starts(buckets: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(np.diff(buckets)) + 1))
 
 
+def _coarsen(steps: np.ndarray, arrays: dict, levels: Sequence[int]):
+    """Yield ``(level, buckets, reduced, changed)`` for each level, coarsest last.
+
+    ``arrays`` maps a name to ``(ufunc, identity, array)`` with one row per step (``identity``: the
+    value that leaves the reduction unchanged). Each level is reduced from the one before it rather
+    than from the raw rows (a 178-step batch makes ~12 level-16 rows; the coarser levels then cost
+    next to nothing), which needs every level to divide the next. ``changed`` is False when every
+    row was alone in its bucket and passed through as it was.
+    """
+    keys, prev, cur = steps, 1, arrays
+    for level in levels:
+        if level % prev:
+            raise ValueError(f"rollup levels must each divide the next: {tuple(levels)}")
+        f = level // prev
+        buckets = keys // f                     # floor(floor(s / a) / b) == floor(s / (a * b))
+        changed = bool(len(buckets) > 1 and (buckets[1:] == buckets[:-1]).any())
+        if changed:
+            with np.errstate(invalid="ignore"):     # +inf and -inf in one bucket's sum: NaN, as stored
+                cur, buckets = _reduce_groups(keys, buckets, f, cur)
+        keys, prev = buckets, level
+        yield level, keys, cur, changed
+
+
+def _reduce_groups(keys: np.ndarray, buckets: np.ndarray, f: int, cur: dict):
+    """Reduce rows by ``buckets = keys // f`` (keys sorted, unique). Steps of a batch are (nearly)
+    consecutive, so the rows are laid out densely as (bucket, f, …) and reduced along one axis,
+    which numpy does several times faster than ``ufunc.reduceat`` along the rows; a sparse spread
+    of keys falls back to ``reduceat``."""
+    first = int(buckets[0]) * f
+    span = int(keys[-1]) - first + 1
+    groups = -(-span // f)
+    if groups * f > 4 * len(keys) + 2 * f:
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(buckets)) + 1))
+        return ({name: (op, ident, op.reduceat(a, starts, axis=0)) for name, (op, ident, a) in cur.items()},
+                buckets[starts])
+    pos = keys - first
+    occupied = np.zeros(groups, dtype=bool)
+    occupied[pos // f] = True
+    out = {}
+    for name, (op, ident, a) in cur.items():
+        dense = np.full((groups * f, *a.shape[1:]), ident, dtype=a.dtype)
+        dense[pos] = a
+        out[name] = (op, ident, op.reduce(dense.reshape(groups, f, *a.shape[1:]), axis=1)[occupied])
+    return out, np.flatnonzero(occupied) + int(buckets[0])
+
+
 def step_partials(steps: np.ndarray, values: np.ndarray, measured: np.ndarray, *,
                   levels: Sequence[int] = ROLLUP_LEVELS) -> list[tuple[int, int, bytes]]:
     """(level, bucket, blob) for sorted ``steps`` (n,), ``values`` (n, S) float64 with
@@ -39,25 +85,29 @@ def step_partials(steps: np.ndarray, values: np.ndarray, measured: np.ndarray, *
     n = len(steps)
     if n == 0:
         return []
-    isnan = np.isnan(values) & measured
-    nonfinite = (isnan | np.isinf(values)).astype(np.float64)
-    idx = np.where(measured, np.arange(n)[:, None], -1)
+    nonfinite = (~np.isfinite(values) & measured).astype(np.float64)
+    rows = {"min": (np.minimum, np.inf, np.where(np.isnan(values), np.inf, values)),
+            "max": (np.maximum, -np.inf, np.where(np.isnan(values), -np.inf, values)),
+            "count": (np.add, 0.0, measured.astype(np.float64)),
+            "nonfinite": (np.add, 0.0, nonfinite),
+            "finite": (np.add, 0, (measured & ~np.isnan(values)).astype(np.int64)),
+            "last": (np.maximum, -1, np.where(measured, np.arange(n)[:, None], -1))}
+    cols = np.arange(values.shape[1])[None, :]
     out = []
-    for level in levels:
-        buckets = steps // level
-        starts = _group_starts(buckets)
-        mn = np.fmin.reduceat(values, starts, axis=0)
-        mx = np.fmax.reduceat(values, starts, axis=0)
-        cnt = np.add.reduceat(measured.astype(np.float64), starts, axis=0)
-        nf = np.add.reduceat(nonfinite, starts, axis=0)
-        last_idx = np.maximum.reduceat(idx, starts, axis=0)
-        has = last_idx >= 0
-        safe = np.where(has, last_idx, 0)
-        last_step = np.where(has, steps[safe].astype(np.float64), -1.0)
-        last_val = np.where(has, values[safe, np.arange(S)[None, :]], np.nan)
-        block = np.stack([mn, mx, cnt, nf, last_step, last_val], axis=1)  # (g, 6, S)
-        for g, b in enumerate(buckets[starts].tolist()):
-            out.append((level, int(b), block[g].astype("<f8").tobytes()))
+    raw = b""
+    for level, buckets, r, changed in _coarsen(steps, rows, levels):
+        if changed or not raw:
+            empty = r["finite"][2] == 0         # nothing but NaN: min and max are NaN
+            last_idx = r["last"][2]
+            has = last_idx >= 0
+            safe = np.where(has, last_idx, 0)
+            last_step = np.where(has, steps[safe].astype(np.float64), -1.0)
+            last_val = np.where(has, values[safe, cols], np.nan)
+            block = np.stack([np.where(empty, np.nan, r["min"][2]), np.where(empty, np.nan, r["max"][2]),
+                              r["count"][2], r["nonfinite"][2], last_step, last_val], axis=1).astype("<f8")
+            raw, size = block.tobytes(), block[0].nbytes   # (g, 6, S)
+        for g, b in enumerate(buckets.tolist()):
+            out.append((level, b, raw[g * size:(g + 1) * size]))
     return out
 
 
@@ -67,52 +117,48 @@ def layer_partials(steps: np.ndarray, blobs: Sequence[bytes], *,
     n = len(steps)
     if n == 0:
         return []
-    width = max(len(b) // 4 for b in blobs)
-    if n == 1 and len(blobs[0]) == 4 * width:
-        # one step (statistics sampled every K steps): its partial is the same at every level
-        bits = np.frombuffer(blobs[0], dtype="<u4")
-        measured = bits != NULL_F32_BITS
-        vals = bits.view("<f4")
-        isnan = np.isnan(vals) & measured
-        ok = measured & ~isnan
-        clean = np.where(ok, vals, np.float32(np.nan))
-        body = np.stack([clean, clean, np.where(ok, vals, np.float32(0)), ok, isnan, vals]).astype("<f4")
-        blob = np.array([steps[0]], dtype="<f8").tobytes() + body.tobytes()
-        s0 = int(steps[0])
-        return [(level, s0 // level, blob) for level in levels]
-    bits = np.full((n, width), NULL_F32_BITS, dtype="<u4")
-    for i, b in enumerate(blobs):
-        a = np.frombuffer(b, dtype="<u4")
-        bits[i, : len(a)] = a
+    sizes = {len(b) for b in blobs}
+    width = max(sizes) // 4
+    if len(sizes) == 1:   # the usual case: every step reports every layer
+        bits = np.frombuffer(b"".join(blobs), dtype="<u4").reshape(n, width)
+    else:
+        bits = np.full((n, width), NULL_F32_BITS, dtype="<u4")
+        for i, b in enumerate(blobs):
+            a = np.frombuffer(b, dtype="<u4")
+            bits[i, : len(a)] = a
     measured = bits != NULL_F32_BITS
     vals = bits.view("<f4")
-    isnan = np.isnan(vals) & measured
-    clean = np.where(measured & ~isnan, vals, np.float32(np.nan))
-    zeroed = np.where(np.isnan(clean), np.float32(0), clean)
-    counted = (measured & ~isnan).astype(np.float32)
-    nan_f = isnan.astype(np.float32)
-    idx = np.where(measured, np.arange(n)[:, None], -1)
+    nan = np.isnan(vals)
+    ok = measured & ~nan
+    rows = {"min": (np.minimum, np.inf, np.where(ok, vals, np.float32(np.inf))),
+            "max": (np.maximum, -np.inf, np.where(ok, vals, np.float32(-np.inf))),
+            # summed in float64 (stored as float32): a long bucket's mean keeps its precision
+            "sum": (np.add, 0.0, np.where(ok, vals, np.float32(0)).astype(np.float64)),
+            "count": (np.add, 0, ok.astype(np.int32)), "nan": (np.add, 0, (nan & measured).astype(np.int32)),
+            "last": (np.maximum, -1, np.where(measured, np.arange(n, dtype=np.int32)[:, None], np.int32(-1))),
+            "last_step": (np.maximum, -np.inf, steps.astype(np.float64))}
     record = np.dtype([("last_step", "<f8"), ("rows", "<f4", (6, width))])
+    cols = np.arange(width)[None, :]
     out = []
-    for level in levels:
-        buckets = steps // level
-        starts = _group_starts(buckets)
-        groups = len(starts)
-        rec = np.empty(groups, dtype=record)
-        rows = rec["rows"]
-        rows[:, 0] = np.fmin.reduceat(clean, starts, axis=0)
-        rows[:, 1] = np.fmax.reduceat(clean, starts, axis=0)
-        rows[:, 2] = np.add.reduceat(zeroed, starts, axis=0)
-        rows[:, 3] = np.add.reduceat(counted, starts, axis=0)
-        rows[:, 4] = np.add.reduceat(nan_f, starts, axis=0)
-        last_idx = np.maximum.reduceat(idx, starts, axis=0)
-        has = last_idx >= 0
-        rows[:, 5] = np.where(has, bits[np.where(has, last_idx, 0), np.arange(width)[None, :]],
-                              NULL_F32_BITS).view("<f4")
-        rec["last_step"] = steps[np.maximum.reduceat(np.arange(n), starts)]
-        raw, size = rec.tobytes(), record.itemsize
-        for g, b in enumerate(buckets[starts].tolist()):
-            out.append((level, int(b), raw[g * size:(g + 1) * size]))
+    raw = b""
+    for level, buckets, r, changed in _coarsen(steps, rows, levels):
+        if changed or not raw:
+            count = r["count"][2]
+            empty = count == 0                  # nothing measured but NaN: min and max are NaN
+            rec = np.empty(len(buckets), dtype=record)
+            body = rec["rows"]
+            body[:, 0] = np.where(empty, np.float32(np.nan), r["min"][2])
+            body[:, 1] = np.where(empty, np.float32(np.nan), r["max"][2])
+            body[:, 2] = r["sum"][2]
+            body[:, 3] = count
+            body[:, 4] = r["nan"][2]
+            last_idx = r["last"][2]
+            has = last_idx >= 0
+            body[:, 5] = np.where(has, bits[np.where(has, last_idx, 0), cols], NULL_F32_BITS).view("<f4")
+            rec["last_step"] = r["last_step"][2]
+            raw, size = rec.tobytes(), record.itemsize
+        for g, b in enumerate(buckets.tolist()):
+            out.append((level, b, raw[g * size:(g + 1) * size]))
     return out
 
 
