@@ -20,18 +20,18 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 try:  # JSON columns (rule states, alert evidence) are read and written on every batch: orjson is 5-10x faster
     import orjson
 
-    def _json_dumps(obj) -> str:
+    def json_dumps(obj) -> str:
         # Every writer already stores strict JSON (PostgreSQL's json type rejects NaN, so values go
         # through numbers.json_safe / rules.stats.enc first); orjson would turn a stray NaN into null.
         return orjson.dumps(obj).decode()
 
-    def _json_loads(text):
+    def json_loads(text):
         try:
             return orjson.loads(text)
         except orjson.JSONDecodeError:   # rows written by older versions may hold bare NaN tokens
             return json.loads(text)
 except ImportError:  # pragma: no cover - orjson is in the server extra
-    _json_dumps, _json_loads = json.dumps, json.loads
+    json_dumps, json_loads = json.dumps, json.loads
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -49,7 +49,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
-                               json_serializer=_json_dumps, json_deserializer=_json_loads)
+                               json_serializer=json_dumps, json_deserializer=json_loads)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):
@@ -68,7 +68,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
 
         return engine
     return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True,
-                         json_serializer=_json_dumps, json_deserializer=_json_loads)
+                         json_serializer=json_dumps, json_deserializer=json_loads)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ import math
 import random
 
 import pytest
+from sqlalchemy import select
 
+from server.models import RuleState, Run
 from tests.rules.conftest import RulesDB, run_name, step
 
 
@@ -223,3 +225,67 @@ def test_acknowledge(rdb):
         assert acknowledge_alert(s, alert_id=10**9) is None
         s.commit()
     assert rdb.rules(name)["A1"].acknowledged is True
+
+
+def _states(rdb: RulesDB, name: str) -> dict[str, dict]:
+    with rdb.db.sessionmaker() as s:
+        run_id = s.scalar(select(Run.id).where(Run.name == name))
+        return {r.rule: r.state for r in s.scalars(select(RuleState).where(RuleState.run_id == run_id,
+                                                                           RuleState.rank == 0))}
+
+
+def test_rule_states_round_trip_a_failing_rule_keeps_its_stored_state_and_unchanged_rows_are_not_rewritten(
+        db_url, tmp_path, monkeypatch, caplog):
+    """States are read and written with plain SQL (the ``::json`` cast on PostgreSQL): a streak begun in
+    one batch continues in the next; a rule that raises half-way through a batch leaves its stored state as
+    it was while the others' are saved; a batch that changes no state writes no rule_states row."""
+    from server.rules import checks
+
+    rdb = RulesDB(db_url, tmp_path)
+    name = run_name()
+    steps = healthy(40)
+    for s in steps[20:]:
+        s["lr"] = 0.0
+    rdb.feed(name, steps[:25], batch=25)
+    before = _states(rdb, name)
+    assert before["B4"]["streak"] == 5 and before["B4"]["since"] == 20
+
+    real = checks.LrZero.observe
+    calls = []
+
+    def broken(self, ctx, state, cfg, st):
+        out = real(self, ctx, state, cfg, st)     # mutates the state first, then fails
+        calls.append(st["step"])
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return out
+
+    monkeypatch.setattr(checks.LrZero, "observe", broken)
+    with caplog.at_level("ERROR", logger="gradwatch.rules"):
+        rdb.feed(name, steps[25:35], batch=10)
+    assert "rule B4 failed" in caplog.text
+    after = _states(rdb, name)
+    assert after["B4"] == before["B4"]                        # the failed batch's changes thrown away
+    assert after["C1"] != before["C1"]                        # the others were saved
+    monkeypatch.setattr(checks.LrZero, "observe", real)
+    rdb.feed(name, steps[35:40], batch=5)
+    assert _states(rdb, name)["B4"]["streak"] == 10           # 20..24 and 35..39: the lost batch stays lost
+
+    # a batch of events only (no steps): no rule state changes, so nothing is written
+    from sqlalchemy import event
+
+    written = []
+
+    def spy(conn, cursor, statement, params, context, executemany):
+        if "rule_states" in statement and statement.lstrip().upper().startswith(("UPDATE", "INSERT")):
+            written.append(statement)
+
+    event.listen(rdb.db.engine, "before_cursor_execute", spy)
+    try:
+        rdb.feed(name, [], events=[{"kind": "note", "step": 39, "data": {"x": 1}}])
+        assert written == []
+        rdb.feed(name, healthy(1, start=40))
+        assert written, "a batch with steps must write the states it changed"
+    finally:
+        event.remove(rdb.db.engine, "before_cursor_execute", spy)
+    rdb.close()
