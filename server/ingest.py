@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from .models import STEP_SIGNALS, IngestBatch, Project, Run, RunEvent, Step
 from .numbers import NULL_F32_BITS, json_safe, null_mask
-from .rollups import layer_partials, step_partials
+from .rollups import layer_partials_by_stat, step_partials
 from .rules.engine import evaluate_batch
 from .schemas import IngestBatchIn
 from .settings import Settings
@@ -54,6 +54,10 @@ def _insert(session: Session, table):
 _PROJECT_BY_NAME = select(Project).where(Project.name == bindparam("name"))
 _RUN_FOR_UPDATE = (select(Run).where(Run.project_id == bindparam("project_id"), Run.name == bindparam("name"))
                    .with_for_update())
+# the usual batch: run and project both exist; one statement finds and locks the run
+_RUN_OF_PROJECT_FOR_UPDATE = (select(Run, Project).join(Project, Project.id == Run.project_id)
+                              .where(Project.name == bindparam("project"), Run.name == bindparam("name"))
+                              .with_for_update(of=Run))
 _STORED_STEPS = select(Step.step).where(Step.run_id == bindparam("run_id"), Step.rank == bindparam("rank"),
                                         Step.step >= bindparam("lo"), Step.step <= bindparam("hi"))
 
@@ -83,6 +87,8 @@ def _get_or_create_run(session: Session, *, project: Project, name: str, world_s
 
 
 _STEP_COLUMNS = ("run_id", "rank", "step", "time", *STEP_SIGNALS, "nan_mask")
+_SIGNALS_AT = slice(4, 4 + len(STEP_SIGNALS))          # the signals' place in a step row
+_NAN_BITS = np.array([_NAN_BIT[name] for name in STEP_SIGNALS], dtype=np.int64)
 
 
 def _step_row(run_id: int, rank: int, s) -> tuple:
@@ -180,6 +186,20 @@ class _LayerView(Mapping):
         return arr
 
 
+def _keys_present(steps: list) -> frozenset:
+    """``rules.checks.keys_present`` of the steps' wire dicts, read off the validated models: a column
+    is almost always set on the first step, so ``any`` stops there."""
+    if not steps:
+        return frozenset()
+    keys = {"step", "time", "custom"}          # required, or a dict (never None)
+    keys.update(name for name in STEP_SIGNALS if any(getattr(s, name) is not None for s in steps))
+    for s in steps:
+        for stat, blob in s.layers.items():
+            if blob:
+                keys.add("layers." + stat)
+    return frozenset(keys)
+
+
 def _wire_step(s) -> dict[str, Any]:
     d = {name: getattr(s, name) for name in ("step", "time", *STEP_SIGNALS)}
     d["custom"] = dict(s.custom)
@@ -194,8 +214,12 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     ``evaluate_rules=False`` only for bulk loads (bench/query.py builds a
     million-step run): no alerts, no webhook outbox rows.
     """
-    project = get_or_create_project(session, name=batch.project, now=now)
-    run = _get_or_create_run(session, project=project, name=batch.run, world_size=batch.world_size, now=now)
+    found = session.execute(_RUN_OF_PROJECT_FOR_UPDATE, {"project": batch.project, "name": batch.run}).one_or_none()
+    if found is not None:
+        run, project = found
+    else:
+        project = get_or_create_project(session, name=batch.project, now=now)
+        run = _get_or_create_run(session, project=project, name=batch.run, world_size=batch.world_size, now=now)
 
     inserted = session.execute(
         _insert(session, IngestBatch).values(
@@ -218,7 +242,8 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         fresh = [s for s in steps if s.step not in stored] if stored else _dedupe(steps)
         if stored:
             fresh = _dedupe(fresh)
-        rows += bulk_insert(session, "steps", _STEP_COLUMNS, [_step_row(run.id, rank, s) for s in fresh])
+        step_rows = [_step_row(run.id, rank, s) for s in fresh]
+        rows += bulk_insert(session, "steps", _STEP_COLUMNS, step_rows)
         values += len(fresh) * len(STEP_SIGNALS)
         custom_rows = []
         layer_rows = []
@@ -236,7 +261,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         rows += bulk_insert(session, "custom_scalars", ("run_id", "key", "rank", "step", "value", "is_nan"), custom_rows)
         values += len(custom_rows)
         rows += bulk_insert(session, "layer_stats", ("run_id", "stat", "rank", "step", "values"), layer_rows)
-        rows += _write_rollups(session, run_id=run.id, rank=rank, fresh=fresh, by_stat=by_stat)
+        rows += _write_rollups(session, run_id=run.id, rank=rank, step_rows=step_rows, by_stat=by_stat)
 
     if batch.events:
         session.execute(
@@ -254,7 +279,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     wire_steps = [_wire_step(s) for s in steps]
     wire_events = [e.model_dump() for e in batch.events]
     alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
-                            settings=settings, now=now) or []
+                            settings=settings, now=now, present=_keys_present(steps)) or []
     enqueued = 0
     if alerts:
         session.flush()
@@ -263,19 +288,22 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
                          alerts_enqueued=enqueued, values_written=values, rows_written=rows + len(batch.events))
 
 
-def _write_rollups(session: Session, *, run_id: int, rank: int, fresh: list, by_stat: dict) -> int:
-    if not fresh:
+def _write_rollups(session: Session, *, run_id: int, rank: int, step_rows: list[tuple], by_stat: dict) -> int:
+    if not step_rows:
         return 0
-    step_arr = np.fromiter((s.step for s in fresh), dtype=np.int64, count=len(fresh))
-    raw = [[_as_float(getattr(s, name)) for name in STEP_SIGNALS] for s in fresh]
-    vals = np.array(raw, dtype=np.float64)  # None -> NaN
-    measured = np.array([[v is not None for v in row] for row in raw], dtype=bool)
+    # the steps' rows as written (NaN stored as None plus its nan_mask bit) give the rollups' input
+    # in two array conversions instead of a Python loop over every signal of every step
+    step_arr = np.fromiter((r[2] for r in step_rows), dtype=np.int64, count=len(step_rows))
+    vals = np.array([r[_SIGNALS_AT] for r in step_rows], dtype=np.float64)   # None -> NaN
+    masks = np.fromiter((r[-1] for r in step_rows), dtype=np.int64, count=len(step_rows))
+    measured = ~np.isnan(vals)
+    if masks.any():
+        nan_cells = (masks[:, None] & _NAN_BITS[None, :]) != 0
+        vals[nan_cells] = np.nan
+        measured |= nan_cells
     n = bulk_insert(session, "step_rollups", ("run_id", "rank", "level", "bucket", "data"),
                 [(run_id, rank, lvl, b, blob) for lvl, b, blob in step_partials(step_arr, vals, measured)])
-    layer_rollups = []
-    for stat, (st, blobs) in by_stat.items():
-        for lvl, b, blob in layer_partials(np.array(st, dtype=np.int64), blobs):
-            layer_rollups.append((run_id, stat, rank, lvl, b, blob))
+    layer_rollups = [(run_id, stat, rank, lvl, b, blob) for stat, lvl, b, blob in layer_partials_by_stat(by_stat)]
     return n + bulk_insert(session, "layer_rollups", ("run_id", "stat", "rank", "level", "bucket", "data"),
                            layer_rollups)
 
@@ -288,12 +316,6 @@ def _dedupe(steps: list) -> list:
             out.append(s)
             last = s.step
     return out
-
-
-def _as_float(v) -> Optional[float]:
-    if v is None:
-        return None
-    return float(v)
 
 
 def _update_run(run: Run, *, batch: IngestBatchIn, steps: list, now: float) -> None:

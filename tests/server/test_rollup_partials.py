@@ -146,3 +146,23 @@ def test_step_partials_match_brute_force(spread):
 def test_levels_must_divide():
     with pytest.raises(ValueError, match="divide"):
         layer_partials(np.arange(40, dtype=np.int64), [b"\0" * 8] * 40, levels=(16, 24))
+
+
+def test_stats_sampled_together_give_the_partials_each_would_alone():
+    """``layer_partials_by_stat`` reduces stats that share their steps side by side; each stat's
+    partials must be exactly what it gets on its own, whatever its width."""
+    from server.rollups import layer_partials_by_stat
+
+    rng = np.random.default_rng(5)
+    every = np.arange(1000, 1178, dtype=np.int64)
+    sampled = np.array([1000, 1100], dtype=np.int64)
+    by_stat = {"grad_norm": (every, [rng.normal(size=150).astype("<f4").tobytes() for _ in every])}
+    for k, stat in enumerate(("act_std", "act_mean", "weight_norm", "bn_var_norm")):
+        width = 150 if k < 3 else 7                               # a BatchNorm stat has fewer layers
+        by_stat[stat] = (sampled, [rng.normal(size=width).astype("<f4").tobytes() for _ in sampled])
+    by_stat["update_ratio"] = (sampled[:1], [rng.normal(size=150).astype("<f4").tobytes()])
+    got = layer_partials_by_stat(by_stat)
+    for stat, (steps, blobs) in by_stat.items():
+        alone = layer_partials(steps, blobs)
+        assert [(lv, b, blob) for s, lv, b, blob in got if s == stat] == alone, stat
+    assert len(got) == sum(len(layer_partials(st, bl)) for st, bl in by_stat.values())
