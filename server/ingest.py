@@ -108,8 +108,10 @@ def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list
     """Plain multi-row insert through the driver, inside the session's transaction.
 
     Only for rows known to be new (the caller holds the run's lock and has
-    filtered out stored steps): PostgreSQL gets ``COPY`` (an order of
-    magnitude faster than INSERT), SQLite an ``executemany``.
+    filtered out stored steps): PostgreSQL gets a binary ``COPY`` (an order of
+    magnitude faster than INSERT, and the binary format another 2-6x cheaper
+    than text for both sides: no float formatting or bytea hex), SQLite an
+    ``executemany``.
     """
     if not rows:
         return 0
@@ -117,13 +119,27 @@ def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list
     cols = ", ".join(f'"{c}"' for c in columns)
     if conn.dialect.name == "postgresql":
         raw = conn.connection.driver_connection
-        with raw.cursor() as cur, cur.copy(f"COPY {table} ({cols}) FROM STDIN") as copy:
+        types = _copy_types(conn.connection.info, raw, table, cols)
+        with raw.cursor() as cur, cur.copy(f"COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(types)
             for r in rows:
                 copy.write_row(r)
     else:
         marks = ", ".join("?" * len(columns))
         conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({marks})", rows)
     return len(rows)
+
+
+def _copy_types(info: dict, raw, table: str, cols: str) -> list[int]:
+    """The columns' type oids, which a binary COPY must send exactly: read from the table itself once
+    per pooled connection, so they follow the migrations rather than a list kept here by hand."""
+    cache = info.setdefault("gradwatch_copy_types", {})
+    key = (table, cols)
+    if key not in cache:
+        with raw.cursor() as cur:
+            cur.execute(f"SELECT {cols} FROM {table} LIMIT 0")
+            cache[key] = [d.type_code for d in cur.description]
+    return cache[key]
 
 
 _NULL_BYTES = np.array([NULL_F32_BITS], dtype="<u4").tobytes()
