@@ -62,6 +62,22 @@ _STORED_STEPS = select(Step.step).where(Step.run_id == bindparam("run_id"), Step
                                         Step.step >= bindparam("lo"), Step.step <= bindparam("hi"))
 
 
+_BATCH_ID_INSERTS: dict[str, Any] = {}
+
+
+def _batch_id_insert(session: Session):
+    """INSERT … ON CONFLICT DO NOTHING RETURNING for the batch id, built once per dialect."""
+    dialect = session.bind.dialect.name
+    stmt = _BATCH_ID_INSERTS.get(dialect)
+    if stmt is None:
+        stmt = _BATCH_ID_INSERTS[dialect] = (
+            _insert(session, IngestBatch)
+            .values(batch_id=bindparam("batch_id"), run_id=bindparam("run_id"), received_at=bindparam("received_at"),
+                    step_count=bindparam("step_count"))
+            .on_conflict_do_nothing(index_elements=["batch_id"]).returning(IngestBatch.batch_id))
+    return stmt
+
+
 def get_or_create_project(session: Session, *, name: str, now: float) -> Project:
     # look first: after a project's first batch this is one indexed read and no write
     project = session.scalars(_PROJECT_BY_NAME, {"name": name}).one_or_none()
@@ -216,8 +232,15 @@ def _keys_present(steps: list) -> frozenset:
     return frozenset(keys)
 
 
+_WIRE_KEYS = ("step", "time", *STEP_SIGNALS, "custom", "layers")
+
+
 def _wire_step(s) -> dict[str, Any]:
-    d = {name: getattr(s, name) for name in ("step", "time", *STEP_SIGNALS)}
+    """A step as the rules read it: the model's fields (its ``__dict__`` copied in C, not read one
+    ``getattr`` at a time), ``custom`` a copy, ``layers`` decoded on demand."""
+    d = s.__dict__.copy()
+    if len(d) != len(_WIRE_KEYS):            # a field added to StepIn: the rules get exactly these keys
+        d = {k: d.get(k) for k in _WIRE_KEYS}
     d["custom"] = dict(s.custom)
     d["layers"] = _LayerView(s.layers)
     return d
@@ -237,11 +260,9 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         project = get_or_create_project(session, name=batch.project, now=now)
         run = _get_or_create_run(session, project=project, name=batch.run, world_size=batch.world_size, now=now)
 
-    inserted = session.execute(
-        _insert(session, IngestBatch).values(
-            batch_id=batch.batch_id, run_id=run.id, received_at=now, step_count=len(batch.steps)
-        ).on_conflict_do_nothing(index_elements=["batch_id"]).returning(IngestBatch.batch_id)
-    ).scalar_one_or_none()
+    inserted = session.execute(_batch_id_insert(session), {
+        "batch_id": batch.batch_id, "run_id": run.id, "received_at": now, "step_count": len(batch.steps)
+    }).scalar_one_or_none()
     if inserted is None:
         return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True)
 

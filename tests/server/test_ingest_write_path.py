@@ -55,3 +55,18 @@ def test_keys_present_sees_a_signal_set_only_on_the_last_step():
     steps = IngestBatchIn.model_validate(body).steps
     got = _keys_present(steps)
     assert "lr" in got and "grad_norm" not in got and math.isnan(steps[-1].lr)
+
+
+def test_wire_step_holds_exactly_the_step_fields_the_rules_read():
+    from server.ingest import _WIRE_KEYS
+    from server.schemas import StepIn
+
+    assert set(StepIn.model_fields) == set(_WIRE_KEYS)
+    body = {"batch_id": "b", "project": "p", "run": "r",
+            "steps": [{"step": 3, "time": 1.0, "loss": "NaN", "custom": {"a": 1.0}, "layers": {"grad_norm": [1.0]},
+                       "unknown_field": 5}]}
+    st = IngestBatchIn.model_validate(body).steps[0]
+    d = _wire_step(st)
+    assert list(d) == list(_WIRE_KEYS)
+    assert d["step"] == 3 and math.isnan(d["loss"]) and d["lr"] is None and d["custom"] == {"a": 1.0}
+    assert d["custom"] is not st.custom and d["layers"]["grad_norm"] == [1.0]
