@@ -8,6 +8,7 @@ Windows hold finite values only and leave out what the rule flagged.
 from __future__ import annotations
 
 import base64
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -16,7 +17,7 @@ import numpy as np
 
 from server.rules.alerts import Hit
 from server.rules.catalogue import RULES_BY_ID
-from server.rules.stats import enc, finite, fmt, median, median_mad, num
+from server.rules.stats import MAD_TO_SIGMA, enc, finite, fmt, median, median_mad, num
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Context:
     events: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
     # step keys with a value somewhere in the batch ("layers.<stat>" for non-empty arrays): keys_present()
     present: frozenset = frozenset()
+    # per-batch columns the fast paths share (_column, _steps_with): several rules read the same signals
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def keys_present(steps: list[dict]) -> frozenset:
@@ -89,6 +92,177 @@ def _layer_array(st: dict, stat: str) -> Optional[np.ndarray]:
     return np.array([math.nan if v is None else num(v) for v in values], dtype=np.float64)
 
 
+_FLOAT_OR_NONE = frozenset((float, type(None)))
+
+
+def _column(ctx: Context, steps: list[dict], key: str, as_float: bool = True) -> list:
+    """``[num(st.get(key)) for st in steps]`` (``as_float=False``: the raw values), worked out once per
+    batch for all the rules that read ``key``. Shared: callers must not change the list."""
+    hit = ctx.cache.get((key, as_float))
+    if hit is not None and hit[0] is steps and len(hit[1]) == len(steps):
+        return hit[1]
+    values = [st.get(key) for st in steps]
+    # the wire schema already gives floats or None, which num() returns as they are: skip its calls then
+    if as_float and not set(map(type, values)) <= _FLOAT_OR_NONE:
+        values = [num(v) for v in values]
+    ctx.cache[(key, as_float)] = (steps, values)
+    return values
+
+
+def _all_finite(xs: list[float]) -> bool:
+    """Whether every value (no None) is finite. A NaN or an infinity makes the sum non-finite, so a finite
+    sum (one C loop) settles the usual case; a sum that overflowed is checked value by value."""
+    try:
+        if math.isfinite(sum(xs)):
+            return True
+    except TypeError:
+        pass
+    return all(map(math.isfinite, xs))
+
+
+# the per-layer statistics the agent sends on few steps, read by rules that observe only those steps
+_SPARSE_STATS = frozenset(("bn_var_norm", "act_std", "weight_norm", "update_ratio"))
+
+
+def _steps_with(ctx: Context, steps: list[dict], stat: str) -> list[dict]:
+    """The batch's steps that carry a non-empty ``stat`` array (``_layer_present``), worked out for all of
+    ``_SPARSE_STATS`` in one pass over the batch that the per-layer rules share. Other names (grad_norm,
+    on every step) are passed over without a call into the layer view."""
+    if stat not in _SPARSE_STATS:
+        return [st for st in steps if _layer_present(st, stat)]
+    hit = ctx.cache.get("layers")
+    if hit is None or hit[0] is not steps:
+        index: dict[str, list[dict]] = {}
+        for st in steps:
+            layers = st.get("layers")
+            if layers is None:
+                continue
+            present = getattr(layers, "present", None)
+            for name in layers:
+                if name in _SPARSE_STATS and (present(name) if present is not None else bool(layers.get(name))):
+                    index.setdefault(name, []).append(st)
+        hit = ctx.cache["layers"] = (steps, index)
+    return hit[1].get(stat, [])
+
+
+def _medians(w: np.ndarray) -> np.ndarray:
+    """``median`` of each row (bit-identical: the middle order statistics, the same float operations)."""
+    n = w.shape[1]
+    mid = n // 2
+    if n % 2:
+        return np.partition(w, mid, axis=1)[:, mid]
+    p = np.partition(w, (mid - 1, mid), axis=1)
+    return 0.5 * (p[:, mid - 1] + p[:, mid])
+
+
+def _np_medians(w: np.ndarray) -> np.ndarray:
+    """``np.median(w, axis=1)``, bit for bit (a NaN in a row gives NaN), without its per-call overhead."""
+    med = _medians(w)
+    if np.isnan(med).any() or np.isnan(w).any():
+        med = np.where(np.isnan(w).any(axis=1), np.nan, med)
+    return med
+
+
+def _mads(w: np.ndarray, med: np.ndarray) -> np.ndarray:
+    """The MAD half of ``median_mad`` for each row of ``w`` around its median ``med`` (bit-identical)."""
+    return MAD_TO_SIGMA * _medians(np.abs(w - med[:, None]))
+
+
+def _slices(arr: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple[Any, np.ndarray]]:
+    """The slices arr[lo[i]:hi[i]] as matrices, one per length: [(which slices, one slice a row)]. There is
+    one length but at a run's start (a window still filling), so the rules' numpy work is one call."""
+    lengths = hi - lo
+    if lengths.min() == lengths.max():
+        return [(slice(None), arr[lo[:, None] + np.arange(int(lengths[0]))])]
+    return [(rows, arr[lo[rows][:, None] + np.arange(n)])
+            for n in np.unique(lengths).tolist() for rows in [np.flatnonzero(lengths == n)]]
+
+
+def _per_slice(groups: list, count: int, fn) -> np.ndarray:
+    """``fn`` (matrix -> one value per row) over the slices of ``_slices``, in slice order."""
+    if len(groups) == 1 and isinstance(groups[0][0], slice):
+        return fn(groups[0][1])
+    out = np.empty(count)
+    for rows, w in groups:
+        out[rows] = fn(w)
+    return out
+
+
+class _Refreshes:
+    """The windows on which ``Window.stats()`` would recompute its statistics while a rule pushes ``xs``
+    one by one, asking for them before each push once the window holds ``min_len`` values (A1, A2, C3
+    and D2 do). The walk judges a value by the statistics of the last refresh, not the batch start's, so a
+    fast path must too: values ``xs[first:]`` are judged in blocks of ``refresh``, each by its refresh.
+    ``ok`` is False where the walk would take the median of an empty window: leave that to the walk.
+    The arrays are made on first use: a fast path that settles the batch by a bound needs none."""
+
+    def __init__(self, win: "Window", xs: list[float], min_len: int):
+        self.n0, self.size, self.m = n0, size, m = len(win.values), win.size, len(xs)
+        self.ok = win._stats is None and n0 <= size
+        self.first = m if size < min_len else min(m, max(0, min_len - n0))
+        self.count = 0
+        if not self.ok or self.first >= m:
+            return
+        if n0 + self.first == 0:
+            self.ok = False
+            return
+        self.win, self.xs, self.refresh = win, xs, win.refresh
+        self.count = len(range(self.first, m, self.refresh))
+
+    @functools.cached_property
+    def arr(self) -> np.ndarray:
+        return np.concatenate((self.win.array(), np.asarray(self.xs, dtype=np.float64)))
+
+    @functools.cached_property
+    def groups(self) -> list:
+        hi = self.n0 + np.arange(self.first, self.m, self.refresh)
+        return _slices(self.arr, np.maximum(hi - self.size, 0), hi)
+
+    @functools.cached_property
+    def med(self) -> np.ndarray:
+        return _per_slice(self.groups, self.count, _medians)
+
+    def per_value(self, per_refresh: np.ndarray) -> np.ndarray:
+        return np.repeat(per_refresh, np.minimum(self.refresh, self.m - np.arange(self.first, self.m, self.refresh)))
+
+    def block_max(self) -> np.ndarray:
+        """The largest value judged by each refresh."""
+        return np.maximum.reduceat(self.arr[self.n0 + self.first:], np.arange(0, self.m - self.first, self.refresh))
+
+    def mad(self, rows: np.ndarray) -> np.ndarray:
+        """The MAD of the refreshes ``rows`` (a boolean mask), NaN for the others."""
+        out = np.full(self.count, np.nan)
+        for which, w in self.groups:
+            sel = rows[which]
+            if sel.any():
+                idx = np.arange(self.count)[which][sel]
+                out[idx] = _mads(w[sel], self.med[idx])
+        return out
+
+
+def _observe_carriers(rule: "Rule", ctx: Context, state: dict, cfg: dict, steps: list[dict], stat: str,
+                      lists: tuple[str, ...] = ()) -> bool:
+    """The fast path of a rule that reads one per-layer statistic, sent on few steps (every 100 by the
+    agent's defaults): on a step without it observe returns None and changes nothing, so only the steps
+    that carry it are observed. A hit among them: the state goes back as it was (``lists``: its lists that
+    observe changes in place; the rule's own arrays are reset by ``begin``) and the engine walks the batch."""
+    carriers = _steps_with(ctx, steps, stat)
+    if not carriers:
+        return True
+    saved = dict(state)
+    for key in lists:
+        if isinstance(saved.get(key), list):
+            saved[key] = list(saved[key])
+    for st in carriers:
+        verdict = rule.observe(ctx, state, cfg, st)
+        if verdict is not None and verdict is not False:
+            state.clear()
+            state.update(saved)
+            rule.begin(ctx, state, cfg)
+            return False
+    return True
+
+
 def _name(names: list[str], i: int) -> str:
     return names[i] if 0 <= i < len(names) else f"#{i}"
 
@@ -117,24 +291,33 @@ class Window:
     def __init__(self, state: dict, key: str, size: int, refresh: int = 8):
         self.state, self.key, self.size, self.refresh = state, key, size, refresh
         raw = state.get(key)
+        self._arr: Optional[np.ndarray] = None     # the values as an array while none is pushed (fast paths)
         if isinstance(raw, str):      # stored packed: base64 of little-endian float64
-            self.values: list[float] = _unpack_f8(raw).tolist()
+            self._arr = _unpack_f8(raw)
+            self.values: list[float] = self._arr.tolist()
         else:
             self.values = list(raw or [])
         self._stats: Optional[tuple[float, float]] = None
         self._since = 0
+
+    def array(self) -> np.ndarray:
+        if self._arr is None or len(self._arr) != len(self.values):
+            self._arr = np.array(self.values, dtype=np.float64)
+        return self._arr
 
     def save(self) -> None:
         """Write the window back into the state, packed (a JSON string, not a list of numbers)."""
         self.state[self.key] = _pack_f8(self.values)
 
     def push(self, x: float) -> None:
+        self._arr = None
         self.values.append(float(x))
         if len(self.values) > self.size:
             del self.values[: len(self.values) - self.size]
         self._since += 1
 
     def extend(self, xs: list[float]) -> None:
+        self._arr = None
         self.values.extend(xs)
         if len(self.values) > self.size:
             del self.values[: len(self.values) - self.size]
@@ -195,22 +378,36 @@ class LossNonfinite(Rule):
         self.gn = Window(state, "gn", 50, refresh=4)
 
     def fast(self, ctx, state, cfg, steps):
-        losses = [num(st.get("loss")) for st in steps]
-        if any(x is not None and not math.isfinite(x) for x in losses):
+        losses = _column(ctx, steps, "loss")
+        present = [x for x in losses if x is not None]
+        if not _all_finite(present):
             return False
-        med = median(self.gn.values) if len(self.gn) >= 5 else None
-        push, last = [], None
-        for st, loss in zip(steps, losses):
-            gn = num(st.get("grad_norm"))
-            if loss is None or gn is None:
-                continue
-            last = gn
-            if math.isfinite(gn) and (med is None or gn <= cfg["explode_factor"] * med):
-                push.append(gn)
-        if last is not None:
-            state["prev_gn"] = last if math.isfinite(last) else "NaN"
+        gns = _column(ctx, steps, "grad_norm")
+        if len(present) == len(losses):
+            seen = [g for g in gns if g is not None]
+        else:
+            seen = [g for x, g in zip(losses, gns) if x is not None and g is not None]
+        if not seen:
+            return True
+        push = seen if _all_finite(seen) else [g for g in seen if math.isfinite(g)]
+        if push and not self._pushes_all(push, cfg["explode_factor"]):
+            return False
+        last = seen[-1]
+        state["prev_gn"] = last if math.isfinite(last) else "NaN"
         self.gn.extend(push)
         return True
+
+    def _pushes_all(self, push: list[float], factor: float) -> bool:
+        """Whether the walk would push every one of ``push``: none above ``factor`` x the median in force.
+
+        Every median the walk takes is one of a window made of the stored values and these, so it is at
+        least their minimum: below factor x that, nothing is a spike. Otherwise the medians themselves."""
+        stored = self.gn.values
+        lowest = min(min(push), min(stored)) if stored else min(push)
+        if max(push) <= factor * lowest:
+            return True
+        r = _Refreshes(self.gn, push, 5)
+        return r.ok and not (r.count and (r.block_max() > factor * r.med).any())
 
     def observe(self, ctx, state, cfg, st):
         loss = num(st.get("loss"))
@@ -273,21 +470,26 @@ class GradExplosion(Rule):
         self.win = Window(state, "gn", int(cfg["window"]))
 
     def fast(self, ctx, state, cfg, steps):
-        if len(self.win) < cfg["min_history"]:
-            return False
-        limit = cfg["factor"] * median(self.win.values)
-        push = []
-        for st in steps:
-            gn = num(st.get("grad_norm"))
-            if gn is None:
-                continue
-            if not math.isfinite(gn):
-                if st.get("overflow") or st.get("loss_scale") is not None:
+        gns = _column(ctx, steps, "grad_norm")
+        push = [g for g in gns if g is not None]
+        if not _all_finite(push):
+            push = []
+            for st, g in zip(steps, gns):
+                if g is None:
                     continue
+                if math.isfinite(g):
+                    push.append(g)
+                elif not (st.get("overflow") or st.get("loss_scale") is not None):
+                    return False         # non-finite with no scaler to skip the step: a hit
+        if not push:
+            return True
+        factor, stored = cfg["factor"], self.win.values
+        # every median the walk takes is one of a window of stored and new values: at least their minimum
+        lowest = min(min(push), min(stored)) if stored else min(push)
+        if max(push) > factor * lowest:
+            r = _Refreshes(self.win, push, cfg["min_history"])
+            if not r.ok or (r.count and ((r.med > 0) & (r.block_max() > factor * r.med)).any()):
                 return False
-            if gn > limit:
-                return False
-            push.append(gn)
         self.win.extend(push)
         return True
 
@@ -345,7 +547,10 @@ class InputNonfinite(Rule):
     needs = ("input_nonfinite",)
 
     def fast(self, ctx, state, cfg, steps):
-        return not any((num(st.get("input_nonfinite")) or 0) > 0 for st in steps)
+        values = _column(ctx, steps, "input_nonfinite", as_float=False)
+        if values.count(None) + values.count(0) == len(values):
+            return True
+        return not any((num(v) or 0) > 0 for v in values)
 
     def observe(self, ctx, state, cfg, st):
         n = num(st.get("input_nonfinite"))
@@ -361,14 +566,26 @@ class OverflowStorm(Rule):
     needs = ("overflow",)
 
     def fast(self, ctx, state, cfg, steps):
-        if any(st.get("overflow") for st in steps):
+        overflows = _column(ctx, steps, "overflow", as_float=False)
+        if any(overflows):
             return False
-        if any(st.get("overflow") is not None for st in steps):
-            state["consecutive"] = 0
-        skipped = state.get("skipped")
+        if overflows.count(None) == len(overflows):
+            return True
+        skipped = list(state.get("skipped") or ())
         if skipped:
-            cutoff = steps[-1]["step"] - int(cfg["window"])
-            state["skipped"] = [s for s in skipped if s > cutoff]
+            # the skips of a storm that just ended can still fill the window past the fraction: a hit
+            window = int(cfg["window"])
+            limit = cfg["fraction"] * window
+            for st, ov in zip(steps, overflows):
+                if ov is None:
+                    continue
+                cutoff = st["step"] - window
+                while skipped and skipped[0] <= cutoff:
+                    skipped.pop(0)
+                if len(skipped) > limit:
+                    return False
+        state["skipped"] = skipped
+        state["consecutive"] = 0
         return True
 
     def observe(self, ctx, state, cfg, st):
@@ -401,15 +618,14 @@ class VanishingGrad(Rule):
     needs = ("grad_norm",)
 
     def fast(self, ctx, state, cfg, steps):
-        seen = False
-        for st in steps:
-            gn = num(st.get("grad_norm"))
-            if gn is None or not math.isfinite(gn) or st.get("overflow"):
-                continue
-            if gn < cfg["threshold"]:
-                return False
-            seen = True
-        if seen:
+        gns = _column(ctx, steps, "grad_norm")
+        overflows = _column(ctx, steps, "overflow", as_float=False)
+        judged = [g for g in gns if g is not None]
+        if any(overflows) or not _all_finite(judged):
+            judged = [g for g, ov in zip(gns, overflows) if g is not None and not ov and math.isfinite(g)]
+        if judged and min(judged) < cfg["threshold"]:
+            return False
+        if judged:
             state["streak"] = 0
             state.pop("since", None)
         return True
@@ -436,14 +652,85 @@ class LossPlateau(Rule):
     needs = ("loss",)
     CHUNKS = 20
 
+    def fast(self, ctx, state, cfg, steps):
+        # the walk in bulk: a chunk's worth of losses at a time, judged where a chunk completes
+        losses = _column(ctx, steps, "loss")
+        gns = _column(ctx, steps, "grad_norm")
+        if None in losses or not _all_finite(losses):
+            keep = [x is not None and math.isfinite(x) for x in losses]
+            losses = [x for x, k in zip(losses, keep) if k]
+            gns = [g for g, k in zip(gns, keep) if k]
+        if not losses:
+            return True
+        threshold = RULES_BY_ID["B1"].params["threshold"]
+        measured = [g for g in gns if g is not None]
+        # the usual batch: every grad norm finite and above B1's threshold, no chunk gets flagged
+        any_bad = bool(measured) and (not _all_finite(measured) or min(measured) < threshold)
+        chunk_len = max(1, int(cfg["window"]) // self.CHUNKS)
+        buf = list(state.get("buf") or ())
+        chunks = state.get("chunks")
+        # "gn_bad" as the walk keeps it: set by a bad grad norm, taken into the chunk that completes
+        has_bad, gn_bad = "gn_bad" in state, state.get("gn_bad")
+        first = state.get("first")
+        has_first = "first" in state
+        pos, n = 0, len(losses)
+        while pos < n:
+            end = min(n, pos + chunk_len - len(buf))
+            buf.extend(losses[pos:end])
+            if any_bad and any(g is not None and (not math.isfinite(g) or g < threshold) for g in gns[pos:end]):
+                has_bad, gn_bad = True, True
+            pos = end
+            if len(buf) < chunk_len:
+                break
+            chunks = list(chunks or ())
+            chunks.append([median(buf), bool(gn_bad) if has_bad else False])
+            buf, has_bad, gn_bad = [], False, None
+            if not has_first:
+                first, has_first = chunks[0][0], True
+            if len(chunks) > self.CHUNKS:
+                del chunks[: len(chunks) - self.CHUNKS]
+            if len(chunks) >= self.CHUNKS and self._plateau(chunks, first, cfg) is not None:
+                return False
+        state["buf"] = buf
+        if chunks is not None:
+            state["chunks"] = chunks
+        if has_first:
+            state["first"] = first
+        if has_bad:
+            state["gn_bad"] = gn_bad
+        else:
+            state.pop("gn_bad", None)
+        return True
+
+    def _plateau(self, chunks: list, first: float, cfg: dict) -> Optional[Hit]:
+        # the first and the last quarter of the window, each as the median of its chunk medians
+        quarter = self.CHUNKS // 4
+        start, end = median(c[0] for c in chunks[:quarter]), median(c[0] for c in chunks[-quarter:])
+        improvement = (start - end) / abs(start) if start else 0.0
+        gn_normal = not any(bad for _, bad in chunks)
+        converged = abs(end) < (1.0 - cfg["converged_drop"]) * abs(first)
+        if improvement < cfg["min_improvement"] and gn_normal and not converged:
+            ev = {"loss_median_start": start, "loss_median_end": end, "improvement": improvement,
+                  "window": int(cfg["window"]), "first_loss_median": first}
+            return Hit(ev, f"Loss median {fmt(end)} improved {improvement:.1%} over the last {int(cfg['window'])} "
+                           f"steps (needs {cfg['min_improvement']:.0%}); grad norm is normal")
+        return None
+
     def observe(self, ctx, state, cfg, st):
-        loss = num(st.get("loss"))
-        gn = num(st.get("grad_norm"))
-        if loss is None or not math.isfinite(loss):
+        # walked on every step while the rule fires (a plateau lasts): num() only where the value is no float
+        loss = st.get("loss")
+        if loss.__class__ is not float:
+            loss = num(loss)
+            if loss is None:
+                return None
+        if not math.isfinite(loss):
             return None
         chunk_len = max(1, int(cfg["window"]) // self.CHUNKS)
         buf = state.setdefault("buf", [])
         buf.append(loss)
+        gn = st.get("grad_norm")
+        if gn.__class__ is not float:
+            gn = num(gn)
         # grad norm "normal": finite and not vanishing (B1's threshold)
         if gn is not None and (not math.isfinite(gn) or gn < RULES_BY_ID["B1"].params["threshold"]):
             state["gn_bad"] = True
@@ -458,23 +745,54 @@ class LossPlateau(Rule):
             del chunks[: len(chunks) - self.CHUNKS]
         if len(chunks) < self.CHUNKS:
             return None
-        # the first and the last quarter of the window, each as the median of its chunk medians
-        quarter = self.CHUNKS // 4
-        start, end = median(c[0] for c in chunks[:quarter]), median(c[0] for c in chunks[-quarter:])
-        improvement = (start - end) / abs(start) if start else 0.0
-        gn_normal = not any(bad for _, bad in chunks)
-        converged = abs(end) < (1.0 - cfg["converged_drop"]) * abs(state["first"])
-        if improvement < cfg["min_improvement"] and gn_normal and not converged:
-            ev = {"loss_median_start": start, "loss_median_end": end, "improvement": improvement,
-                  "window": int(cfg["window"]), "first_loss_median": state["first"]}
-            return Hit(ev, f"Loss median {fmt(end)} improved {improvement:.1%} over the last {int(cfg['window'])} "
-                           f"steps (needs {cfg['min_improvement']:.0%}); grad norm is normal")
-        return False
+        hit = self._plateau(chunks, state["first"], cfg)
+        return False if hit is None else hit
 
 
 class LossScaleCollapse(Rule):
     id = "B3"
     needs = ("loss_scale",)
+
+    def fast(self, ctx, state, cfg, steps):
+        scales = _column(ctx, steps, "loss_scale")
+        overflows = _column(ctx, steps, "overflow", as_float=False)
+        prev, settled, min_scale, need = state.get("prev"), state.get("settled"), cfg["min_scale"], cfg["halvings"]
+        if (prev is not None and not state.get("halvings") and need > 0 and not prev < min_scale
+                and scales.count(prev) == len(scales)):
+            # the usual batch: the scale stays where it was, so nothing halves, grows or falls below the floor
+            state["prev"] = scales[-1]
+            state["halvings"] = []
+            if not settled and any(ov is False for ov in overflows):
+                state["settled"] = True
+            return True
+        # the walk in bulk, on local copies
+        window = int(cfg["window"])
+        halvings = list(state.get("halvings") or ())
+        seen = False
+        for st, scale, ov in zip(steps, scales, overflows):
+            if scale is None or not math.isfinite(scale):
+                continue
+            seen = True
+            step = st["step"]
+            if prev is not None:
+                if scale < prev and settled:
+                    halvings.append(step)
+                elif scale > prev:
+                    halvings.clear()
+            prev = scale
+            if ov is False:
+                settled = True
+            cutoff = step - window
+            while halvings and halvings[0] <= cutoff:
+                halvings.pop(0)
+            if scale < min_scale or len(halvings) >= need:
+                return False
+        if seen:
+            state["prev"] = prev
+            state["halvings"] = halvings
+            if settled and not state.get("settled"):
+                state["settled"] = True
+        return True
 
     def observe(self, ctx, state, cfg, st):
         scale = num(st.get("loss_scale"))
@@ -509,12 +827,15 @@ class LrZero(Rule):
     needs = ("lr",)
 
     def fast(self, ctx, state, cfg, steps):
-        lrs = [num(st.get("lr")) for st in steps if st["step"] != 0]
+        lrs = _column(ctx, steps, "lr")
+        if 0 in _column(ctx, steps, "step", as_float=False):
+            lrs = [x for st, x in zip(steps, lrs) if st["step"] != 0]
         lrs = [x for x in lrs if x is not None]
-        if any(x == 0 for x in lrs):
+        if 0.0 in lrs:
             return False
         if lrs:
-            state["peak"] = max(state.get("peak", 0.0), max(lrs))
+            # max() folds left as the walk's max(peak, lr) does, a NaN included
+            state["peak"] = max([state.get("peak", 0.0), *lrs])
             state["streak"] = 0
             state.pop("since", None)
         return True
@@ -541,6 +862,38 @@ class DeadParams(Rule):
     id = "B5"
     needs = ("layers.grad_norm",)
 
+    def fast(self, ctx, state, cfg, steps):
+        # the walk in bulk on a copy of zero_since: only every steps/10-th step is looked at, and the cheap
+        # test (the step number) comes first
+        every = max(1, int(cfg["steps"]) // 10)
+        last = state.get("last", -10**12)
+        zero_since: Optional[dict] = None
+        for st in steps:
+            step = st["step"]
+            if step - last < every or not _layer_present(st, "grad_norm") or st.get("overflow"):
+                continue
+            last = step
+            if zero_since is None:
+                zero_since = dict(state.get("zero_since") or {})
+            # every value positive (a NaN fails this, and a null is a NaN in the array): no 0.0 nor None,
+            # every parameter has a gradient; told without making the Python list
+            if _layer_array(st, "grad_norm").min() > 0:
+                zero_since.clear()
+                continue
+            values = _layer(st, "grad_norm")
+            zero = {str(i) for i, v in enumerate(values) if not v}
+            for key in [k for k in zero_since if k not in zero]:
+                del zero_since[key]
+            for key in zero:
+                if key not in zero_since:
+                    zero_since[key] = step
+            if any(step - s0 >= cfg["steps"] for s0 in zero_since.values()):
+                return False
+        if zero_since is not None:
+            state["last"] = last
+            state["zero_since"] = zero_since
+        return True
+
     def observe(self, ctx, state, cfg, st):
         if not _layer_present(st, "grad_norm") or st.get("overflow"):
             return None
@@ -551,7 +904,7 @@ class DeadParams(Rule):
         state["last"] = step
         zero_since: dict[str, int] = state.setdefault("zero_since", {})
         # None (no .grad) and 0.0 are falsy, NaN is not: one pass in C, then set arithmetic
-        zero = {str(i) for i, v in enumerate(values) if not v}
+        zero = {str(i) for i, v in enumerate(values) if not v} if not all(values) else set()
         for key in [k for k in zero_since if k not in zero]:
             del zero_since[key]
         for key in zero:
@@ -579,18 +932,64 @@ class LossOscillation(Rule):
         self.win = Window(state, "loss", int(cfg["window"]), refresh=1)
 
     def fast(self, ctx, state, cfg, steps):
-        xs = [x for x in (num(st.get("loss")) for st in steps) if x is not None and math.isfinite(x)]
+        xs = [x for x in _column(ctx, steps, "loss") if x is not None]
+        if not _all_finite(xs):
+            xs = [x for x in xs if math.isfinite(x)]
+        if not xs:
+            return True
         n0 = state.get("n", 0)
-        start = list(state.get("start", [])) + xs[: max(0, 20 - n0)]
-        vals = (self.win.values + xs)[-int(cfg["window"]):]
-        crosses = (n0 + len(xs)) // self.EVERY > n0 // self.EVERY
-        if crosses and len(vals) >= cfg["min_history"] and self._condition(vals, start, cfg) is not None:
-            return False              # judge it step by step
+        new_start = xs[: max(0, 20 - n0)]
+        if self._judged_somewhere(state, cfg, xs, n0):
+            return False
         self.win.extend(xs)
         state["n"] = n0 + len(xs)
-        if start:
-            state["start"] = start
+        if new_start:
+            state["start"] = list(state.get("start") or ()) + new_start
         return True
+
+    def _judged_somewhere(self, state: dict, cfg: dict, xs: list[float], n0: int) -> bool:
+        """Whether the walk would find the condition at one of the batch's checks (every EVERY-th value,
+        on the window as it is then, with the starting level as it is then)."""
+        size, stored, m = int(cfg["window"]), self.win.values, len(xs)
+        nv = len(stored)
+        # value j is judged where n0 + j + 1 is a multiple of EVERY and the window then holds min_history
+        j0 = max((-(n0 + 1)) % self.EVERY, cfg["min_history"] - nv - 1)
+        j0 += (-(n0 + 1 + j0)) % self.EVERY
+        if size < cfg["min_history"] or j0 >= m:
+            return False
+        # the values the checked windows cover: from the first one's start to the last checked value
+        start = max(nv + j0 + 1 - size, 0)
+        seen = stored[start:] + xs[max(0, start - nv): m - (m - 1 - j0) % self.EVERY]
+        low = min(seen)
+        # spread = MAD / |median| <= 1.4826 (max - min) / min for positive values: no oscillation below that
+        if low > 0 and MAD_TO_SIGMA * (max(seen) - low) / low <= cfg["spread_ratio"]:
+            return False
+        js = np.arange(j0, m, self.EVERY)
+        hi = nv + js + 1
+        lo = np.maximum(hi - size, 0)
+        arr = np.concatenate((self.win.array(), np.asarray(xs, dtype=np.float64)))
+        if (hi - lo).min() < 3:
+            return True               # thirds of fewer than 3 values: the walk's own slicing decides
+        start0 = list(state.get("start") or ())
+        starts = []
+        for j in js.tolist():
+            start = start0 + xs[: max(0, min(j + 1, 20 - n0))]
+            if not start:
+                return True
+            starts.append(median(start))
+        med, mad, first, last = (np.empty(len(js)) for _ in range(4))
+        for rows, w in _slices(arr, lo, hi):
+            n = w.shape[1]
+            third = n // 3
+            med[rows] = m_ = _medians(w)
+            mad[rows] = _mads(w, m_)
+            first[rows] = _medians(w[:, :third])
+            last[rows] = _medians(w[:, n - third:])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spread = np.where(med != 0, mad / np.abs(med), np.inf)
+        falling = last < first - 0.5 * mad
+        converged = np.abs(med) < cfg["converged_fraction"] * np.abs(np.array(starts))
+        return bool(((spread > cfg["spread_ratio"]) & ~falling & ~converged).any())
 
     @staticmethod
     def _condition(vals, start_vals, cfg):
@@ -632,8 +1031,13 @@ class ClipSaturation(Rule):
 
     def fast(self, ctx, state, cfg, steps):
         window = int(cfg["window"])
-        new = "".join("1" if st.get("clipped") else "0" for st in steps
-                      if st.get("clipped") is not None and not st.get("overflow"))
+        clipped = _column(ctx, steps, "clipped", as_float=False)
+        overflows = _column(ctx, steps, "overflow", as_float=False)
+        if any(overflows):
+            clipped = [c for c, ov in zip(clipped, overflows) if not ov]
+        new = "".join(["1" if c else "0" for c in clipped if c is not None])
+        if not new:
+            return True               # the walk judges no step and keeps no bits
         bits = state.get("bits", "") + new
         # no window inside bits can hold more ones than bits as a whole
         if len(bits) >= window and bits[-(window + len(new)):].count("1") > cfg["fraction"] * window:
@@ -668,13 +1072,31 @@ class LossSpike(Rule):
         self.win = Window(state, "loss", int(cfg["window"]))
 
     def fast(self, ctx, state, cfg, steps):
-        if len(self.win) < cfg["min_history"] or state.get("consecutive"):
+        if state.get("consecutive"):
             return False
-        med, mad = median_mad(self.win.values)
-        limit = med + cfg["mad_factor"] * max(mad, 0.01 * abs(med), 1e-12)
-        xs = [x for x in (num(st.get("loss")) for st in steps) if x is not None and math.isfinite(x)]
-        if any(x > limit for x in xs):
-            return False
+        xs = [x for x in _column(ctx, steps, "loss") if x is not None]
+        if not _all_finite(xs):
+            xs = [x for x in xs if math.isfinite(x)]
+        if not xs:
+            return True
+        stored, factor = self.win.values, cfg["mad_factor"]
+        # every median the walk takes is one of a window of stored and new values, so at least their
+        # minimum, and for positive values the limit grows with the median: the lowest limit bounds them all
+        lowest = min(min(xs), min(stored)) if stored else min(xs)
+        if not (lowest > 0 and max(xs) <= lowest + factor * max(0.01 * lowest, 1e-12)):
+            r = _Refreshes(self.win, xs, cfg["min_history"])
+            if not r.ok:
+                return False
+            if r.count:
+                med, top = r.med, r.block_max()
+                # the limit is at least this without the MAD: the MAD only where a value gets above it
+                floor = np.maximum(0.01 * np.abs(med), 1e-12)
+                need = top > med + factor * floor
+                if need.any():
+                    limit = med + factor * np.maximum(r.mad(need), floor)
+                    if (top[need] > limit[need]).any():
+                        return False
+        state["consecutive"] = 0
         self.win.extend(xs)
         return True
 
@@ -707,6 +1129,65 @@ class LateDivergence(Rule):
     needs = ("lr",)
     CHUNKS = 10
 
+    def fast(self, ctx, state, cfg, steps):
+        lrs = _column(ctx, steps, "lr")
+        finite_lrs = [x for x in lrs if x is not None]
+        if not _all_finite(finite_lrs):
+            finite_lrs = [x for x in finite_lrs if math.isfinite(x)]
+        if not finite_lrs:
+            return True
+        peak0 = state.get("peak", 0.0)
+        top = max(peak0, max(finite_lrs))
+        if top <= 0 or min(finite_lrs) >= cfg["lr_fraction"] * top:
+            # the LR never falls below its fraction of the peak (which only grows): no step is judged
+            state["peak"] = top
+            if state.get("chunks") or state.get("buf"):
+                state["chunks"], state["buf"] = [], []
+            return True
+        # the LR is low somewhere in the batch: the walk in bulk, on local copies
+        losses = _column(ctx, steps, "loss")
+        fraction, chunk_len = cfg["lr_fraction"], max(1, int(cfg["window"]) // self.CHUNKS)
+        peak = peak0
+        buf, chunks = state.get("buf"), state.get("chunks")
+        buf = None if buf is None else list(buf)
+        chunks = None if chunks is None else list(chunks)
+        for lr, loss in zip(lrs, losses):
+            if lr is None or not math.isfinite(lr):
+                continue
+            peak = max(peak, lr)
+            if peak <= 0 or lr >= fraction * peak:
+                if chunks or buf:
+                    chunks, buf = [], []
+                continue
+            if loss is None or not math.isfinite(loss):
+                continue
+            if buf is None:
+                buf = []
+            buf.append(loss)
+            if len(buf) < chunk_len:
+                continue
+            if chunks is None:
+                chunks = []
+            chunks.append(median(buf))
+            buf = []
+            if len(chunks) > self.CHUNKS:
+                del chunks[: len(chunks) - self.CHUNKS]
+            if len(chunks) >= self.CHUNKS and self._rising(chunks, cfg) is not None:
+                return False
+        state["peak"] = peak
+        if buf is not None:
+            state["buf"] = buf
+        if chunks is not None:
+            state["chunks"] = chunks
+        return True
+
+    def _rising(self, chunks: list, cfg: dict) -> Optional[tuple[int, float]]:
+        ups = sum(1 for a, b in zip(chunks, chunks[1:]) if b > a)
+        rise = (chunks[-1] - chunks[0]) / abs(chunks[0]) if chunks[0] else 0.0
+        if rise > cfg["min_rise"] and ups >= 0.7 * (self.CHUNKS - 1):
+            return ups, rise
+        return None
+
     def observe(self, ctx, state, cfg, st):
         lr = num(st.get("lr"))
         loss = num(st.get("loss"))
@@ -732,9 +1213,9 @@ class LateDivergence(Rule):
             del chunks[: len(chunks) - self.CHUNKS]
         if len(chunks) < self.CHUNKS:
             return None
-        ups = sum(1 for a, b in zip(chunks, chunks[1:]) if b > a)
-        rise = (chunks[-1] - chunks[0]) / abs(chunks[0]) if chunks[0] else 0.0
-        if rise > cfg["min_rise"] and ups >= 0.7 * (self.CHUNKS - 1):
+        rising = self._rising(chunks, cfg)
+        if rising is not None:
+            rise = rising[1]
             return Hit({"lr": lr, "peak_lr": peak, "loss_median_start": chunks[0], "loss_median_end": chunks[-1],
                         "rise": rise, "window": int(cfg["window"])},
                        f"Loss rose {rise:.0%} over {int(cfg['window'])} steps after the LR fell to "
@@ -751,17 +1232,45 @@ class EmaDivergence(Rule):
         self.win = Window(state, "div", int(cfg["window"]))
 
     def fast(self, ctx, state, cfg, steps):
-        if len(self.win) < cfg["min_history"]:
+        xs = [x for x in _column(ctx, steps, "ema_divergence") if x is not None]
+        if not _all_finite(xs):
+            xs = [x for x in xs if math.isfinite(x)]
+        if not xs:
+            return True
+        nv, size, stored, m = len(self.win), self.win.size, self.win.values, len(xs)
+        r = _Refreshes(self.win, xs, cfg["min_history"])
+        if not r.ok:
             return False
-        med = median(self.win.values)
-        xs = [x for x in (num(st.get("ema_divergence")) for st in steps) if x is not None and math.isfinite(x)]
-        if med <= 0 or any(x > cfg["factor"] * med for x in xs):
-            return False
-        n0 = state.get("n", 0)
-        if (n0 + len(xs)) // self.EVERY > n0 // self.EVERY and self._oscillating((self.win.values + xs)[-50:]):
-            return False
+        first = r.first
+        if first < m:
+            factor = cfg["factor"]
+            # each median the walk takes is at least the lowest value of the window it is taken of
+            lowest = min(min(xs), min(stored)) if stored else min(xs)
+            if max(xs) > factor * lowest and ((r.med > 0) & (r.block_max() > factor * r.med)).any():
+                return False
+            # the oscillation check of every EVERY-th judged value: the last 50 values up to it
+            n0 = state.get("n", 0)
+            j0 = first + (-(n0 + 1)) % self.EVERY
+            if j0 < m:
+                # the values those windows cover: from the first window's start to the last judged value
+                start = max(nv + j0 - size, 0, nv + j0 - 49)
+                seen = stored[start:] + xs[max(0, start - nv): m - (m - 1 - j0) % self.EVERY]
+                low = min(seen)
+                # MAD / median <= 1.4826 (max - min) / min for positive values: no oscillation below that
+                if not (low > 0 and MAD_TO_SIGMA * (max(seen) - low) / low <= 1.0):
+                    hi = nv + np.arange(j0, m, self.EVERY)
+                    lo = np.maximum(np.maximum(hi - size, 0), hi - 49)
+                    if (hi + 1 - lo).min() < 3:
+                        return False
+                    for _, w in _slices(r.arr, lo, hi + 1):
+                        wmed = _medians(w)
+                        d = np.diff(w, axis=1)
+                        turns = ((d[:, :-1] * d[:, 1:]) < 0).sum(axis=1)
+                        with np.errstate(divide="ignore", invalid="ignore"):
+                            if ((wmed > 0) & (_mads(w, wmed) / wmed > 1.0) & (turns > 0.5 * w.shape[1])).any():
+                                return False
+            state["n"] = n0 + (m - first)
         self.win.extend(xs)
-        state["n"] = n0 + len(xs)
         return True
 
     @staticmethod
@@ -807,6 +1316,9 @@ class BnDrift(Rule):
 
     def begin(self, ctx, state, cfg):
         self._live: Optional[list[dict]] = None       # the groups as arrays while the batch lasts
+
+    def fast(self, ctx, state, cfg, steps):
+        return _observe_carriers(self, ctx, state, cfg, steps, "bn_var_norm")
 
     def end(self, ctx, state, cfg):
         if self._live is not None:
@@ -930,6 +1442,9 @@ class ActivationJump(Rule):
     def begin(self, ctx, state, cfg):
         self._loaded = False
 
+    def fast(self, ctx, state, cfg, steps):
+        return _observe_carriers(self, ctx, state, cfg, steps, "act_std")
+
     def _load(self, state: dict, cfg: dict) -> None:
         history = int(cfg["history"])
         if isinstance(state.get("vals"), dict):        # the earlier layout: {"0": [...], ...}
@@ -975,7 +1490,7 @@ class ActivationJump(Rule):
         if k >= cfg["min_history"]:
             need = np.isnan(M)
             if need.any():
-                M[need] = np.median(H[need, :k], axis=1)
+                M[need] = _np_medians(H[need, :k])
             if ((M > 0) & (x >= cfg["factor"] * M)).any():
                 return False          # a jump: the general path finds and reports it
         if k >= history:
@@ -1018,7 +1533,7 @@ class ActivationJump(Rule):
             need = idx[judged & np.isnan(M[idx])]
             for k in np.unique(n[need]).tolist():         # baseline medians not cached: one per length
                 rows = need[n[need] == k]
-                M[rows] = np.median(H[rows, :k], axis=1)
+                M[rows] = _np_medians(H[rows, :k])
             med = M[idx]
             with np.errstate(invalid="ignore"):
                 flagged = judged & (med > 0) & (xs >= cfg["factor"] * med)
@@ -1052,40 +1567,77 @@ class WeightNormGrowth(Rule):
     id = "E2"
     needs = ("layers.weight_norm",)
     SAMPLES = 10                      # samples kept per window (all parameters share the sample steps)
+    # State: "steps" = the sample steps; "vb" = the samples' weight norms packed one after another (NaN:
+    # no usable value), "vn" = their lengths. The earlier layout ("vals": a JSON list per sample, null for
+    # no value) is read too; it cost far more to parse and print on every batch than the rule itself.
+
+    def begin(self, ctx, state, cfg):
+        self._samples: Optional[list[np.ndarray]] = None
+
+    def _load(self, state: dict) -> list[np.ndarray]:
+        if self._samples is None:
+            old = state.pop("vals", None)
+            if old is not None:
+                samples = [np.array([math.nan if v is None else v for v in row], dtype=np.float64) for row in old]
+                state.pop("vb", None)
+                state.pop("vn", None)
+            else:
+                lengths = state.get("vn") or []
+                flat = _unpack_f8(state.get("vb") or "")
+                samples = np.split(flat, np.cumsum(lengths)[:-1].tolist()) if lengths else []
+            steps = state.get("steps") or []
+            if len(samples) != len(steps):       # one of them cut short: keep the samples both still hold
+                keep = min(len(samples), len(steps))
+                samples, state["steps"] = samples[len(samples) - keep:], steps[len(steps) - keep:]
+            self._samples = samples
+        return self._samples
+
+    def end(self, ctx, state, cfg):
+        if self._samples is not None:
+            state["vn"] = [len(v) for v in self._samples]
+            state["vb"] = _pack_f8(np.concatenate(self._samples) if self._samples else np.empty(0))
+
+    def fast(self, ctx, state, cfg, steps):
+        return _observe_carriers(self, ctx, state, cfg, steps, "weight_norm", lists=("steps", "vals"))
 
     def observe(self, ctx, state, cfg, st):
-        values = _layer(st, "weight_norm")
-        if not values:
+        if not _layer_present(st, "weight_norm"):
             return None
         step = st["step"]
         window = int(cfg["window"])
         if step - state.get("last", -10**12) < max(1, window // self.SAMPLES):
             return None
+        x = _layer_array(st, "weight_norm")
         state["last"] = step
+        samples = self._load(state)
         steps: list[int] = state.setdefault("steps", [])
-        vals: list[list] = state.setdefault("vals", [])      # vals[k] = the weight norms at steps[k]
         steps.append(step)
-        vals.append([x if x is not None and math.isfinite(x) and x > 0 else None for x in values])
+        with np.errstate(invalid="ignore"):
+            samples.append(np.where(np.isfinite(x) & (x > 0), x, np.nan))   # null, non-finite, <= 0: no value
         while len(steps) > 1 and steps[1] <= step - window:  # keep one sample at or before the window start
             steps.pop(0)
-            vals.pop(0)
+            samples.pop(0)
         if len(steps) < cfg["min_samples"] or step - steps[0] < window:
             return False
-        first, last = vals[0], vals[-1]
-        growing = []
-        for i in range(min(len(first), len(last))):
-            a, b = first[i], last[i]
-            if a is None or b is None or b / a - 1.0 <= cfg["growth"]:
-                continue
-            series = [v[i] if i < len(v) else None for v in vals]
-            if all(p is not None and q is not None and q >= p * 0.999 for p, q in zip(series, series[1:])):
-                growing.append((b / a - 1.0, i, a, b))
-        if growing:
-            growing.sort(reverse=True)
-            g, i, a, b = growing[0]
+        first, last = samples[0], samples[-1]
+        n = min(len(first), len(last))
+        a, b = first[:n], last[:n]
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            grew = b / a - 1.0
+            idx = np.flatnonzero(~np.isnan(a) & ~np.isnan(b) & (grew > cfg["growth"]))
+            if len(idx):
+                # and monotonically: each sample at least 0.999 x the one before (a missing value breaks it)
+                series = np.full((len(samples), len(idx)), np.nan)
+                for k, v in enumerate(samples):
+                    inside = idx < len(v)
+                    series[k, inside] = v[idx[inside]]
+                idx = idx[(series[1:] >= series[:-1] * 0.999).all(axis=0)]
+        if len(idx):
+            growing = sorted(zip(grew[idx].tolist(), idx.tolist(), a[idx].tolist(), b[idx].tolist()), reverse=True)
+            g, i, a0, b0 = growing[0]
             names = [_name(ctx.param_names, j) for _, j, _, _ in growing]
-            return Hit({"params": names[:10], "count": len(names), "growth": g, "weight_norm_start": a,
-                        "weight_norm_end": b, "window": window},
+            return Hit({"params": names[:10], "count": len(names), "growth": g, "weight_norm_start": a0,
+                        "weight_norm_end": b0, "window": window},
                        f"Weight norm of {names[0]} grew {g:.0%} monotonically over {window} steps"
                        + (f" (and {len(names) - 1} more)" if len(names) > 1 else ""))
         return False
@@ -1112,6 +1664,9 @@ class UpdateRatio(Rule):
             _weights_only_cache[key] = keep
         self.keep_arr = keep
 
+    def fast(self, ctx, state, cfg, steps):
+        return _observe_carriers(self, ctx, state, cfg, steps, "update_ratio", lists=("hist",))
+
     def observe(self, ctx, state, cfg, st):
         if st.get("overflow"):
             return None
@@ -1129,7 +1684,7 @@ class UpdateRatio(Rule):
         step = st["step"]
         window = int(cfg["window"])
         hist = state.setdefault("hist", [])
-        hist.append([step, float(np.median(xs))])
+        hist.append([step, median(xs.tolist())])      # = float(np.median(xs)), bit for bit: no NaN here
         while hist and hist[0][0] <= step - window:
             hist.pop(0)
         state.setdefault("first", step)
