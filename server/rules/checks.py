@@ -112,12 +112,7 @@ def _column(ctx: Context, steps: list[dict], key: str, as_float: bool = True) ->
 def _all_finite(xs: list[float]) -> bool:
     """Whether every value (no None) is finite. A NaN or an infinity makes the sum non-finite, so a finite
     sum (one C loop) settles the usual case; a sum that overflowed is checked value by value."""
-    try:
-        if math.isfinite(sum(xs)):
-            return True
-    except TypeError:
-        pass
-    return all(map(math.isfinite, xs))
+    return math.isfinite(sum(xs)) or all(map(math.isfinite, xs))
 
 
 # the per-layer statistics the agent sends on few steps, read by rules that observe only those steps
@@ -223,6 +218,7 @@ class _Refreshes:
         return _per_slice(self.groups, self.count, _medians)
 
     def per_value(self, per_refresh: np.ndarray) -> np.ndarray:
+        """Per judged value (the tests hold this against a Window fed one value at a time)."""
         return np.repeat(per_refresh, np.minimum(self.refresh, self.m - np.arange(self.first, self.m, self.refresh)))
 
     def block_max(self) -> np.ndarray:
@@ -949,7 +945,8 @@ class LossOscillation(Rule):
 
     def _judged_somewhere(self, state: dict, cfg: dict, xs: list[float], n0: int) -> bool:
         """Whether the walk would find the condition at one of the batch's checks (every EVERY-th value,
-        on the window as it is then, with the starting level as it is then)."""
+        on the window as it is then, with the starting level as it is then). True, too, where that is not
+        worked out here: the walk then decides."""
         size, stored, m = int(cfg["window"]), self.win.values, len(xs)
         nv = len(stored)
         # value j is judged where n0 + j + 1 is a multiple of EVERY and the window then holds min_history
