@@ -54,13 +54,15 @@ def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browse
     assert approx_list(trace(mem, "peak allocated")["y"], [s["mem_peak"] / (1 << 30) for s in steps], rel=1e-5)
 
     # Per-layer heatmaps: layer names on y, one column per sampled step, log10 values.
-    heat = wait_until(lambda: (g := graph(browser, "run-heatmap-grad_norm")) and g["data"][0]["y"] and g,
-                      timeout=WAIT, what="grad-norm heatmap")
+    # a heatmap is first drawn empty (no traces) while its data loads: wait for the trace
+    heat = wait_until(lambda: (g := graph(browser, "run-heatmap-grad_norm")) and g["data"] and g["data"][0].get("y")
+                      and g, timeout=WAIT, what="grad-norm heatmap")
     cell = heat["data"][0]
     assert cell["y"] == PARAM_NAMES
     assert cell["x"] == list(range(0, 300, 10))
     assert math.isclose(cell["z"][2][3], math.log10(steps[30]["layers"]["grad_norm"][2]), rel_tol=1e-5)
-    act = graph(browser, "run-heatmap-act_std")
+    act = wait_until(lambda: (g := graph(browser, "run-heatmap-act_std")) and g["data"] and g["data"][0].get("y")
+                     and g, timeout=WAIT, what="act-std heatmap")
     assert act["data"][0]["y"] == MODULE_NAMES
 
     # The NaN origin is named, and the loss NaN raised an alert whose card shows diagnosis and actions.
