@@ -238,9 +238,7 @@ _WIRE_KEYS = ("step", "time", *STEP_SIGNALS, "custom", "layers")
 def _wire_step(s) -> dict[str, Any]:
     """A step as the rules read it: the model's fields (its ``__dict__`` copied in C, not read one
     ``getattr`` at a time), ``custom`` a copy, ``layers`` decoded on demand."""
-    d = s.__dict__.copy()
-    if len(d) != len(_WIRE_KEYS):            # a field added to StepIn: the rules get exactly these keys
-        d = {k: d.get(k) for k in _WIRE_KEYS}
+    d = s.__dict__.copy()      # exactly _WIRE_KEYS (tests/server/test_ingest_write_path.py holds StepIn to it)
     d["custom"] = dict(s.custom)
     d["layers"] = _LayerView(s.layers)
     return d
@@ -335,9 +333,7 @@ def _write_rollups(session: Session, *, run_id: int, rank: int, step_rows: list[
     masks = np.fromiter((r[-1] for r in step_rows), dtype=np.int64, count=len(step_rows))
     measured = ~np.isnan(vals)
     if masks.any():
-        nan_cells = (masks[:, None] & _NAN_BITS[None, :]) != 0
-        vals[nan_cells] = np.nan
-        measured |= nan_cells
+        measured |= (masks[:, None] & _NAN_BITS[None, :]) != 0   # stored as None, so already NaN in vals
     n = bulk_insert(session, "step_rollups", ("run_id", "rank", "level", "bucket", "data"),
                 [(run_id, rank, lvl, b, blob) for lvl, b, blob in step_partials(step_arr, vals, measured)])
     layer_rollups = [(run_id, stat, rank, lvl, b, blob) for stat, lvl, b, blob in layer_partials_by_stat(by_stat)]
