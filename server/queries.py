@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from .models import STEP_SIGNALS, Alert, CustomScalar, LayerRollup, LayerStat, Project, Run, RunEvent, Step, StepRollup
 from .numbers import NULL_F32_BITS
-from .rollups import choose_level, layer_partial_arrays, merge_step_partials
+from .rollups import choose_level, layer_partial_arrays, layer_partial_width, merge_step_partials, raw_layer_partials
 
 DEFAULT_STALL_SECONDS = 300.0
 PARAM_STATS = ("grad_norm", "weight_norm", "update_ratio")
@@ -460,7 +460,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
             LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
             LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level,
         ).order_by(LayerRollup.bucket))
-        width = max([len(names)] + [(len(d) - 8) // 24 for _, d in rows])
+        width = max([len(names)] + [layer_partial_width(d) for _, d in rows])
         buckets, last_step, arr = layer_partial_arrays(rows, width)
         cols = (buckets * level - start0) // bucket
     else:
@@ -468,35 +468,11 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
         rows = _fetch_blobs(session, select(LayerStat.step, LayerStat.values).where(
             *base, LayerStat.step >= start, LayerStat.step <= end).order_by(LayerStat.step))
         width = max([len(names)] + [len(v) // 4 for _, v in rows])
-        last_step, arr = _raw_layer_partials(rows, width)
+        last_step, arr = raw_layer_partials([st for st, _ in rows], [v for _, v in rows], width)
         cols = (last_step.astype(np.int64) - start0) // bucket
     if len(rows) == 0:
         return empty
     return _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers)
-
-
-def _raw_layer_partials(rows, width: int):
-    """Raw rows as one-step partials: last_step (r,), arrays (r, 6, width)."""
-    r = len(rows)
-    bits = np.full((r, width), NULL_F32_BITS, dtype="<u4")
-    for i, (_, blob) in enumerate(rows):
-        a = np.frombuffer(blob, dtype="<u4")
-        bits[i, : len(a)] = a
-    vals = bits.view("<f4")
-    measured = bits != NULL_F32_BITS
-    isnan = np.isnan(vals) & measured
-    ok = measured & ~isnan
-    arr = np.empty((r, 6, width), dtype="<f4")
-    clean = np.where(ok, vals, np.float32(np.nan))
-    arr[:, 0] = clean
-    arr[:, 1] = clean
-    arr[:, 2] = np.where(ok, vals, np.float32(0))
-    arr[:, 3] = ok
-    arr[:, 4] = isnan
-    arr[:, 5] = vals
-    arr[:, 5].view("<u4")[:] = bits
-    last_step = np.fromiter((st for st, _ in rows), dtype=np.float64, count=r)
-    return last_step, arr
 
 
 def _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers) -> LayerMatrix:

@@ -10,9 +10,16 @@ Step partial (``StepRollup.data``): float64[6, S], S = len(STEP_SIGNALS)
     rows: min, max (NaN skipped, ±inf kept; NaN if nothing non-NaN),
           count (measured, NaN included), nonfinite (NaN and ±inf),
           last_step (-1: none), last_value (NaN kept)
-Layer partial (``LayerRollup.data``): float64 last_step, then float32[6, W]
-    rows: min, max, sum (NaN skipped), count (non-NaN measured), nan count,
-          last value (NULL_F32_BITS pattern when not measured)
+Layer partial (``LayerRollup.data``), in one of two forms told apart by the
+sign of its first float64:
+    full:    float64 last_step (>= 0), then float32[6, W]
+             rows: min, max, sum (NaN skipped), count (non-NaN measured), nan count,
+                   last value (NULL_F32_BITS pattern when not measured)
+    compact: float64 -1 - step, then the step's raw float32[W] exactly as stored in
+             ``layer_stats``: a bucket that holds one step of its batch. Its full form
+             follows from the raw values alone and is six times the size; a statistic
+             sampled every 100 steps makes almost only such partials (docs/architecture.md).
+Steps are >= 0 (schema), so a full partial's last_step never looks compact.
 """
 from __future__ import annotations
 
@@ -135,21 +142,38 @@ def layer_partials_by_stat(by_stat: dict[str, tuple[Sequence[int], Sequence[byte
         mats = [_layer_bits(by_stat[stat][1]) for stat in stats]
         bits = mats[0] if len(mats) == 1 else np.hstack(mats)
         raws: dict[str, tuple[bytes, int]] = {}
-        for level, buckets, changed, body, last_step in _layer_blocks(steps, bits, levels):
+        compact: dict[tuple[str, int], bytes] = {}   # (stat, row) -> compact partial, the same at every level
+        for level, buckets, changed, body, last_step, alone in _layer_blocks(steps, bits, levels):
             off = 0
             for stat, m in zip(stats, mats):
                 w = m.shape[1]
-                if changed or stat not in raws:
+                blobs = by_stat[stat][1]
+                if (changed or stat not in raws) and body is not None:
                     record = np.dtype([("last_step", "<f8"), ("rows", "<f4", (6, w))])
                     rec = np.empty(len(buckets), dtype=record)
                     rec["last_step"] = last_step
                     rec["rows"] = body[:, :, off:off + w]
                     raws[stat] = (rec.tobytes(), record.itemsize)
-                raw, size = raws[stat]
-                for g, b in enumerate(buckets.tolist()):
-                    out.append((stat, level, b, raw[g * size:(g + 1) * size]))
+                for g, (b, row) in enumerate(zip(buckets.tolist(), alone.tolist())):
+                    if row >= 0:
+                        blob = compact.get((stat, row))
+                        if blob is None:
+                            blob = compact[(stat, row)] = compact_partial(steps_key[row], blobs[row])
+                    else:
+                        raw, size = raws[stat]
+                        blob = raw[g * size:(g + 1) * size]
+                    out.append((stat, level, b, blob))
                 off += w
     return out
+
+
+def compact_partial(step: int, raw: bytes) -> bytes:
+    """The compact layer partial of a bucket holding one step (see the module docstring).
+
+    >>> compact_partial(7, b"\\x00\\x00\\x80\\x3f")[:8] == np.array([-8.0], "<f8").tobytes()
+    True
+    """
+    return np.array([-1.0 - step], dtype="<f8").tobytes() + raw
 
 
 def _layer_bits(blobs: Sequence[bytes]) -> np.ndarray:
@@ -166,7 +190,8 @@ def _layer_bits(blobs: Sequence[bytes]) -> np.ndarray:
 
 
 def _layer_blocks(steps: np.ndarray, bits: np.ndarray, levels: Sequence[int]):
-    """Yield ``(level, buckets, changed, rows (g, 6, W) float32, last_step (g,) float64)`` per level."""
+    """Yield ``(level, buckets, changed, rows (g, 6, W) float32, last_step (g,) float64, alone (g,))``
+    per level; ``alone`` is the row of the bucket's only step, or -1 where it holds several."""
     n = len(steps)
     measured = bits != NULL_F32_BITS
     vals = bits.view("<f4")
@@ -178,11 +203,16 @@ def _layer_blocks(steps: np.ndarray, bits: np.ndarray, levels: Sequence[int]):
             "sum": (np.add, 0.0, np.where(ok, vals, np.float32(0)).astype(np.float64)),
             "count": (np.add, 0, ok.astype(np.int32)), "nan": (np.add, 0, (nan & measured).astype(np.int32)),
             "last": (np.maximum, -1, np.where(measured, np.arange(n, dtype=np.int32)[:, None], np.int32(-1))),
-            "last_step": (np.maximum, -np.inf, steps.astype(np.float64))}
+            "last_step": (np.maximum, -np.inf, steps.astype(np.float64)),
+            "steps": (np.add, 0, np.ones(n, dtype=np.int32)),
+            "row": (np.maximum, -1, np.arange(n, dtype=np.int32))}
     cols = np.arange(bits.shape[1])[None, :]
     body = None
     for level, buckets, r, changed in _coarsen(steps, rows, levels):
-        if changed or body is None:
+        alone = np.where(r["steps"][2] == 1, r["row"][2], -1)
+        if changed:
+            body = None
+        if body is None and (alone < 0).any():   # only buckets of several steps need the full form
             count = r["count"][2]
             empty = count == 0                  # nothing measured but NaN: min and max are NaN
             body = np.empty((len(buckets), 6, bits.shape[1]), dtype="<f4")
@@ -194,7 +224,7 @@ def _layer_blocks(steps: np.ndarray, bits: np.ndarray, levels: Sequence[int]):
             last_idx = r["last"][2]
             has = last_idx >= 0
             body[:, 5] = np.where(has, bits[np.where(has, last_idx, 0), cols], NULL_F32_BITS).view("<f4")
-        yield level, buckets, changed, body, r["last_step"][2]
+        yield level, buckets, changed, body, r["last_step"][2], alone
 
 
 def choose_level(bucket_size: int) -> int:
@@ -236,22 +266,79 @@ def merge_step_partials(rows: Iterable[tuple[int, bytes]], *, signal_index: int,
     return out
 
 
+def layer_partial_width(blob: bytes) -> int:
+    """The number of layers a layer partial holds, in either form."""
+    compact = np.frombuffer(blob[:8], dtype="<f8")[0] < 0
+    return (len(blob) - 8) // (4 if compact else 24)
+
+
 def layer_partial_arrays(rows: Sequence[tuple[int, bytes]], width: int):
-    """rows (bucket, blob) -> buckets (r,), last_step (r,), arrays (r, 6, width) float32 (NULL-padded)."""
+    """rows (bucket, blob) -> buckets (r,), last_step (r,), arrays (r, 6, width) float32 (NULL-padded),
+    in the rows' order, whichever form each partial has."""
     r = len(rows)
     buckets = np.fromiter((b for b, _ in rows), dtype=np.int64, count=r)
-    sizes = {len(blob) for _, blob in rows}
+    heads = np.frombuffer(b"".join(blob[:8] for _, blob in rows), dtype="<f8")
+    compact = heads < 0
+    if compact.all():
+        last_step, arr = raw_layer_partials(-1.0 - heads, [blob[8:] for _, blob in rows], width)
+        return buckets, last_step, arr
+    if compact.any():
+        last_step = np.empty(r, dtype=np.float64)
+        arr = np.empty((r, 6, width), dtype="<f4")
+        for mask, decode in ((compact, _decode_compact), (~compact, _decode_full)):
+            idx = np.flatnonzero(mask)
+            last_step[idx], arr[idx] = decode([rows[i][1] for i in idx.tolist()], width)
+        return buckets, last_step, arr
+    last_step, arr = _decode_full([blob for _, blob in rows], width)
+    return buckets, last_step, arr
+
+
+def _decode_compact(blobs: Sequence[bytes], width: int):
+    heads = np.frombuffer(b"".join(blob[:8] for blob in blobs), dtype="<f8")
+    return raw_layer_partials(-1.0 - heads, [blob[8:] for blob in blobs], width)
+
+
+def _decode_full(blobs: Sequence[bytes], width: int):
+    r = len(blobs)
+    sizes = {len(blob) for blob in blobs}
     if len(sizes) == 1 and (w := (sizes.pop() - 8) // 24) == width:
         # one layout for every partial (the common case): decode them all at once
-        rec = np.frombuffer(b"".join(blob for _, blob in rows), dtype=np.dtype([("ls", "<f8"), ("v", "<f4", (6, w))]))
-        return buckets, rec["ls"].astype(np.float64), np.ascontiguousarray(rec["v"])
+        rec = np.frombuffer(b"".join(blobs), dtype=np.dtype([("ls", "<f8"), ("v", "<f4", (6, w))]))
+        return rec["ls"].astype(np.float64), np.ascontiguousarray(rec["v"])
     last_step = np.empty(r, dtype=np.float64)
     arr = np.zeros((r, 6, width), dtype="<f4")
     arr[:, 0:2, :] = np.nan
     arr[:, 5, :] = np.array([NULL_F32_BITS], dtype="<u4").view("<f4")[0]
-    for i, (_, blob) in enumerate(rows):
+    for i, blob in enumerate(blobs):
         last_step[i] = np.frombuffer(blob[:8], dtype="<f8")[0]
         body = np.frombuffer(blob[8:], dtype="<f4")
         w = len(body) // 6
         arr[i, :, :w] = body.reshape(6, w)
-    return buckets, last_step, arr
+    return last_step, arr
+
+
+def raw_layer_partials(steps, blobs: Sequence[bytes], width: int):
+    """Raw per-step arrays (as stored in ``layer_stats``) as one-step partials:
+    last_step (r,) float64, arrays (r, 6, width) float32 (NULL-padded)."""
+    r = len(blobs)
+    sizes = {len(blob) for blob in blobs}
+    if len(sizes) == 1 and sizes.pop() == 4 * width:
+        bits = np.frombuffer(b"".join(blobs), dtype="<u4").reshape(r, width)
+    else:
+        bits = np.full((r, width), NULL_F32_BITS, dtype="<u4")
+        for i, blob in enumerate(blobs):
+            a = np.frombuffer(blob, dtype="<u4")
+            bits[i, : len(a)] = a
+    vals = bits.view("<f4")
+    measured = bits != NULL_F32_BITS
+    isnan = np.isnan(vals) & measured
+    ok = measured & ~isnan
+    arr = np.empty((r, 6, width), dtype="<f4")
+    clean = np.where(ok, vals, np.float32(np.nan))
+    arr[:, 0] = clean
+    arr[:, 1] = clean
+    arr[:, 2] = np.where(ok, vals, np.float32(0))
+    arr[:, 3] = ok
+    arr[:, 4] = isnan
+    arr[:, 5].view("<u4")[:] = bits
+    return np.asarray(steps, dtype=np.float64), arr

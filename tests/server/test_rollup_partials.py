@@ -4,7 +4,9 @@
 over a dense (bucket, step, …) layout or ``reduceat`` for sparse steps; this
 checks every row of every partial against plain Python over the raw values,
 for consecutive, gappy and sparse step sets, ragged layer arrays, NaN, ±inf
-and "not measured".
+and "not measured". Layer partials are decoded with the readers' own
+``layer_partial_arrays``, whichever of the two forms (full, or compact for a
+bucket holding one step) each has.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from server.models import ROLLUP_LEVELS, STEP_SIGNALS
 from server.numbers import NULL_F32_BITS
-from server.rollups import layer_partials, step_partials
+from server.rollups import layer_partial_arrays, layer_partial_width, layer_partials, step_partials
 
 S = len(STEP_SIGNALS)
 NAN_BITS = 0x7FC00000
@@ -101,11 +103,23 @@ def test_layer_partials_match_brute_force(spread):
             ref = _reference_layer(steps, blobs, level)
             mine = [(b, blob) for lv, b, blob in got if lv == level]
             assert [b for b, _ in mine] == sorted(ref), (trial, level)
+            # a bucket holding one step of the batch is stored compact: -1 - step, then that raw array
+            in_bucket = {}
+            for i, s in enumerate(steps.tolist()):
+                in_bucket.setdefault(s // level, []).append(i)
             for b, blob in mine:
+                only = in_bucket[b][0] if len(in_bucket[b]) == 1 else None
+                head = np.frombuffer(blob[:8], dtype="<f8")[0]
+                if only is None:
+                    assert len(blob) == 8 + 24 * width and head == ref[b][0], (trial, level, b)
+                else:
+                    assert blob[8:] == blobs[only] and head == -1.0 - float(steps[only]), (trial, level, b)
+            buckets, last_steps, arrs = layer_partial_arrays(mine, width)
+            assert buckets.tolist() == [b for b, _ in mine]
+            for b, last_step_got, arr in zip(buckets.tolist(), last_steps.tolist(), arrs):
                 last_step, rows = ref[b]
-                assert np.frombuffer(blob[:8], dtype="<f8")[0] == last_step
-                arr = np.frombuffer(blob[8:], dtype="<f4").reshape(6, -1)
-                assert arr.shape[1] == width
+                assert last_step_got == last_step
+                assert arr.shape == (6, width)
                 for k in range(width):
                     assert _same(float(arr[0, k]), _f32(rows[0][k])), (trial, level, b, k, "min")
                     assert _same(float(arr[1, k]), _f32(rows[1][k])), (trial, level, b, k, "max")
@@ -166,3 +180,25 @@ def test_stats_sampled_together_give_the_partials_each_would_alone():
         alone = layer_partials(steps, blobs)
         assert [(lv, b, blob) for s, lv, b, blob in got if s == stat] == alone, stat
     assert len(got) == sum(len(layer_partials(st, bl)) for st, bl in by_stat.values())
+
+
+def test_full_and_compact_partials_decode_together_in_row_order():
+    """A query's rows mix both forms (one run's batches cut buckets differently) and may be narrower
+    than the run's layer list; each decodes to what its own form says, in the order given."""
+    rng = np.random.default_rng(11)
+    wide = [rng.normal(size=5).astype("<f4").tobytes() for _ in range(40)]
+    narrow = rng.normal(size=3).astype("<f4").tobytes()
+    full = [(b, blob) for lv, b, blob in layer_partials(np.arange(32, 72, dtype=np.int64), wide) if lv == 16]
+    single = [(lv, b, blob) for lv, b, blob in layer_partials(np.array([200], dtype=np.int64), [narrow])]
+    assert all(len(blob) == 8 + 12 for _, _, blob in single)        # compact at every level
+    compact = (single[0][1], single[0][2])
+    assert [layer_partial_width(blob) for _, blob in (*full, compact)] == [5, 5, 5, 3]
+    rows = [full[0], compact, full[1], full[2]]
+    buckets, last_step, arr = layer_partial_arrays(rows, 6)
+    assert buckets.tolist() == [2, 12, 3, 4] and last_step.tolist() == [47.0, 200.0, 63.0, 71.0]
+    alone_b, alone_ls, alone = layer_partial_arrays([full[1]], 6)
+    assert np.array_equal(arr[2].view("<u4"), alone[0].view("<u4"))
+    narrow_vals = np.frombuffer(narrow, dtype="<f4")
+    assert np.array_equal(arr[1, 0, :3], narrow_vals) and np.array_equal(arr[1, 1, :3], narrow_vals)
+    assert arr[1, 3].tolist() == [1, 1, 1, 0, 0, 0] and arr[1, 4].tolist() == [0] * 6
+    assert (arr[1, 5, 3:].view("<u4") == NULL_F32_BITS).all() and np.isnan(arr[1, 0, 3:]).all()

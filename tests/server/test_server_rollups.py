@@ -108,3 +108,91 @@ def test_downsampled_series_and_heatmap_match_brute_force(live_server):
     # live tail
     st, tail = srv.get(f"/api/v1/runs/{run_id}/series?signal=loss&since=2990")
     assert [p["step"] for p in tail["steps"]] == list(range(2991, 3000)) and tail["bucket_size"] == 1
+
+
+SAMPLED_EVERY = 100
+
+
+def sampled_at(i, k):
+    """A statistic the agent samples every 100 steps (at 37, 137, …) plus at 1610, so that one level-16
+    bucket holds two samples: its partials are mostly compact one-step ones, a few full ones."""
+    if k == 3 and i == 5037:
+        return math.nan
+    if k == 5 and i in (837, 937):
+        return None                       # not measured
+    return (k + 1) * 0.25 + (i % 997) * 1e-3 + (9.0 if (k == 0 and i == 12037) else 0.0)
+
+
+def _sampled_steps():
+    return sorted([i for i in range(37, 20_000, SAMPLED_EVERY)] + [1610])
+
+
+def _expected_cells(samples, value, origin, bs, k, agg):
+    cells = {}
+    for s in samples:
+        v = value(s, k)
+        cells.setdefault(origin + (s - origin) // bs * bs, [])
+        if v is not None:
+            cells[origin + (s - origin) // bs * bs].append((s, v))
+    out = []
+    for start in sorted(cells):
+        vals = cells[start]
+        if not vals:
+            out.append(None)
+        elif agg == "last":
+            last = max(vals)[1]
+            out.append("NaN" if math.isnan(last) else last)
+        elif any(math.isnan(v) for _, v in vals):
+            out.append("NaN")
+        else:
+            xs = [v for _, v in vals]
+            out.append({"max": max, "min": min, "mean": lambda a: sum(a) / len(a)}[agg](xs))
+    return sorted(cells), out
+
+
+def test_heatmap_of_a_sampled_statistic_matches_brute_force(live_server):
+    """Buckets holding one sample are stored as compact partials (server/rollups.py); a heatmap mixes
+    them with full ones and must give what the raw samples give, at every level and aggregation."""
+    import pytest
+
+    srv = live_server
+    samples = set(_sampled_steps())
+    batches = []
+    for lo in range(0, 20_000, 2_500):          # the agent's every-step signals every 10 steps, for size
+        steps = []
+        for i in sorted(set(range(lo, lo + 2_500, 10)) | {s for s in samples if lo <= s < lo + 2_500}):
+            layers = {"grad_norm": [0.1] * LAYERS}
+            if i in samples:
+                width = LAYERS if i != 1610 else 4            # a shorter array: its last layers not measured
+                layers["act_std"] = [wire(sampled_at(i, k)) for k in range(width)]
+            steps.append(step(i, layers=layers))
+        batches.append(batch(steps, run="sampled"))
+    random.Random(3).shuffle(batches)
+    run_id = None
+    for b in batches:
+        status, body = srv.post("/api/v1/ingest", b)
+        assert status == 200, body
+        run_id = body["run_id"]
+
+    def value_at(i, k):
+        return None if (i == 1610 and k >= 4) else sampled_at(i, k)     # the short array at 1610
+
+    seen_sizes = set()
+    for max_steps in (150, 40, 3, 10_000):      # levels 16, 256, 4096, and raw rows (bucket 2)
+        for agg in ("max", "min", "mean", "last"):
+            st, m = srv.get(f"/api/v1/runs/{run_id}/layers?stat=act_std&max_steps={max_steps}&agg={agg}")
+            assert st == 200, m
+            bs = m["bucket_size"]
+            seen_sizes.add(bs)
+            origin = m["steps"][0]
+            for k in range(LAYERS):
+                starts, exp = _expected_cells(sorted(samples), value_at, origin, bs, k, agg)
+                assert m["steps"] == starts, (max_steps, agg)
+                got = m["values"][k]
+                assert len(got) == len(exp)
+                for g, e in zip(got, exp):
+                    if isinstance(e, float):
+                        assert isinstance(g, float) and g == pytest.approx(e, rel=1e-5), (max_steps, agg, k)
+                    else:
+                        assert g == e, (max_steps, agg, k)
+    assert seen_sizes == {144, 512, 8192, 2}
