@@ -277,19 +277,16 @@ def layer_partial_arrays(rows: Sequence[tuple[int, bytes]], width: int):
     in the rows' order, whichever form each partial has."""
     r = len(rows)
     buckets = np.fromiter((b for b, _ in rows), dtype=np.int64, count=r)
-    heads = np.frombuffer(b"".join(blob[:8] for _, blob in rows), dtype="<f8")
-    compact = heads < 0
-    if compact.all():
-        last_step, arr = raw_layer_partials(-1.0 - heads, [blob[8:] for _, blob in rows], width)
+    blobs = [blob for _, blob in rows]
+    compact = np.frombuffer(b"".join(blob[:8] for blob in blobs), dtype="<f8") < 0
+    if compact.all() or not compact.any():     # one form (the usual case): decoded in one go
+        last_step, arr = (_decode_compact if compact.all() else _decode_full)(blobs, width)
         return buckets, last_step, arr
-    if compact.any():
-        last_step = np.empty(r, dtype=np.float64)
-        arr = np.empty((r, 6, width), dtype="<f4")
-        for mask, decode in ((compact, _decode_compact), (~compact, _decode_full)):
-            idx = np.flatnonzero(mask)
-            last_step[idx], arr[idx] = decode([rows[i][1] for i in idx.tolist()], width)
-        return buckets, last_step, arr
-    last_step, arr = _decode_full([blob for _, blob in rows], width)
+    last_step = np.empty(r, dtype=np.float64)
+    arr = np.empty((r, 6, width), dtype="<f4")
+    for mask, decode in ((compact, _decode_compact), (~compact, _decode_full)):
+        idx = np.flatnonzero(mask)
+        last_step[idx], arr[idx] = decode([blobs[i] for i in idx.tolist()], width)
     return buckets, last_step, arr
 
 
