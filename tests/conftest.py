@@ -126,6 +126,12 @@ def pg_url() -> Iterator[str]:
         admin.close()
 
 
+@pytest.fixture
+def pg_admin_url() -> str:
+    """The PostgreSQL database the per-test databases are created from (``GRADWATCH_TEST_PG``)."""
+    return PG_ADMIN_URL
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def db_url(request) -> str:
     """Parametrises a test over both supported databases."""

@@ -7,15 +7,13 @@ import psycopg
 import pytest
 from gw_payloads import batch, step
 
-from conftest import PG_ADMIN_URL
-
 STEPS = 100
 
 
-def _cut_sessions(db_url: str) -> int:
+def _cut_sessions(admin_url: str, db_url: str) -> int:
     """Terminate every backend connected to the server's database, as a restart would; how many."""
     name = db_url.rsplit("/", 1)[1]
-    admin = psycopg.connect(PG_ADMIN_URL, autocommit=True)
+    admin = psycopg.connect(admin_url, autocommit=True)
     try:
         return admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                              "WHERE datname = %s AND pid <> pg_backend_pid()", (name,)).fetchone()[0]
@@ -31,7 +29,7 @@ def _send(srv, lo: int, hi: int) -> None:
 
 @pytest.mark.postgres
 def test_batches_reads_and_webhooks_carry_on_after_the_database_cuts_every_session(server_factory, pg_url,
-                                                                                  webhook_receiver):
+                                                                                  pg_admin_url, webhook_receiver):
     srv = server_factory(pg_url, extra_args=["--webhook", webhook_receiver.url])
     _send(srv, 0, 500)
     status, runs = srv.get("/api/v1/runs")
@@ -48,13 +46,13 @@ def test_batches_reads_and_webhooks_carry_on_after_the_database_cuts_every_sessi
     # twice, a write first and then a read first: the pool's replacement connections must be
     # replaceable too, and neither kind of request may be the one that finds the dead sessions
     for cut in range(2):
-        assert _cut_sessions(pg_url) >= 1          # the pool held at least one idle session
+        assert _cut_sessions(pg_admin_url, pg_url) >= 1          # the pool held at least one idle session
         lo = 500 + cut * 500
         if cut:
             read(lo)
         _send(srv, lo, lo + 500)
         read(lo + 500)
-    assert _cut_sessions(pg_url) >= 1
+    assert _cut_sessions(pg_admin_url, pg_url) >= 1
     nan = [step(i, loss="NaN" if i == 1520 else 1.0) for i in range(1500, 1530)]
     status, body = srv.post("/api/v1/ingest", batch(nan, run="cut"))
     assert status == 200, body
