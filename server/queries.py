@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from .models import STEP_SIGNALS, Alert, CustomScalar, LayerRollup, LayerStat, Project, Run, RunEvent, Step, StepRollup
 from .numbers import NULL_F32_BITS
-from .rollups import choose_level, layer_partial_arrays, layer_partial_width, merge_step_partials, raw_layer_partials
+from .rollups import choose_level, layer_partial_arrays, merge_step_partials, raw_layer_partials
 
 DEFAULT_STALL_SECONDS = 300.0
 PARAM_STATS = ("grad_norm", "weight_norm", "update_ratio")
@@ -460,8 +460,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
             LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
             LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level,
         ).order_by(LayerRollup.bucket))
-        width = max([len(names)] + [layer_partial_width(d) for _, d in rows])
-        buckets, last_step, arr = layer_partial_arrays(rows, width)
+        buckets, last_step, arr = layer_partial_arrays(rows, len(names))   # widened to the widest partial
         cols = (buckets * level - start0) // bucket
     else:
         start0 = start

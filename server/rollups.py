@@ -23,7 +23,7 @@ Steps are >= 0 (schema), so a full partial's last_step never looks compact.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -176,11 +176,13 @@ def compact_partial(step: int, raw: bytes) -> bytes:
     return np.array([-1.0 - step], dtype="<f8").tobytes() + raw
 
 
-def _layer_bits(blobs: Sequence[bytes]) -> np.ndarray:
-    """(steps, layers) uint32 bit patterns; a shorter array is padded with "not measured"."""
+def _layer_bits(blobs: Sequence[bytes], width: Optional[int] = None) -> np.ndarray:
+    """(steps, width) uint32 bit patterns, ``width`` by default the longest array's; a shorter array is
+    padded with "not measured"."""
     sizes = {len(b) for b in blobs}
-    width = max(sizes) // 4
-    if len(sizes) == 1:   # the usual case: every step reports every layer
+    if width is None:
+        width = max(sizes) // 4
+    if sizes == {4 * width}:   # the usual case: every step reports every layer
         return np.frombuffer(b"".join(blobs), dtype="<u4").reshape(len(blobs), width)
     bits = np.full((len(blobs), width), NULL_F32_BITS, dtype="<u4")
     for i, b in enumerate(blobs):
@@ -268,30 +270,37 @@ def merge_step_partials(rows: Iterable[tuple[int, bytes]], *, signal_index: int,
 
 def layer_partial_width(blob: bytes) -> int:
     """The number of layers a layer partial holds, in either form."""
-    compact = np.frombuffer(blob[:8], dtype="<f8")[0] < 0
-    return (len(blob) - 8) // (4 if compact else 24)
+    return int(_partial_widths(np.array([len(blob)]), np.frombuffer(blob[:8], dtype="<f8") < 0)[0])
+
+
+def _partial_widths(sizes: np.ndarray, compact: np.ndarray) -> np.ndarray:
+    return (sizes - 8) // np.where(compact, 4, 24)
 
 
 def layer_partial_arrays(rows: Sequence[tuple[int, bytes]], width: int):
-    """rows (bucket, blob) -> buckets (r,), last_step (r,), arrays (r, 6, width) float32 (NULL-padded),
-    in the rows' order, whichever form each partial has."""
+    """rows (bucket, blob) -> buckets (r,), last_step (r,), arrays (r, 6, W) float32 (NULL-padded),
+    in the rows' order, whichever form each partial has; W is ``width`` or the widest partial's."""
     r = len(rows)
     buckets = np.fromiter((b for b, _ in rows), dtype=np.int64, count=r)
     blobs = [blob for _, blob in rows]
-    compact = np.frombuffer(b"".join(blob[:8] for blob in blobs), dtype="<f8") < 0
-    if compact.all() or not compact.any():     # one form (the usual case): decoded in one go
-        last_step, arr = (_decode_compact if compact.all() else _decode_full)(blobs, width)
-        return buckets, last_step, arr
-    last_step = np.empty(r, dtype=np.float64)
-    arr = np.empty((r, 6, width), dtype="<f4")
-    for mask, decode in ((compact, _decode_compact), (~compact, _decode_full)):
-        idx = np.flatnonzero(mask)
-        last_step[idx], arr[idx] = decode([blobs[i] for i in idx.tolist()], width)
+    heads = np.frombuffer(b"".join(blob[:8] for blob in blobs), dtype="<f8")
+    compact = heads < 0
+    if r:
+        width = max(width, int(_partial_widths(np.fromiter(map(len, blobs), np.int64, r), compact).max()))
+    if compact.all():      # one form (the usual case): decoded in one go
+        last_step, arr = _decode_compact(heads, blobs, width)
+    elif not compact.any():
+        last_step, arr = _decode_full(blobs, width)
+    else:
+        last_step = np.empty(r, dtype=np.float64)
+        arr = np.empty((r, 6, width), dtype="<f4")
+        c, f = np.flatnonzero(compact), np.flatnonzero(~compact)
+        last_step[c], arr[c] = _decode_compact(heads[c], [blobs[i] for i in c.tolist()], width)
+        last_step[f], arr[f] = _decode_full([blobs[i] for i in f.tolist()], width)
     return buckets, last_step, arr
 
 
-def _decode_compact(blobs: Sequence[bytes], width: int):
-    heads = np.frombuffer(b"".join(blob[:8] for blob in blobs), dtype="<f8")
+def _decode_compact(heads: np.ndarray, blobs: Sequence[bytes], width: int):
     return raw_layer_partials(-1.0 - heads, [blob[8:] for blob in blobs], width)
 
 
@@ -318,14 +327,7 @@ def raw_layer_partials(steps, blobs: Sequence[bytes], width: int):
     """Raw per-step arrays (as stored in ``layer_stats``) as one-step partials:
     last_step (r,) float64, arrays (r, 6, width) float32 (NULL-padded)."""
     r = len(blobs)
-    sizes = {len(blob) for blob in blobs}
-    if len(sizes) == 1 and sizes.pop() == 4 * width:
-        bits = np.frombuffer(b"".join(blobs), dtype="<u4").reshape(r, width)
-    else:
-        bits = np.full((r, width), NULL_F32_BITS, dtype="<u4")
-        for i, blob in enumerate(blobs):
-            a = np.frombuffer(blob, dtype="<u4")
-            bits[i, : len(a)] = a
+    bits = _layer_bits(blobs, width)
     vals = bits.view("<f4")
     measured = bits != NULL_F32_BITS
     isnan = np.isnan(vals) & measured
