@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from gw_payloads import batch, step, wire
 
 N = 3000
@@ -153,8 +154,6 @@ def _expected_cells(samples, value, origin, bs, k, agg):
 def test_heatmap_of_a_sampled_statistic_matches_brute_force(live_server):
     """Buckets holding one sample are stored as compact partials (server/rollups.py); a heatmap mixes
     them with full ones and must give what the raw samples give, at every level and aggregation."""
-    import pytest
-
     srv = live_server
     samples = set(_sampled_steps())
     batches = []
