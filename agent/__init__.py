@@ -2,7 +2,7 @@
 
 One line in a training script::
 
-    import agent
+    from gradwatch import agent
     monitor = agent.attach(model, scaler)          # GradScaler loop (fp16), or scaler=None
 
 Per optimizer step it streams the loss, the global and per-parameter grad
@@ -34,12 +34,19 @@ Settings (keyword arguments, or ``GRADWATCH_<SETTING>`` variables): see
 """
 from __future__ import annotations
 
+# One module, one name: this folder is installed as gradwatch.agent (pyproject.toml maps it at build
+# time). Imported as a top-level `agent` -- a checkout's root on sys.path -- every module
+# would load a second time beside gradwatch.agent's, with its own state; refuse instead.
+if __name__ != "gradwatch.agent":
+    raise ImportError(f"{__path__[0]} is gradwatch's agent package: import it as `from gradwatch import agent`, "
+                      f"not as {__name__!r} (that name is left to your own code)")
+
 import atexit
 import sys
 import threading
 from typing import Any, Optional
 
-from agent.config import AgentConfig
+from gradwatch.agent.config import AgentConfig
 
 __all__ = ["attach", "AgentConfig", "Monitor", "close_all"]
 
@@ -47,16 +54,20 @@ __all__ = ["attach", "AgentConfig", "Monitor", "close_all"]
 def __getattr__(name: str) -> Any:
     # torch is imported with the monitor, on first use: `gradwatch sync` (agent.sync, agent.spool,
     # agent.transport) then runs where torch is not installed, e.g. in the server image
-    if name in ("Monitor", "close_all"):
-        from agent import monitor
+    if name == "Monitor":
+        from gradwatch.agent.monitor import Monitor
 
-        return getattr(monitor, name)
-    raise AttributeError(f"module 'agent' has no attribute {name!r}")
+        return Monitor
+    if name == "close_all":
+        from gradwatch.agent.registry import close_all
+
+        return close_all
+    raise AttributeError(f"module 'gradwatch.agent' has no attribute {name!r}")
 
 
 def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[str] = None,
            run: Optional[str] = None, server: Optional[str] = None, transport: Any = None,
-           **config: Any) -> "Monitor":
+           step: Optional[int] = None, on_alert: Any = None, **config: Any) -> "Monitor":
     """Start monitoring ``model`` (and ``scaler`` / ``optimizer`` / ``ema`` when given).
 
     Returns a :class:`Monitor`; ``monitor.close()`` (alias ``detach()``) flushes
@@ -66,7 +77,17 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     replaced. Bad settings raise ``ValueError`` here, before training starts;
     after this call the agent never raises into the training loop.
 
-    >>> import torch, agent
+    ``step``: the number of this process's first step, for a run resumed from a checkpoint
+    (``attach(model, scaler, run="exp-42", step=ckpt["step"] + 1)``). Without it the agent
+    continues from the optimizer state's step counters, and the server continues a run's
+    stored steps rather than lose them (docs/resume.md).
+
+    ``on_alert(alert)`` is called in the training thread, at a step boundary,
+    for each of the run's alerts the server reports (new, or changed status or
+    severity); ``monitor.alerts()`` lists them (docs/alerts-in-the-loop.md).
+
+    >>> import torch
+    >>> from gradwatch import agent
     >>> model = torch.nn.Linear(4, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> with agent.attach(model, optimizer=opt, mode="disabled") as monitor:
@@ -76,17 +97,21 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     >>> monitor.step
     1
     """
-    from agent.monitor import Monitor, _existing, _remember
+    from gradwatch.agent.monitor import Monitor
+    from gradwatch.agent.registry import existing, remember
 
     cfg = AgentConfig.from_sources({**config, "project": project, "run": run, "server": server})
-    existing = _existing(model)
-    if existing is not None:
-        if (existing.scaler is scaler and existing.ema is ema
-                and (optimizer is None or existing.optimizer is optimizer)):
-            return existing
-        existing.close()
-    monitor = Monitor(model, scaler, optimizer=optimizer, ema=ema, config=cfg, transport=transport)
-    _remember(model, monitor)
+    previous = existing(model)
+    if previous is not None:
+        if (previous.scaler is scaler and previous.ema is ema
+                and (optimizer is None or previous.optimizer is optimizer)):
+            if on_alert is not None:
+                previous.add_alert_callback(on_alert)
+            return previous
+        previous.close()
+    monitor = Monitor(model, scaler, optimizer=optimizer, ema=ema, config=cfg, transport=transport, step=step,
+                      on_alert=on_alert)
+    remember(model, monitor)
     _install_exit_handlers()
     return monitor
 
@@ -101,7 +126,7 @@ def _install_exit_handlers() -> None:
         if _exit_installed:
             return
         _exit_installed = True
-        from agent.monitor import close_all
+        from gradwatch.agent.registry import close_all
 
         atexit.register(close_all)
         previous = sys.excepthook

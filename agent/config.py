@@ -59,6 +59,9 @@ class AgentConfig:
     queue_size: int = 10_000             # steps held in memory before the sender; more are dropped and counted
     spool_dir: str = field(default_factory=default_spool_dir)
     spool_max_mb: float = 512.0          # on-disk spool bound; batches beyond it are dropped and counted
+    crash_tail: bool = True              # journal each step locally before its batch (agent/tail.py): a
+                                         # SIGKILLed process loses at most its last step
+    crash_tail_fsync: bool = False       # fsync the journal after each write (survives a machine crash too)
     http_timeout: float = 5.0            # seconds per POST
     exit_timeout: float = 5.0            # seconds to flush at interpreter exit / close()
     seal_grace: float = 0.2              # seconds an ended step stays open for post-step values (EMA
@@ -72,9 +75,19 @@ class AgentConfig:
     bn_every: int = 100                  # BatchNorm running-stat norms
     nan_hunt: bool = True                # after a non-finite loss/grad, hook every step until the origin is found
     nan_hunt_steps: int = 50             # give up hunting after this many steps
+    nan_replay: bool = True              # replay a skipped NaN step with every module hooked (docs/nan-origin.md)
+    nan_guard: bool = False              # no scaler: check the grad norm before each optimizer step (one sync
+                                         # per step) and replay a non-finite one before the weights move
     memory: bool = True                  # CUDA peak allocated per step
+    resume_rng: bool = True              # hash the RNG state at attach and every step end, for G6 (docs/resume.md);
+                                         # the HF / Lightning callbacks turn it off (they restore the RNG later)
     batch_size: Optional[int] = None     # samples per optimizer step (inferred from the input when None)
     tokens_per_step: Optional[int] = None  # tokens per optimizer step (inferred from integer 2-D input when None)
+    # alerts in the loop (docs/alerts-in-the-loop.md)
+    loop_alerts: bool = True             # each batch asks for the run's new alerts: monitor.alerts(), on_alert=
+    skip_spikes: bool = False            # skip an update whose grad norm is > skip_sigma σ above the mean of
+    skip_sigma: float = 6.0              # the last skip_window accepted steps (and, without a GradScaler,
+    skip_window: int = 128               # a non-finite one): on the device, no sync
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,6 +112,11 @@ class AgentConfig:
         for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
+        if not (isinstance(self.skip_sigma, (int, float)) and self.skip_sigma > 0):
+            problems.append(f"skip_sigma={self.skip_sigma!r}: must be a positive number of standard deviations")
+        if not (isinstance(self.skip_window, int) and self.skip_window >= 8):
+            problems.append(f"skip_window={self.skip_window!r}: must be an integer of at least 8 steps (128 is "
+                            f"the default)")
         for name in ("batch_size", "tokens_per_step"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -14,7 +14,7 @@ the rules fire where a user can watch them:
 
 Run it alone against a server::
 
-    python -m agent.demo --server http://127.0.0.1:8470 --run my-demo
+    python -m gradwatch.agent.demo --server http://127.0.0.1:8470 --run my-demo
 
 Only torch, the standard library and the agent are used here.
 """
@@ -29,9 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import agent
-
-
+from gradwatch import agent
 class Block(nn.Module):
     """Pre-norm Transformer block: x + attn(ln(x)), x + mlp(ln(x))."""
 
@@ -89,7 +87,7 @@ def make_batch(gen: torch.Generator, batch: int, seq: int, vocab: int) -> tuple[
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m agent.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gradwatch.agent.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--server", default=None, help="gradwatch server URL (default: $GRADWATCH_SERVER)")
     p.add_argument("--project", default="demo")
     p.add_argument("--run", default=None, help="run name (default: generated)")

@@ -1,4 +1,12 @@
-"""The :class:`Monitor` handle: hooks into a model, its GradScaler and optimizer, one record per step.
+"""The :class:`Monitor` handle: the public face of one attached model, composed of the agent's parts.
+
+* :mod:`agent.hooks` — the hook adapters (model forward, GradScaler wrappers,
+  optimizer hooks, the ``clip_grad_norm_`` patch);
+* :mod:`agent.step_builder` — the step in progress and its end into a ``StepRecord``;
+* :mod:`agent.collectors` — one kind of measurement each, behind a small protocol;
+* :mod:`agent.sealer` — the hand-over of the ended step's record to the sender,
+  by the training thread or, after ``seal_grace``, by the sender thread;
+* :mod:`agent.sender` — batching, spooling, delivery (its own thread).
 
 Step boundaries:
 
@@ -6,48 +14,43 @@ Step boundaries:
 * without one but with an optimizer: the optimizer's step post-hook ends it;
 * with neither: each ``monitor.log(loss=...)`` is one step.
 
-A step's record stays open after its end until the next step begins (the next
-forward of the model, ``scaler.scale()`` or optimizer step), so values logged
-right after the step (``monitor.log(acc=...)``) and the EMA update the
-checklist does after ``scaler.update()`` are part of it. Then it is sealed:
-its device tensors become one flat vector whose copy to the host starts
-without a sync, and the sender thread takes it from there. A record still
-open ``seal_grace`` seconds after its step ended (the loop stopped or hangs
-right after a step) is sealed by the sender thread instead, without the EMA
-divergence (training may change the weights the moment it resumes);
-``_open_lock`` guards the hand-over of the open record between the two
-threads. A sampled step of a CPU-trained model hands its record to the EMA
-worker thread instead (agent/capture/ema_worker.py), which adds the
-divergence, seals and submits it; every optimizer step and the next seal wait
-for that job.
-
-Every hook body runs under :meth:`Monitor._guard`: an exception is logged
-once, that collector turns itself off, and training goes on.
+Every hook body runs under a guard (:mod:`agent.guard`): an exception is
+logged once, that collector turns itself off, and training goes on.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from agent.capture import clip as clip_capture
-from agent.capture.activations import CONTAINERS, activation_stats, batch_shape, count_nonfinite, first_tensor
-from agent.capture.ema import EmaMatcher, check_ema, ema_divergence
-from agent.capture.ema_worker import BARRIER_TIMEOUT, EmaWorker
-from agent.capture.norms import grad_norms, tensor_norms
-from agent.config import AgentConfig
-from agent.record import StepRecord
-from agent.sender import OnceLogger, Sender
-from agent.spool import Spool
-from agent.transport import HttpTransport
-from agent.wire import NanHunt, StepAssembler
+from gradwatch.agent import collectors as collector_kinds
+from gradwatch.agent.checkpoints import checkpoint_event
+from gradwatch.agent.capture.ema import check_ema
+from gradwatch.agent.capture.replay import StepReplay
+from gradwatch.agent.collectors.base import Watched, overrides
+from gradwatch.agent.collectors.ema import EmaDivergence
+from gradwatch.agent.config import AgentConfig
+from gradwatch.agent.guard import Guards
+from gradwatch.agent.hooks import HookAdapters
+from gradwatch.agent.loop_alerts import AlertInbox, LoopAlert, run_callbacks
+from gradwatch.agent.registry import close_all, forget
+from gradwatch.agent.resume import ResumeState
+from gradwatch.agent.sealer import Sealer
+from gradwatch.agent.sender import OnceLogger, Sender
+from gradwatch.agent.skip_guard import SkipSpikes
+from gradwatch.agent.spool import Spool
+from gradwatch.agent.step_builder import StepBuilder
+from gradwatch.agent.tail import TailJournal
+from gradwatch.agent.transport import HttpTransport
+from gradwatch.agent.wire import NanHunt, StepAssembler
+
+__all__ = ["Monitor", "close_all"]
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -68,11 +71,23 @@ class Monitor:
             ema.update(model)
             monitor.log(acc=accuracy)       # optional extra scalars
         monitor.close()                      # or use `with agent.attach(...) as monitor:`
+
+    ``collectors`` (default :data:`agent.collectors.DEFAULT`) are the collector
+    classes to compose; each one whose needs this monitor meets is used.
+
+    ``step``: the number of the first step this process records (a run resumed from a
+    checkpoint continues its step axis); None infers it from the optimizer state's step
+    counters, else counts from 0 — and the server continues a guessed numbering after the
+    run's stored steps rather than lose them (docs/resume.md).
+
+    ``on_alert(alert)`` runs in the training thread at a step boundary for each
+    alert news of the run (docs/alerts-in-the-loop.md); ``monitor.alerts()`` lists them.
     """
 
     def __init__(self, model: torch.nn.Module, scaler=None, *, optimizer=None, ema=None,
-                 config: Optional[AgentConfig] = None, transport=None,
-                 clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time):
+                 config: Optional[AgentConfig] = None, transport=None, step: Optional[int] = None,
+                 clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time,
+                 collectors=collector_kinds.DEFAULT, on_alert: Optional[Callable[[LoopAlert], None]] = None):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model={type(model).__name__}: pass the torch.nn.Module you train")
         if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
@@ -81,35 +96,15 @@ class Monitor:
             raise ValueError(f"optimizer={type(optimizer).__name__}: pass a torch.optim.Optimizer (or None)")
         if ema is not None:
             check_ema(ema)
-        self.config = config or AgentConfig()
-        self.model, self.scaler, self.optimizer, self.ema = model, scaler, optimizer, ema
-        self.clock, self.wall_clock = clock, wall_clock
-        self.closed = False
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step={step!r}: pass the number of the first step to record (an int >= 0), or None")
+        self.config = cfg = config or AgentConfig()
+        self.model, self.ema = model, ema
+        self.wall_clock = wall_clock
         self._pid = os.getpid()
         self._warn = OnceLogger(log)
-        self._disabled: set[str] = set()
-        self._guards: dict[str, _Guard] = {}
-        self._handles: list[Any] = []
-        self._act_handles: list[Any] = []
-        self._wrapped_scaler: dict[str, Any] = {}
-
-        seen: set[int] = set()
-        self._param_names: list[str] = []
-        self._params: list[torch.nn.Parameter] = []
-        for name, p in model.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self._param_names.append(name)
-                self._params.append(p)
-        self._param_ids = seen
-        self._param_id_list = [id(p) for p in self._params]
-        self._all_index = list(range(len(self._params)))   # grad_index when every parameter has a grad (never modified)
-        self._ema_matcher = EmaMatcher(self._param_names, self._params)
-        # CPU-trained models compute the sampled EMA divergence on this thread (see ema_worker.py).
-        self._ema_worker: Optional[EmaWorker] = EmaWorker(on_late=self._ema_late) if ema is not None else None
-        self._modules = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
-        self._bns = [(n, m) for n, m in model.named_modules()
-                     if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+        self._guards = Guards(self._warn, self._pid)
+        self._disabled = self._guards.disabled   # the collectors switched off (read by tests)
 
         self.rank, self.world_size = 0, 1
         try:
@@ -118,43 +113,105 @@ class Monitor:
         except Exception:  # noqa: BLE001
             pass
 
-        self.hunt = NanHunt(self.config.nan_hunt, self.config.nan_hunt_steps)
+        self.hunt = NanHunt(cfg.nan_hunt, cfg.nan_hunt_steps)
+        self._watched = w = Watched(model, scaler, optimizer, ema, cfg, self.hunt)
+        self.collectors = parts = [c for c in (kind(w, self._guards) for kind in collectors) if c.wanted()]
+        # CPU-trained models compute the sampled EMA divergence on this thread (see ema_worker.py).
+        self._ema_worker = next((c.worker for c in parts if isinstance(c, EmaDivergence)), None)
+
+        if on_alert is not None and not callable(on_alert):
+            raise ValueError(f"on_alert={on_alert!r}: pass a function taking one alert (or None)")
+        # The run's alerts as the server reports them in its ingest replies (docs/alerts-in-the-loop.md).
+        self._inbox = AlertInbox() if cfg.loop_alerts and cfg.mode == "online" else None
+        self._alert_callbacks: list[Callable[[LoopAlert], None]] = [on_alert] if on_alert is not None else []
+
         self.sender: Optional[Sender] = None
-        if self.config.mode != "disabled":
-            cfg = self.config
+        if cfg.mode != "disabled":
             spool_path = Path(cfg.spool_dir) / _safe_name(cfg.project) / _safe_name(cfg.run) / f"rank{self.rank}"
             self.sender = Sender(
                 cfg,
                 transport=transport or HttpTransport(cfg.server, cfg.token, cfg.http_timeout),
                 spool=Spool(spool_path, cfg.spool_max_bytes),
-                assembler=StepAssembler(self._param_names, [n for n, _ in self._modules],
-                                        [n for n, _ in self._bns], self.hunt),
-                header={"project": cfg.project, "run": cfg.run, "rank": self.rank, "world_size": self.world_size},
+                journal=(TailJournal(spool_path, fsync=cfg.crash_tail_fsync)
+                         if cfg.crash_tail and cfg.spool_max_bytes > 0 else None),
+                assembler=StepAssembler(w.param_names, [n for n, _ in w.modules], [n for n, _ in w.bns], self.hunt,
+                                        sharded=w.local),
+                header={"project": cfg.project, "run": cfg.run, "rank": self.rank, "world_size": self.world_size,
+                        # this process's step numbering, for the server's resume bookkeeping (server/resume.py)
+                        "session": uuid.uuid4().hex, "step_origin": "process", "step_start": 0},
                 meta=self._meta(),
                 warn=self._warn,
+                inbox=self._inbox,
             )
-
-        self._reset_step_state()
-        self.step = 0
-        # The ended step whose record is still open, and when it ended (time.monotonic(), the
-        # sender's clock). Both threads take it out under _open_lock; only the one that took it seals it.
-        self._open: Optional[StepRecord] = None
-        self._open_since = 0.0
-        self._usual_gap = 0.0      # seconds a record usually stays open (training thread writes, sender reads)
-        self._stale_sealed = False  # the sender sealed the last record (set under the lock; training thread clears)
-        self._open_stream = None   # the training thread's CUDA stream at the last step end
-        self._open_lock = threading.Lock()
-        # Clear while the sender thread seals and submits a stale record (see _await_stale_seal).
-        self._stale_submitted = threading.Event()
-        self._stale_submitted.set()
-        self._last_end: Optional[float] = None
-        self._pending_scale = None
-        self._pending_found_inf = None
-        self._install()
+        self._sealer = Sealer(cfg, self.sender, self._guards, [c for c in parts if overrides(c, "at_seal")],
+                              self._ema_worker, stale_finish=lambda rec: self._finish_record(rec, False))
+        # the exact-step NaN origin (docs/nan-origin.md); sharded parameters are not replayed
+        self._replay = StepReplay(w, [n for n, _ in w.modules]) if cfg.nan_replay and not w.local else None
+        self._builder = StepBuilder(w, self._guards, parts, self._sealer, self.sender, self._warn,
+                                    clock, wall_clock, replay=self._replay)
+        self._resume: Optional[ResumeState] = None
+        if step is not None:
+            self._builder.step = step
+        with self._guards.guard("resume"):
+            self._resume = ResumeState(w, step=step, rng=cfg.resume_rng)
+            self._builder.step = self._resume.start
+            if not self._resume.optimizer_read:
+                self._builder.first_optimizer = self._optimizer_known
+            self._builder.first_end = self._first_step_ended
+            self._numbering()
+        if self._inbox is not None:
+            self._builder.inbox, self._builder.deliver_alerts = self._inbox, self._deliver_alerts
+        self._skip: Optional[SkipSpikes] = None
+        if cfg.skip_spikes:
+            guard = SkipSpikes(w, self._guards, sigma=cfg.skip_sigma, window=cfg.skip_window)
+            if guard.usable():
+                self._skip = self._builder.skip = guard
+        self._hooks = HookAdapters(w, self._builder, self._guards, self._sealer.barrier, self._builder.grads)
+        self._hooks.install()
         if self.sender is not None:
-            self.sender.on_poll = self._seal_stale
+            self.sender.on_poll = self._sealer.seal_stale
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def scaler(self):
+        return self._watched.scaler
+
+    @property
+    def optimizer(self):
+        """The optimizer given to ``attach``, or the one the scaler's ``step()`` was first called with."""
+        return self._watched.optimizer
+
+    @property
+    def step(self) -> int:
+        """The number the next step record gets (steps recorded so far, unless set).
+
+        Settable: a run resumed from a checkpoint continues its step numbers
+        (``monitor.step = trainer.global_step``)."""
+        return self._builder.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._builder.step = int(value)
+        if self._resume is not None and self._builder.first_end is not None:   # before the first step ended
+            self._resume.given(int(value))
+            self._numbering()
+
+    @property
+    def step_shift(self) -> int:
+        """How far the server moved this process's step numbers to continue the run's stored steps
+        (0: stored as numbered). Known after the first batch was delivered; the sender logs it."""
+        return self.sender.step_shift if self.sender is not None else 0
+
+    @property
+    def already_stored_steps(self) -> int:
+        """Steps of this process the server did not write because steps of the same numbers were
+        stored already (``attach(step=N)`` below the run's last step); the sender warns once."""
+        return self.sender.already_stored if self.sender is not None else 0
+
+    @property
+    def closed(self) -> bool:
+        return self._guards.closed
 
     def log(self, loss=None, **values) -> None:
         """Record the loss (when there is no GradScaler) and any extra scalars for the current step.
@@ -167,55 +224,150 @@ class Monitor:
         >>> monitor.log(loss=loss)                 # doctest: +SKIP
         >>> monitor.log(acc=0.91, tokens_seen=n)   # doctest: +SKIP
         """
-        if self.closed or os.getpid() != self._pid:
+        if self._guards.closed or os.getpid() != self._pid:
             return
-        with self._guard("log"):
-            step_per_log = loss is not None and self.scaler is None and self._current_optimizer() is None
-            if step_per_log:
-                self._seal_open()
-            with self._open_lock:   # the sender thread may be sealing the open record right now
-                target = self._open.host if (self._open is not None and not step_per_log) else self._pending
-                if loss is not None:
-                    _accumulate(target, "logged_loss", loss)
-                for key, value in values.items():
-                    if isinstance(value, torch.Tensor):
-                        if value.numel() != 1:
-                            self._warn.warning("log:" + key,
-                                               "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
-                            continue
-                        target.setdefault("custom_dev", {})[key] = value.detach().reshape(())
-                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                        target.setdefault("custom", {})[key] = float(value)
-            if step_per_log:
-                self._end_step()
-                self._seal_open()
+        with self._guards.guard("log"):
+            w = self._watched
+            step_per_log = loss is not None and w.scaler is None and w.optimizer is None
+            self._builder.log(loss, values, step_per_log)
+
+    def replayable(self, fn: Callable[[], object]) -> None:
+        """Give the agent a way to recompute this step's loss, should the step go non-finite.
+
+        ``fn()`` runs the model and the loss on this step's batch, as the step did, and returns the
+        loss (a tensor, or an output with ``.loss``). Call it once per forward (per micro-batch),
+        before ``scaler.step()``; the agent keeps the reference until the step ends and calls it
+        only to replay a step the scaler skipped with a NaN/Inf loss, under the forward's RNG and
+        autocast state, with ``scaler.scale(loss).backward()``. With it the NaN origin is also
+        found in the loss computation and in the backward; without it, in the model's forward
+        only (docs/nan-origin.md). Bind the batch as default arguments, so that a later
+        iteration's ``x`` is never read. Never raises.
+
+        >>> monitor.replayable(lambda x=x, y=y: loss_fn(model(x), y))   # doctest: +SKIP
+        """
+        if self._replay is None or self._guards.closed or os.getpid() != self._pid:
+            return
+        with self._guards.guard("nan_replay"):
+            self._replay.closure(fn)
+
+    def checkpoint(self, path, step: Optional[int] = None, *, source: Optional[str] = None) -> bool:
+        """Record that a checkpoint was written to ``path`` (sent with the next batch).
+
+        ``step`` defaults to :attr:`step`, the optimizer steps taken so far: the step the run
+        continues with after loading it. A critical alert then names the last checkpoint at or
+        before its first anomalous step and the batches to skip (docs/checkpoints.md). The HF and
+        Lightning callbacks call this for every checkpoint they save. Never raises: a bad
+        argument is logged once and nothing is recorded; returns whether it was recorded.
+
+        >>> torch.save(state, f"ckpt/step-{monitor.step}.pt")     # doctest: +SKIP
+        >>> monitor.checkpoint(f"ckpt/step-{monitor.step}.pt")     # doctest: +SKIP
+        True
+        """
+        if self._guards.closed or os.getpid() != self._pid or self.sender is None:
+            return False
+        try:
+            event = checkpoint_event(path, self._builder.step if step is None else step,
+                                     wall_time=self.wall_clock(), source=source)
+        except ValueError as e:
+            self._warn.warning("checkpoint:args", "gradwatch: checkpoint not recorded: %s", e)
+            return False
+        with self._guards.guard("checkpoint"):
+            self.sender.submit(event)
+            return True
+        return False
+
+    def seal_step(self) -> None:
+        """A step begins here: seal and send the record of the step that ended before it.
+
+        The agent sees a step begin at the model's forward, ``scaler.scale()`` or an
+        optimizer step; a loop (or framework) whose step begins without any of them
+        (e.g. a LightningModule whose ``training_step`` calls ``self.net(x)``, not
+        ``self(x)``) calls this at the start of each batch, so that no step's record
+        waits for a forward that never comes. Values logged after this go to the
+        next step. Never raises.
+
+        >>> monitor.seal_step()      # doctest: +SKIP
+        """
+        if self._guards.closed or os.getpid() != self._pid:
+            return
+        with self._guards.guard("seal"):
+            self._sealer.seal_open()
+
+    def remeasure_grads(self) -> None:
+        """Measure this step's grad norms again, now (the grads changed since the agent measured them).
+
+        The agent measures the grads where they are final for the usual loop (after
+        unscale, or at the optimizer's step pre-hook). A loop that runs backward
+        inside ``optimizer.step(closure)`` — Lightning without a scaler — has them
+        only after the pre-hook: it calls this after backward, before clipping.
+        Never raises.
+
+        >>> loss.backward(); monitor.remeasure_grads(); clip_grad_norm_(...)   # doctest: +SKIP
+        """
+        if self._guards.closed or os.getpid() != self._pid:
+            return
+        with self._guards.guard("grad_norms"):
+            self._builder.grads.remeasure()
+
+    def alerts(self) -> list[LoopAlert]:
+        """The run's alerts heard of since attach, newest first (the latest version of each).
+
+        The server reports them in its answers to the agent's batches, within about
+        ``flush_interval`` of the step that raised them (a non-finite step is sent at
+        once). Alerts of an earlier process of the same run (a resumed run) are not in
+        it; they are on the dashboard. Empty with ``mode="offline"`` / ``"disabled"``
+        or ``loop_alerts=False``. Never raises.
+
+        >>> [a.rule for a in monitor.alerts() if a.firing]      # doctest: +SKIP
+        ['A1']
+        """
+        return self._inbox.alerts() if self._inbox is not None else []
+
+    def add_alert_callback(self, callback: Callable[[LoopAlert], None]) -> None:
+        """Call ``callback(alert)`` for every alert news from now on (as ``attach(on_alert=...)``).
+
+        News is a new alert, or one whose status or severity changed. The callback
+        runs in the training thread, at the end of the step during which the news
+        arrived (inside ``scaler.update()``, the optimizer's step, or
+        ``monitor.log(loss=...)``), never in the agent's thread; an exception in it is
+        logged once and training goes on.
+
+        >>> monitor.add_alert_callback(lambda alert: print(alert))   # doctest: +SKIP
+        """
+        if not callable(callback):
+            raise ValueError(f"callback={callback!r}: pass a function taking one alert")
+        self._alert_callbacks.append(callback)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Send everything recorded so far; True when it reached the server or the spool in time."""
         if os.getpid() != self._pid or self.sender is None:
             return True
         deadline = time.monotonic() + timeout
-        with self._guard("flush"):
-            self._seal_open()
-            self._await_stale_seal(timeout)
-            self._ema_barrier()
+        with self._guards.guard("flush"):
+            self._sealer.seal_open()
+            self._sealer.await_stale_seal(timeout)
+            self._sealer.barrier()
         return self.sender.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: Optional[float] = None, status: str = "finished") -> None:
         """Flush (at most ``timeout`` seconds, default ``exit_timeout``), remove every hook and wrapper."""
-        if self.closed:
+        if self._guards.closed:
             return
         if os.getpid() == self._pid:
             try:
-                self._seal_open()
-                self._await_stale_seal(self.config.exit_timeout if timeout is None else timeout)
+                self._sealer.seal_open()
+                self._sealer.await_stale_seal(self.config.exit_timeout if timeout is None else timeout)
                 if self._ema_worker is not None:
                     self._ema_worker.stop()   # its record reaches the sender before the close marker
             except Exception:  # noqa: BLE001
                 pass
-        self._uninstall()
-        self.closed = True
-        _forget(self)
+        self._hooks.uninstall()
+        for c in self.collectors:
+            c.detach()
+        if self._replay is not None:
+            self._replay.detach()
+        self._guards.closed = True
+        forget(self)
         if self.sender is not None and os.getpid() == self._pid:
             self.sender.close(self.config.exit_timeout if timeout is None else timeout, status=status)
 
@@ -229,601 +381,108 @@ class Monitor:
                    else "finished")
 
     @property
+    def skipped_updates(self) -> int:
+        """Updates the ``skip_spikes`` guard undid so far (0 when it is off).
+
+        Reads the guard's device counter, so it waits for the device: read it at the
+        end of training or at a checkpoint, not every step (the per-step
+        ``skipped_update`` signal reaches the dashboard without any wait)."""
+        skip = self._skip
+        if skip is None or skip.count is None:
+            return 0
+        try:
+            return int(skip.count.item())
+        except Exception as e:  # noqa: BLE001 - a broken device must not raise into the loop from here
+            self._warn.warning("skipped_updates", "gradwatch: could not read the skipped-update count: %r", e)
+            return 0
+
+    @property
     def dropped_steps(self) -> int:
         """Steps lost so far (queue full, spool full or unwritable, batches rejected)."""
         if self.sender is None:
             return 0
         return self.sender.dropped_steps + (self.sender.queue_drops - self.sender._queue_drops_seen)
 
-    # ------------------------------------------------------------------ installation
+    # ------------------------------------------------------------------ private
 
-    def _install(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
-        clip_capture.register(self)
-        if self.scaler is not None:
-            for name in ("scale", "unscale_", "step", "update"):
-                original = getattr(self.scaler, name)
-                self._wrapped_scaler[name] = (name in self.scaler.__dict__, self.scaler.__dict__.get(name))
-                setattr(self.scaler, name, getattr(self, "_wrap_" + name.rstrip("_"))(original))
-        elif self.optimizer is not None:
-            self._hook_optimizer(self.optimizer)
-        if self._ema_worker is not None:
-            # Any optimizer step (through the scaler or not) waits for an EMA divergence job reading
-            # the weights it is about to change.
-            self._handles.append(register_optimizer_step_pre_hook(self._ema_barrier_hook))
+    def _numbering(self) -> None:
+        if self.sender is not None and self._resume is not None:
+            self.sender.header.update(step_origin=self._resume.origin, step_start=self._resume.start)
 
-    def _hook_optimizer(self, optimizer) -> None:
-        self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_pre))
-        self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_post))
+    def _optimizer_known(self, optimizer) -> None:
+        """The first optimizer step begins (its optimizer was not given to attach): read its state
+        as loaded, and continue from its step counters when no step was given."""
+        r = self._resume
+        r.optimizer_known(optimizer)
+        self._builder.step = r.start
+        self._numbering()
 
-    def _uninstall(self) -> None:
-        for h in self._handles + self._act_handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
-        self._handles, self._act_handles = [], []
-        clip_capture.unregister(self)
-        for name, (had_own, previous) in self._wrapped_scaler.items():
-            try:
-                if had_own:
-                    setattr(self.scaler, name, previous)
-                else:
-                    self.scaler.__dict__.pop(name, None)
-            except Exception:  # noqa: BLE001
-                pass
-        self._wrapped_scaler = {}
+    def _first_step_ended(self, step: int) -> None:
+        """The resume snapshot goes out with the first step's number (queued before that step's record)."""
+        if self.sender is not None and self._resume is not None:
+            self._numbering()
+            self.sender.submit(self._resume.event(step))
+
+    def _deliver_alerts(self) -> None:
+        """At a step boundary, in the training thread: the inbox's news to the callbacks."""
+        if self._guards.closed or os.getpid() != self._pid:
+            return
+        news = self._inbox.take_news()
+        if news and self._alert_callbacks:
+            run_callbacks(self._alert_callbacks, news, self._warn)
+
+    @property
+    def _open(self):
+        """The ended step's record still open (None: none)."""
+        return self._sealer.open_record
+
+    def _finish_record(self, rec, in_training_thread: bool) -> None:
+        """Seal and submit a record taken out of the open slot (the sender thread's stale seal
+        goes through here: tests slow it down to catch a flush in the middle of it)."""
+        self._sealer.finish(rec, in_training_thread)
 
     def _meta(self) -> dict:
+        w = self._watched
         amp = None
         try:
-            if self.scaler is not None and getattr(self.scaler, "_enabled", False):
+            if w.scaler is not None and getattr(w.scaler, "_enabled", False):
                 amp = "float16"
         except Exception:  # noqa: BLE001
             pass
-        return {
-            "param_names": self._param_names,
-            "module_names": [n for n, _ in self._modules],
-            "bn_names": [n for n, _ in self._bns],
-            "config": {**self.config.public(), "amp_dtype": amp, "scaler": self.scaler is not None,
+        meta = {
+            "param_names": w.param_names,
+            "module_names": [n for n, _ in w.modules],
+            "bn_names": [n for n, _ in w.bns],
+            "config": {**self.config.public(), "amp_dtype": amp, "scaler": w.scaler is not None,
                        "ema": type(self.ema).__name__ if self.ema is not None else None},
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "torch": torch.__version__.split("+")[0],
             "started_at": self.wall_clock(),
+            # where this rank runs, for the run header (host-side facts only: no device query)
+            **_placement(w.model),
         }
-
-    # ------------------------------------------------------------------ guarding
-
-    def _guard(self, collector: str) -> "_Guard":
-        """Never let the agent raise into training: log once, turn the collector off.
-
-        One reusable context manager per collector (hooks use it several times a step; a
-        generator-based one would be created and torn down at each use)."""
-        g = self._guards.get(collector)
-        if g is None:
-            g = self._guards[collector] = _Guard(self, collector)
-        return g
-
-    def _failed(self, collector: str, e: BaseException) -> None:
-        self._disabled.add(collector)
-        self._warn.warning("guard:" + collector,
-                           "gradwatch: the %s collector failed and is now off (training continues): %r",
-                           collector, e)
-
-    def _on(self, collector: str) -> bool:
-        return collector not in self._disabled and not self.closed and _process.pid == self._pid
-
-    # ------------------------------------------------------------------ step state
-
-    def _reset_step_state(self) -> None:
-        self._pending: dict[str, Any] = {}       # loss / custom values for the step in progress
-        self._grads = None                         # (per-param norms, index, total) once computed
-        self._clip_max_norm: Optional[float] = None
-        self._forwards = 0
-        self._samples = 0
-        self._tokens = 0
-        self._input_nonfinite = None
-        self._acts: list[tuple[int, torch.Tensor]] = []
-        self._acts_seen: set[int] = set()
-        self._weights_before = None
-        self._unscaled = False
-        self._in_scaler_step = False
-
-    def _sampled(self, every: int, step: Optional[int] = None) -> bool:
-        return every > 0 and (self.step if step is None else step) % every == 0
-
-    def _current_optimizer(self):
-        return self.optimizer
-
-    def _compute_grads(self) -> None:
-        if self._grads is None and self.config.grad_norms and self._on("grad_norms"):
-            with self._guard("grad_norms"):
-                self._grads = grad_norms(self._params, self._all_index) or False
-
-    def _snapshot_weights(self) -> None:
-        if self._weights_before is None and self._sampled(self.config.weights_every) and self._on("weights"):
-            with self._guard("weights"), torch.no_grad():
-                self._weights_before = [p.detach().clone() for p in self._params]
-
-    # ------------------------------------------------------------------ model hooks
-
-    def _on_forward_pre(self, module, args, kwargs):
-        if self.closed or _process.pid != self._pid:
-            return None
-        with self._guard("forward"):
-            self._seal_open()
-            if not torch.is_grad_enabled():
-                return None   # evaluation pass: not part of a training step
-            first = self._forwards == 0
-            self._forwards += 1
-            samples, tokens = batch_shape(args, kwargs)
-            self._samples += samples
-            self._tokens += tokens
-            hunting = self.hunt.active
-            if first and (hunting or self._sampled(self.config.inputs_every)) and self._on("inputs"):
-                with self._guard("inputs"):
-                    self._input_nonfinite = count_nonfinite(args, kwargs)
-            if first and (hunting or self._sampled(self.config.activations_every)) and self._on("activations"):
-                with self._guard("activations"):
-                    # Removes these hooks after this forward; installed only on such steps, so the
-                    # usual forward has no post hook to run.
-                    self._act_handles.append(self.model.register_forward_hook(self._on_forward_post))
-                    for i, (_, m) in enumerate(self._modules):
-                        self._act_handles.append(m.register_forward_hook(self._activation_hook(i)))
-        return None
-
-    def _on_forward_post(self, module, args, output):
-        if self._act_handles:
-            for h in self._act_handles:
-                h.remove()
-            self._act_handles = []
-        return None
-
-    def _activation_hook(self, index: int):
-        def hook(module, args, output):
-            if index in self._acts_seen or "activations" in self._disabled:
-                return None
-            with self._guard("activations"):
-                t = first_tensor(output)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
-                    self._acts_seen.add(index)
-                    self._acts.append((index, activation_stats(t)))
-            return None
-        return hook
-
-    # ------------------------------------------------------------------ scaler wrappers
-
-    def _wrap_scale(self, original):
-        def scale(outputs):
-            if self._on("scaler"):
-                with self._guard("scaler"):
-                    self._seal_open()
-                    if isinstance(outputs, torch.Tensor):
-                        _accumulate(self._pending, "scaled_loss", outputs)
-                    else:
-                        outputs = list(outputs) if not isinstance(outputs, (list, tuple)) else outputs
-                        for o in outputs:
-                            if isinstance(o, torch.Tensor):
-                                _accumulate(self._pending, "scaled_loss", o)
-            return original(outputs)
-        return scale
-
-    def _wrap_unscale(self, original):
-        def unscale_(optimizer):
-            result = original(optimizer)
-            if self._on("scaler"):
-                self._unscaled = True
-                if self._in_scaler_step:   # implicit unscale inside scaler.step(): grads are ready now
-                    with self._guard("scaler"):
-                        self._compute_grads()
-            return result
-        return unscale_
-
-    def _wrap_step(self, original):
-        def step(optimizer, *args, **kwargs):
-            # An EMA divergence job reads the weights this step changes. The global optimizer
-            # hook waits for it too, but only for torch optimizers; the scaler takes any object.
-            self._ema_barrier()
-            if self._on("scaler"):
-                with self._guard("scaler"):
-                    if self.optimizer is None:
-                        self.optimizer = optimizer
-                    self._snapshot_weights()
-                    if self._unscaled or not getattr(self.scaler, "_enabled", True):
-                        self._compute_grads()
-                    self._in_scaler_step = True
-            try:
-                return original(optimizer, *args, **kwargs)
-            finally:
-                self._in_scaler_step = False
-        return step
-
-    def _wrap_update(self, original):
-        def update(new_scale=None):
-            if self._on("scaler"):
-                with self._guard("scaler"):
-                    self._read_scaler_state()
-            result = original(new_scale)
-            if self._on("scaler"):
-                with self._guard("scaler"):
-                    self._end_step()
-            return result
-        return update
-
-    def _read_scaler_state(self) -> None:
-        """The scale used for this step and whether it overflowed: device tensors, cloned, no sync."""
-        s = self.scaler
-        self._pending_scale = self._pending_found_inf = None
-        if not getattr(s, "_enabled", False) or getattr(s, "_scale", None) is None:
-            return
-        self._pending_scale = s._scale.detach().clone()
-        states = s._per_optimizer_states
-        if len(states) == 1:   # one optimizer (the usual case): no nested comprehension
-            for state in states.values():
-                found = list(state["found_inf_per_device"].values())
-        else:
-            found = [f for state in states.values() for f in state["found_inf_per_device"].values()]
-        if len(found) == 1:
-            self._pending_found_inf = found[0]   # update() only adds into it when there are several
-        elif found:
-            dev = s._scale.device
-            self._pending_found_inf = torch.stack([f.to(dev, non_blocking=True).reshape(()) for f in found]).sum()
-
-    # ------------------------------------------------------------------ optimizer hooks (no scaler)
-
-    def _on_optimizer_pre(self, optimizer, args, kwargs):
-        if self._on("optimizer"):
-            with self._guard("optimizer"):
-                self._snapshot_weights()
-                self._compute_grads()
-        return None
-
-    def _on_optimizer_post(self, optimizer, args, kwargs):
-        if self._on("optimizer"):
-            with self._guard("optimizer"):
-                self._end_step()
-        return None
-
-    # ------------------------------------------------------------------ clipping
-
-    def on_clip(self, parameters: list, max_norm, norm_type, error_if_nonfinite, foreach, original):
-        """Called by the clip_grad_norm_ patch. Returns (handled, total_norm)."""
-        if not parameters or id(parameters[0]) not in self._param_ids or not self._on("clip"):
-            return False, None
-        try:
-            if not isinstance(max_norm, torch.Tensor):
-                self._clip_max_norm = float(max_norm)
-            if (self._grads is None and not error_if_nonfinite and float(norm_type) == 2.0
-                    and self.config.grad_norms and self._on("grad_norms")
-                    and list(map(id, parameters)) == self._param_id_list):   # the model's parameters, in order
-                grads = grad_norms(self._params, self._all_index)
-                if grads:
-                    self._grads = grads
-                    clip_capture.clip_with_norm(parameters, max_norm, grads[2], foreach)
-                    return True, grads[2]
-            self._compute_grads()  # before the original clips the grads in place
-        except Exception as e:  # noqa: BLE001
-            self._disabled.add("clip")
-            self._warn.warning("guard:clip", "gradwatch: clip capture failed and is now off: %r", e)
-        return True, original(parameters, max_norm, norm_type=norm_type,
-                              error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-
-    # ------------------------------------------------------------------ step end / seal
-
-    def _end_step(self) -> None:
-        now = self.clock()
-        rec = StepRecord(self.step)
-        host = rec.host
-        host.update(self._pending)
-        host["time"] = self.wall_clock()
-        step_time = now - self._last_end if self._last_end is not None else None
-        host["step_time"] = step_time
-        samples = self.config.batch_size or self._samples
-        tokens = self.config.tokens_per_step or self._tokens
-        if step_time and step_time > 0:
-            host["samples_per_s"] = samples / step_time if samples else None
-            host["tokens_per_s"] = tokens / step_time if tokens else None
-        host["scaler_active"] = bool(self.scaler is not None and getattr(self.scaler, "_enabled", False))
-        host["clip_max_norm"] = self._clip_max_norm
-
-        if self._grads is None and self._on("grad_norms") and self.config.grad_norms and self.scaler is None \
-                and self.optimizer is None:
-            pass  # log-per-step mode: grads are only seen through clipping
-        if self._grads:
-            per, index, total = self._grads
-            rec.add("grad_norm", total)
-            rec.add("grad_norms", per)
-            host["grad_index"] = index
-        if self._pending_scale is not None:
-            rec.add("loss_scale", self._pending_scale)
-        if self._pending_found_inf is not None:
-            rec.add("found_inf", self._pending_found_inf)
-        self._pending_scale = self._pending_found_inf = None
-
-        opt = self.optimizer
-        if opt is not None and self._on("lr"):
-            with self._guard("lr"):
-                groups = opt.param_groups
-                lr = groups[0].get("lr") if len(groups) == 1 else None
-                if lr.__class__ is float:   # the usual case: one group, a float LR
-                    host["lr"] = lr
-                    groups = ()
-                for i, g in enumerate(groups):
-                    lr = g.get("lr")
-                    key = "lr" if i == 0 else f"lr/{i}"
-                    if isinstance(lr, torch.Tensor):
-                        rec.add(key if i == 0 else "custom:" + key, lr.detach().clone())
-                    elif lr is not None:
-                        if i == 0:
-                            host["lr"] = float(lr)
-                        elif len(groups) > 1:
-                            host.setdefault("custom", {})[key] = float(lr)
-
-        if self._sampled(self.config.weights_every) and self._on("weights"):
-            with self._guard("weights"):
-                rec.add("weight_norm", tensor_norms(self._params))
-                if self._weights_before is not None:
-                    delta = torch._foreach_sub([p.detach() for p in self._params], self._weights_before)
-                    rec.add("update_norm", tensor_norms(delta))
-        self._weights_before = None
-
-        if self._acts:
-            host["act_index"] = [i for i, _ in self._acts]
-            rec.add("act", torch.stack([s for _, s in self._acts]))
-        if self._bns and self._sampled(self.config.bn_every) and self._on("bn"):
-            with self._guard("bn"):
-                rec.add("bn_mean", tensor_norms([m.running_mean for _, m in self._bns]))
-                rec.add("bn_var", tensor_norms([m.running_var for _, m in self._bns]))
-        if self._input_nonfinite is not None:
-            rec.add("input_nonfinite", self._input_nonfinite)
-
-        cuda = torch.cuda.is_initialized()   # implies available; a cheaper call
-        if cuda:   # where this step's tensors were made, should the sender thread have to seal them
-            self._open_stream = torch.cuda.current_stream()
-        if self.config.memory and self._on("memory") and cuda:
-            with self._guard("memory"):
-                host["mem_peak"] = float(torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
-
-        self._reset_step_state()
-        if self._open is not None:   # two step ends without a step start between them: send the first
-            self._seal_open()
-        with self._open_lock:
-            self._open = rec
-            self._open_since = time.monotonic()
-        self._last_end = now
-        self.step += 1
-        if self.sender is not None and self.sender._thread is None:
-            self.sender.ensure_started()   # it seals this step if the loop stops right here
-
-    def _seal_open(self) -> None:
-        """Training thread: seal the open record (if any) with everything, EMA divergence included."""
-        if self._open is None:   # unlocked read: only the training thread ever sets it
-            if self._stale_sealed:   # the sender sealed the last one: learn how long this gap was
-                self._stale_sealed = False
-                self._learn_gap()
-            return
-        with self._open_lock:
-            rec, self._open = self._open, None
-        if rec is not None:
-            self._learn_gap()
-            self._finish_record(rec, in_training_thread=True)
-
-    def _learn_gap(self) -> None:
-        # How long records usually stay open (a slow data loader keeps every step open a while):
-        # a slowly decaying maximum (capped at 10 s, so that one real stall does not blunt the
-        # detection for long), so that only a gap well beyond the usual one counts as a stall.
-        gap = min(time.monotonic() - self._open_since, 10.0)
-        self._usual_gap = gap if gap > self._usual_gap else 0.98 * self._usual_gap
-
-    def _seal_stale(self) -> Optional[float]:
-        """Sender thread: seal a record left open longer than ``seal_grace`` and twice the usual
-        step-end-to-next-step gap (the loop stopped or hangs).
-
-        Returns the seconds until the record now open would become due (None: none open), so
-        that the sender wakes then rather than polling for it.
-        """
-        wait = max(self.config.seal_grace, 2.0 * self._usual_gap)
-        if self._open is None or self.closed:
-            return None
-        left = self._open_since + wait - time.monotonic()
-        if left > 0:
-            return left
-        with self._open_lock:
-            rec = self._open
-            if rec is None or time.monotonic() - self._open_since < wait:
-                return None
-            # Cleared before the record leaves _open: whoever sees it gone (flush, close) can
-            # then wait for it to reach the sender's queue (see _await_stale_seal).
-            self._stale_submitted.clear()
-            self._open = None
-            self._stale_sealed = True
-        try:
-            if torch.cuda.is_initialized():
-                rec.stream = self._open_stream
-            self._finish_record(rec, in_training_thread=False)
-        finally:
-            self._stale_submitted.set()
-        return None
-
-    def _await_stale_seal(self, timeout: float) -> None:
-        """Wait until a record the sender thread is sealing right now is in its queue.
-
-        flush() and close() put a marker in the sender's queue; a record sealed by the sender
-        thread (``_seal_stale``) at that very moment would be queued behind the marker and
-        miss the flush (or, at close, be lost). Taking the lock waits out a hand-over in
-        progress; the event, a seal and submit in progress.
-        """
-        with self._open_lock:
-            pass
-        self._stale_submitted.wait(timeout)
-
-    def _finish_record(self, rec: StepRecord, in_training_thread: bool) -> None:
-        """Turn a taken-out open record into a sealed one and submit it (either thread; nobody else holds it)."""
-        self._ema_barrier()   # the previous record's EMA job submits it first: records stay in step order
-        host = rec.host
-        loss = host.pop("logged_loss", None)
-        if loss is None:
-            loss = host.pop("scaled_loss", None)
-        else:
-            host.pop("scaled_loss", None)
-        if isinstance(loss, torch.Tensor):
-            rec.add("loss", loss)
-        elif loss is not None:
-            host["loss_host"] = float(loss)
-        for key, t in (host.pop("custom_dev", None) or {}).items():
-            rec.add("custom:" + key, t)
-        # EMA divergence reads the EMA and the live weights, which the training thread may be
-        # updating right now: a step sealed by the sender thread goes without it.
-        if (in_training_thread and self.ema is not None and self._sampled(self.config.ema_every, rec.step)
-                and self._on("ema")):
-            if self._ema_offload():
-                self._ema_worker.submit(lambda: self._ema_job(rec))
-                return
-            with self._guard("ema"), torch.no_grad():
-                self._add_ema_divergence(rec)
-        self._submit_sealed(rec)
-
-    def _submit_sealed(self, rec: StepRecord) -> None:
-        rec.seal()
-        if self.sender is not None:
-            self.sender.submit(rec)
-
-    def _add_ema_divergence(self, rec: StepRecord) -> None:
-        pair = ema_divergence(self.ema, self._param_names, self._params, self._ema_matcher)
-        if pair is not None:
-            rec.add("ema_diff", pair[0])
-            rec.add("ema_ref", pair[1])
-
-    # ------------------------------------------------------------------ EMA divergence off the training thread
-
-    def _ema_offload(self) -> bool:
-        """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights
-        (on a GPU it is three fused kernel launches) and an optimizer whose steps the
-        barrier hook sees (with neither a scaler nor an optimizer the agent cannot tell
-        when the weights change, so it computes inline). A worker that once ran late has
-        turned the EMA collector off (``_ema_late``), so this is never asked again."""
-        return (self._ema_worker is not None and bool(self._params) and self._params[0].is_cpu
-                and (self.scaler is not None or self.optimizer is not None))
-
-    def _ema_job(self, rec: StepRecord) -> None:
-        """Worker thread: the divergence into the record, then seal and submit it (always)."""
-        try:
-            with torch.no_grad():
-                self._add_ema_divergence(rec)
-        except Exception as e:  # noqa: BLE001
-            self._failed("ema", e)
-        try:
-            self._submit_sealed(rec)
-        except Exception as e:  # noqa: BLE001
-            self._warn.warning("ema:seal", "gradwatch: a step record could not be sealed and was dropped: %r", e)
-
-    def _ema_barrier(self) -> None:
-        # A forked child never has a job in flight (the worker thread did not fork with it),
-        # even if it inherited the flag of one.
-        if self._ema_worker is not None and _process.pid == self._pid:
-            self._ema_worker.barrier()
-
-    def _ema_barrier_hook(self, optimizer, args, kwargs):
-        self._ema_barrier()
-        return None
-
-    def _ema_late(self) -> None:
-        self._failed("ema", TimeoutError(f"the EMA divergence worker took over {BARRIER_TIMEOUT:.0f} s"))
-
-
-class _Guard:
-    """Monitor._guard's context manager: an exception in the block turns the collector off."""
-
-    __slots__ = ("monitor", "collector")
-
-    def __init__(self, monitor: Monitor, collector: str):
-        self.monitor, self.collector = monitor, collector
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None or not issubclass(exc_type, Exception):
-            return False
-        self.monitor._failed(self.collector, exc)
-        return True
-
-
-def _accumulate(target: dict, key: str, value) -> None:
-    """Sum of a step's micro-batch losses, kept on the device."""
-    if key not in target and value.__class__ is torch.Tensor and value.dtype is torch.float32 \
-            and value.dim() == 0:   # the usual call: one fp32 loss per step
-        target[key] = value.detach()
-        return
-    if isinstance(value, torch.Tensor):
-        v = value.detach()
-        if v.dim() > 0:
-            v = v.sum()
-        if v.dtype != torch.float32:
-            v = v.float()
-    else:
-        v = float(value)
-    prev = target.get(key)
-    if prev is None:
-        target[key] = v
-    elif isinstance(prev, torch.Tensor) or isinstance(v, torch.Tensor):
-        target[key] = prev + v
-    else:
-        target[key] = prev + v
-
-
-# ---------------------------------------------------------------------- registry, exit, fork
-
-class _Process:
-    """The current pid, refreshed after fork, so hooks compare an attribute instead of calling getpid()."""
-    pid = os.getpid()
-
-
-_process = _Process()
-_registry: dict[int, Monitor] = {}
-_registry_lock = threading.Lock()
-
-
-def _remember(model: torch.nn.Module, monitor: Monitor) -> None:
-    with _registry_lock:
-        _registry[id(model)] = monitor
-
-
-def _forget(monitor: Monitor) -> None:
-    with _registry_lock:
-        for key, m in list(_registry.items()):
-            if m is monitor:
-                del _registry[key]
-
-
-def _existing(model: torch.nn.Module) -> Optional[Monitor]:
-    with _registry_lock:
-        m = _registry.get(id(model))
-    if m is not None and (m.closed or m.model is not model):
-        return None
-    return m
-
-
-def close_all(status: str = "finished") -> None:
-    with _registry_lock:
-        monitors = list(_registry.values())
-    for m in monitors:
-        try:
-            m.close(status=status)
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _after_fork_in_child() -> None:
-    # DataLoader workers and other forks inherit the hooks but must do nothing:
-    # every hook checks the pid; here we only drop the parent's monitors.
-    global _registry_lock
-    _process.pid = os.getpid()
-    _registry_lock = threading.Lock()
-    _registry.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+        if self.world_size > 1 and isinstance(w.model, torch.nn.parallel.DistributedDataParallel):
+            # DDP all-reduces the grads: every rank's grad norm must be bit-identical (rule F5)
+            meta["grad_replicas"] = "ddp"
+        if w.layout is not None:
+            # which piece of each parameter this rank holds: the server combines the ranks' partial
+            # norms with it (docs/integrations.md, "Distributed"); absent on unsharded runs
+            meta["param_shards"] = [[index, count] for index, count in w.layout]
+        return meta
+
+
+def _placement(model) -> dict:
+    """``local_rank`` (torchrun's LOCAL_RANK) and ``device`` of the model's first parameter
+    ("cuda:3"); what is not known is left out. Never raises: meta is best effort."""
+    out: dict = {}
+    try:
+        local = os.environ.get("LOCAL_RANK")
+        if local is not None and local.strip().isdigit():
+            out["local_rank"] = int(local)
+        p = next(model.parameters(), None)
+        if p is not None:
+            out["device"] = str(p.device)
+    except Exception:  # noqa: BLE001 - a model without parameters() or an odd one: no placement
+        pass
+    return out

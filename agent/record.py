@@ -39,6 +39,12 @@ class StepRecord:
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """A 0-d or 1-d tensor (a higher-dimensional one is flattened)."""
+        if tensor.__class__ is not torch.Tensor:
+            # a DTensor part would make the whole vector a DTensor (a wrapper without storage: its bytes
+            # read as garbage) or fail the concatenation: keep what this rank holds, no collective
+            dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+            if dtensor is not None and isinstance(tensor, dtensor):
+                tensor = tensor._local_tensor
         self.parts.append((key, tensor if tensor.dim() < 2 else tensor.reshape(-1)))
 
     def seal(self) -> None:

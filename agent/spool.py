@@ -1,6 +1,7 @@
 """On-disk spool: one file per batch, written once, replayed oldest first, deleted when delivered.
 
-Leaf module: standard library only.
+Standard library only (and :mod:`agent.tail`, whose crash-tail journals it turns into batches when
+it opens).
 
 Files are named ``<sequence>-<pid>.json`` so that sorting the names gives the
 order the batches were made in. Each file holds the exact request body, batch
@@ -22,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from gradwatch.agent.tail import recover_journals
+
 SUFFIX = ".json"
 
 
@@ -34,6 +37,11 @@ class Spool:
         self._bytes = 0
         self._seq = 0
         self._usable = self._open()
+        self.recovered_batches = 0
+        if self._usable:
+            # the crash tail of a process of this run and rank that was killed (agent/tail.py): it
+            # becomes the next batch, after that process's own spooled batches
+            self.recovered_batches = len(recover_journals(self.directory, self.append))
 
     def _open(self) -> bool:
         if self.max_bytes <= 0:

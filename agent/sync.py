@@ -1,7 +1,8 @@
 """Upload a spool directory written in offline mode (or left behind by a run whose server was down).
 
 Standard library only, so the ``gradwatch sync DIR`` command can call it
-anywhere. Batches are sent oldest first within each spool directory
+anywhere. The crash-tail journal of a process that was killed (``tail-<pid>.jsonl``,
+:mod:`agent.tail`) is first turned into a batch of its run. Batches are sent oldest first within each spool directory
 (``<project>/<run>/rank<k>``); each accepted file is deleted, so running it
 again resumes where it stopped, and a batch that was sent but whose answer was
 lost is recognised by its ``batch_id`` and answered ``duplicate: true``.
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-from agent.spool import SUFFIX, _sequence
-from agent.transport import HttpTransport
+from gradwatch.agent.spool import SUFFIX, Spool, _sequence
+from gradwatch.agent.tail import PREFIX as TAIL_PREFIX, SUFFIX as TAIL_SUFFIX
+from gradwatch.agent.transport import HttpTransport
 
 
 @dataclass
@@ -42,7 +44,7 @@ class SyncResult:
 
 
 def _spool_dirs(root: Path) -> list[Path]:
-    dirs = sorted({p.parent for p in root.rglob("*" + SUFFIX)})
+    dirs = sorted({p.parent for p in root.rglob("*" + SUFFIX)} | {p.parent for p in root.rglob(TAIL_PREFIX + "*" + TAIL_SUFFIX)})
     return dirs
 
 
@@ -69,6 +71,8 @@ def sync_spool(directory: str | os.PathLike, server: str, token: Optional[str] =
     transport = transport or HttpTransport(server, token, timeout)
     plan = []
     for d in _spool_dirs(root):
+        # the crash tail of a killed process (agent/tail.py) becomes that run's next batch file
+        Spool(d, max_bytes=1 << 62)
         files = sorted(d.glob("*" + SUFFIX), key=lambda p: (_sequence(p.name), p.name))
         plan.append((d, files))
     total = sum(len(f) for _, f in plan)

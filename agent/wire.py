@@ -14,15 +14,20 @@ import sys
 from array import array
 from typing import Any, Callable, Optional
 
-from agent.record import StepRecord, StepValues, finite
+from gradwatch.agent.nonfinite import F32_PREFIX, NULL_F32_BITS, encode_float
+from gradwatch.agent.record import StepRecord, finite
+from gradwatch.agent.signals import EXTRA_SIGNALS
 
 # Compact per-layer arrays (docs/wire-format.md, "Compact layer arrays"): "f32:" + base64 of the
-# little-endian float32 bytes; "not measured" is the quiet NaN with this bit pattern. The server
-# has its own decoder; the agent keeps this encoder (it imports nothing from server/).
-F32_PREFIX = "f32:"
-NULL_F32_BITS = 0x7FC0DEAD
+# little-endian float32 bytes; their prefix and "not measured" pattern are agent/nonfinite.py's, which
+# the server reads too.
 _NULL_F32 = struct.pack("<I", NULL_F32_BITS)
-_NONFINITE = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
+# Step signals declared after the built-in ones (agent/signals.py): a collector adds a record part, or
+# a host value, of the signal's own name, and it goes on the wire as is (typed by its kind).
+_GENERIC_SIGNALS = tuple((s.name, s.kind) for s in EXTRA_SIGNALS)
+# Per-layer statistics of that kind: a record part named "layers.<stat>", one value per layer in the
+# order of the statistic's name list, goes on the wire as layers[<stat>].
+LAYER_PART_PREFIX = "layers."
 
 
 def f32_b64(le_bytes: bytes) -> str:
@@ -56,14 +61,6 @@ def pack_f32(values: list) -> bytes:
     return out
 
 
-def wire_float(v: float):
-    """A finite float as itself, a non-finite one as the wire strings ("NaN", "Infinity", "-Infinity").
-
-    The strings keep every body strict JSON, so the server parses it in one pass.
-    """
-    return v if math.isfinite(v) else _NONFINITE[repr(v)]
-
-
 class NanHunt:
     """Shared between threads: the sender arms it, the training thread reads ``active``."""
 
@@ -73,16 +70,16 @@ class NanHunt:
         self.active = False
         self.started_at: Optional[int] = None
         self.reported = False   # one nan_origin per incident; re-armed after a finite step
-
-
-# Step fields that are floats on the wire (non-finite values become strings).
-_FLOAT_FIELDS = ("loss", "grad_norm", "clip_max_norm", "loss_scale", "lr", "step_time", "samples_per_s",
-                 "tokens_per_s", "mem_peak", "ema_divergence")
+        self.replay_note: Optional[str] = None   # why the failing step's replay found no origin (if it ran)
 
 
 class StepAssembler:
-    def __init__(self, param_names: list[str], module_names: list[str], bn_names: list[str], hunt: NanHunt):
+    def __init__(self, param_names: list[str], module_names: list[str], bn_names: list[str], hunt: NanHunt,
+                 sharded: bool = False):
         self.param_names = param_names
+        # Sharded parameters (FSDP, DTensor): the norms measured here are of this rank's shards only, so
+        # they go out under the *_local names and the server combines the ranks into the global ones.
+        self.sharded = sharded
         self.module_names = module_names
         self.bn_names = bn_names
         self.hunt = hunt
@@ -129,22 +126,29 @@ class StepAssembler:
                                (float("nan") if ema_diff is not None and ema_ref == 0 else None)),
         }
         step: dict[str, Any] = {"step": record.step, "time": get("time")}
+        if self.sharded:
+            floats["grad_norm_local"] = floats.pop("grad_norm")
         for key, v in floats.items():
             if v is not None:
-                step[key] = v if math.isfinite(v) else _NONFINITE[repr(v)]
-        if grad_norm is not None and max_norm is not None and not math.isnan(grad_norm):
+                step[key] = v if math.isfinite(v) else encode_float(v)
+        if grad_norm is not None and max_norm is not None and not math.isnan(grad_norm) and not self.sharded:
             step["clipped"] = bool(grad_norm > max_norm)
         step["overflow"] = overflow if get("scaler_active") else False
         step["overflow_count"] = self.overflow_count
         if inp is not None and math.isfinite(inp):
             step["input_nonfinite"] = int(inp)
+        for name, kind in _GENERIC_SIGNALS:
+            v = scalar(name) if name in vals else get(name)
+            if v is not None:
+                step[name] = (bool(v) if kind == "bool" else int(v) if kind == "count" and math.isfinite(v)
+                              else encode_float(float(v)))
 
         custom = dict(get("custom") or {})
         for key in vals.keys():
             if key.startswith("custom:"):
                 custom[key[7:]] = scalar(key)
         if custom:
-            step["custom"] = {k: wire_float(v) for k, v in custom.items()}
+            step["custom"] = {k: encode_float(v) for k, v in custom.items()}
 
         layers: dict[str, str] = {}
         # Python lists of the same arrays, only for the few steps that look at single values
@@ -170,7 +174,14 @@ class StepAssembler:
                 lists["grad_norm"] = arr
             return lists.get("grad_norm")
 
-        if "weight_norm" in vals:
+        if self.sharded:
+            if "grad_norm" in layers:
+                layers["grad_norm_local"] = layers.pop("grad_norm")
+            if "weight_norm" in vals:
+                layers["weight_norm_local"] = f32_b64(vals.f32("weight_norm"))
+                if "update_norm" in vals:
+                    layers["update_norm_local"] = f32_b64(vals.f32("update_norm"))
+        elif "weight_norm" in vals:
             layers["weight_norm"] = f32_b64(vals.f32("weight_norm"))
             if "update_norm" in vals:   # sampled steps only (weights_every)
                 layers["update_ratio"] = f32_b64(pack_f32(
@@ -191,6 +202,9 @@ class StepAssembler:
         if "bn_mean" in vals:
             layers["bn_mean_norm"] = f32_b64(vals.f32("bn_mean"))
             layers["bn_var_norm"] = f32_b64(vals.f32("bn_var"))
+        for key in vals.keys():
+            if key.startswith(LAYER_PART_PREFIX):
+                layers[key[len(LAYER_PART_PREFIX):]] = f32_b64(vals.f32(key))
         if layers:
             step["layers"] = layers
 
@@ -202,7 +216,7 @@ class StepAssembler:
             top = self._top_grad_norms(grad_list())
             if top:
                 events.append({"step": record.step, "kind": "top_grad_norms", "data": {"params": top}})
-        events.extend(self._hunt(record.step, critical, grad_bad, act_index, lists, grad_list))
+        events.extend(self._hunt(record.step, critical, grad_bad, act_index, lists, grad_list, get("nan_replay")))
         return step, events, critical
 
     def _top_grad_norms(self, arr: Optional[list]) -> list:
@@ -211,11 +225,21 @@ class StepAssembler:
         pairs = [(self.param_names[i], v) for i, v in enumerate(arr) if v is not None]
         # Non-finite first (they are the story), then the largest.
         pairs.sort(key=lambda p: (math.isfinite(p[1]), -p[1] if math.isfinite(p[1]) else 0.0))
-        return [[name, wire_float(v)] for name, v in pairs[:5]]
+        return [[name, encode_float(v)] for name, v in pairs[:5]]
 
     def _hunt(self, step: int, critical: bool, grad_bad: bool, act_index, layers: dict,
-              grad_list: Callable[[], Optional[list]]) -> list[dict]:
+              grad_list: Callable[[], Optional[list]], replayed: Optional[dict] = None) -> list[dict]:
         hunt = self.hunt
+        if replayed is not None and not hunt.reported:
+            # The failing step itself, replayed with every module hooked (agent/capture/replay.py): its
+            # answer names the step it broke at, so no later step needs hooking.
+            if replayed.get("found"):
+                hunt.active = False
+                hunt.reported = True
+                hunt.replay_note = None
+                data = {k: v for k, v in replayed.items() if k != "found"}
+                return [{"step": step, "kind": "nan_origin", "data": data}]
+            hunt.replay_note = replayed.get("note")   # the hunt below carries on, as the fallback
         if not hunt.enabled:
             return []
         if not critical and not hunt.active:
@@ -236,7 +260,10 @@ class StepAssembler:
         elif hunt.started_at is not None and step - hunt.started_at > hunt.max_steps:
             hunt.active = False
             hunt.reported = True
-            return [{"step": step, "kind": "nan_origin_not_found", "data": {"hunted_steps": hunt.max_steps}}]
+            data: dict = {"hunted_steps": hunt.max_steps}
+            if hunt.replay_note:
+                data["replay"] = hunt.replay_note
+            return [{"step": step, "kind": "nan_origin_not_found", "data": data}]
         return []
 
     def _origin(self, act_index, layers: dict, grad_list: Callable[[], Optional[list]]) -> Optional[tuple[str, str]]:

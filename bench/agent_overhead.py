@@ -11,6 +11,7 @@ Modes:
   agent-capture   agent attached with mode=disabled: hooks and device vectors, no sender thread
   agent           agent with default telemetry (sender thread, spool; offline unless --server)
   agent-full      agent with every collector every step
+  agent-skip      agent with the opt-in skip_spikes guard (--interleaved-mode agent-skip only)
   tensorboard     the same per-step scalars through torch.utils.tensorboard.SummaryWriter
   wandb           the same per-step scalars through wandb in offline mode
 (tensorboard / wandb are skipped when the package is not installed: `.venv/bin/pip install -e ".[bench]"`.)
@@ -58,6 +59,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import checkout  # bench/, this script's folder: runs a checkout's code as gradwatch.*
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ["bare", "agent-capture", "agent", "agent-full", "tensorboard", "wandb"]
@@ -163,8 +166,9 @@ def train_step(loop, idx, vocab: int, log_scalars=None, state=None) -> None:
 
 def agent_settings(mode: str, run: str, spool_dir: str, ema, server: str | None) -> dict:
     """``agent.attach`` keyword arguments for an agent mode: ``agent-capture`` (hooks, no sender),
-    ``agent`` (offline spool, or ``server``), ``agent-full`` (every collector every step)."""
-    from agent.config import EVERY_STEP
+    ``agent`` (offline spool, or ``server``), ``agent-full`` (every collector every step), ``agent-skip``
+    (``agent`` with the opt-in ``skip_spikes`` guard; only for ``--interleaved-mode``)."""
+    from gradwatch.agent.config import EVERY_STEP
 
     settings = dict(project="bench", run=run, spool_dir=spool_dir, ema=ema)
     if mode == "agent-capture":
@@ -175,6 +179,8 @@ def agent_settings(mode: str, run: str, spool_dir: str, ema, server: str | None)
         settings["mode"] = "offline"
     if mode == "agent-full":
         settings.update(EVERY_STEP)
+    if mode == "agent-skip":   # the opt-in skip_spikes guard on top of the defaults (docs/alerts-in-the-loop.md)
+        settings.update(skip_spikes=True)
     return settings
 
 
@@ -191,7 +197,7 @@ def child(mode: str, steps: int, warmup: int, d_model: int, seq: int, batch: int
     monitor = None
     if mode.startswith("agent"):
         sys.path.insert(0, str(REPO))
-        import agent
+        from gradwatch import agent
         monitor = agent.attach(model, scaler, optimizer=opt,
                                **agent_settings(mode, f"{mode}-{os.getpid()}", tmp, ema, server))
     elif mode == "tensorboard":
@@ -262,7 +268,7 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
         wandb_run = wandb.init(mode="offline", dir=tmp, project="bench")
         loggers["wandb"] = lambda step, values: wandb_run.log(values, step=step)
     sys.path.insert(0, str(REPO))
-    import agent
+    from gradwatch import agent
     state = {"i": 0, "prev_scale": None, "overflows": 0}
 
     def step(log_scalars):
@@ -297,15 +303,19 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
 
 
 def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, server: str | None,
-                      mode: str = "agent") -> dict:
-    """Two copies of the loop, agent and bare, stepped alternately in one process."""
+                      mode: str = "agent", baseline: dict | None = None) -> dict:
+    """Two copies of the loop, agent and bare, stepped alternately in one process.
+
+    ``baseline`` (``--interleaved-baseline '{"nan_replay": false}'``): the second copy is not bare but
+    carries the agent too, with these settings changed, so that the ratio is one feature's cost
+    measured side by side (the "bare" figures are then that copy's)."""
     import torch
     torch.set_num_threads(1)
     vocab = 256
     loops = [make_loop(d_model, seq, vocab) for _ in range(2)]
     data = make_data(batch, seq, vocab)
     sys.path.insert(0, str(REPO))
-    import agent
+    from gradwatch import agent
     tmp = tempfile.mkdtemp(prefix="gw-bench-interleaved-")
     settings = agent_settings(mode, f"interleaved-{os.getpid()}", tmp, loops[0][3], server)
     def step(loop, i):
@@ -321,6 +331,10 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
         loop_a, loop_b = loops[with_agent], loops[bare]
         monitor = agent.attach(loop_a[0], loop_a[2], optimizer=loop_a[1], **{**settings, "ema": loop_a[3],
                                                                              "run": f"{settings['run']}-{part}"})
+        other = None
+        if baseline is not None:
+            other = agent.attach(loop_b[0], loop_b[2], optimizer=loop_b[1],
+                                 **{**settings, **baseline, "ema": loop_b[3], "run": f"{settings['run']}-{part}-base"})
         for i in range(warmup):
             step(loop_a, i)
             step(loop_b, i)
@@ -333,6 +347,8 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
                 cpu[k].append(time.thread_time() - c0)
         other_cpu += time.process_time() - p0 - sum(cpu[0][-half:]) - sum(cpu[1][-half:])
         monitor.close(timeout=10)
+        if other is not None:
+            other.close(timeout=10)
     steps = 2 * half
     return {"agent_wall": wall[0], "bare_wall": wall[1], "agent_cpu": cpu[0], "bare_cpu": cpu[1],
             "other_threads_cpu_per_step": other_cpu / steps, "load": os.getloadavg()[0]}
@@ -355,7 +371,7 @@ def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, mo
     loops = [make_loop(d_model, seq, vocab) for _ in modes]
     data = make_data(batch, seq, vocab)
     sys.path.insert(0, str(REPO))
-    import agent
+    from gradwatch import agent
     tmp = tempfile.mkdtemp(prefix="gw-bench-versus-")
     loggers = {}
     counters = {"tensorboard": 0, "wandb": 0}
@@ -482,7 +498,7 @@ def _child_json(what: str, flags: list[str], args, *, size: tuple[int, int, int]
     cmd = [sys.executable, __file__, *flags, "--d-model", str(d_model), "--seq", str(seq), "--batch", str(batch)]
     if with_server and args.server:
         cmd += ["--server", args.server]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **checkout.pythonpath(REPO)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
@@ -587,7 +603,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-steps", type=int, default=6)
     p.add_argument("--interleaved-steps", type=int, default=0,
                    help="steps per copy in the interleaved (two copies, one process) measurement; 0: skip it")
-    p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture"])
+    p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture", "agent-skip"])
+    p.add_argument("--interleaved-baseline", default=None,
+                   help='JSON agent settings for the second copy instead of bare, e.g. \'{"nan_replay": false}\'')
     p.add_argument("--versus-steps", type=int, default=0,
                    help="rounds in the side-by-side measurement (bare, agent, tensorboard, wandb: one copy of the "
                         "loop each, stepped in turn in one process); 0: skip it")
@@ -602,7 +620,9 @@ def main(argv=None) -> int:
 
     if args.interleaved_child:
         print(json.dumps(interleaved_child(args.interleaved_steps, args.warmup, args.d_model, args.seq, args.batch,
-                                           args.server, args.interleaved_mode)))
+                                           args.server, args.interleaved_mode,
+                                           json.loads(args.interleaved_baseline) if args.interleaved_baseline
+                                           else None)))
         return 0
 
     if args.versus_child:
@@ -686,7 +706,8 @@ def main(argv=None) -> int:
     interleaved = None
     if args.interleaved_steps:
         res = _child_json("interleaved run", ["--interleaved-child", "--interleaved-steps", str(args.interleaved_steps),
-                                              "--interleaved-mode", args.interleaved_mode, "--warmup", str(args.warmup)],
+                                              "--interleaved-mode", args.interleaved_mode, "--warmup", str(args.warmup)]
+                          + (["--interleaved-baseline", args.interleaved_baseline] if args.interleaved_baseline else []),
                           args, size=(args.d_model, args.seq, args.batch), timeout=3600)
         med = statistics.median
         interleaved = {
@@ -698,7 +719,8 @@ def main(argv=None) -> int:
             "bare_cpu_ms": 1000 * med(res["bare_cpu"]), "agent_cpu_ms": 1000 * med(res["agent_cpu"]),
             "sender_cpu_ms_per_step": 1000 * res["other_threads_cpu_per_step"], "load_at_end": res["load"],
         }
-        print(f"\ninterleaved, one process, two copies of the loop ({args.interleaved_mode} / bare) stepped "
+        base_name = f"agent with {args.interleaved_baseline}" if args.interleaved_baseline else "bare"
+        print(f"\ninterleaved, one process, two copies of the loop ({args.interleaved_mode} / {base_name}) stepped "
               f"alternately, {args.interleaved_steps} steps each:")
         print(f"  step wall median: bare {interleaved['bare_wall_ms']:.2f} ms, agent {interleaved['agent_wall_ms']:.2f} ms"
               f" -> ratio {interleaved['wall_ratio']:.3f}")

@@ -3,6 +3,7 @@
     .venv/bin/python bench/dashboard_load.py                 # build the run (~1-8 min), then measure
     .venv/bin/python bench/dashboard_load.py --reuse         # measure an existing benchmark run again
     .venv/bin/python bench/dashboard_load.py --reuse --cold 3 --warm 6 --json out.json
+    .venv/bin/python bench/dashboard_load.py --ranks 64         # a 64-rank run (100,000 steps per rank)
 
 The run is ``bench/query.py``'s synthetic one (1,000,000 steps x 150 layers, per-layer
 grad norms every step, loss spikes and NaNs, written through the server's own write
@@ -21,6 +22,13 @@ the DOM with a ``MutationObserver`` and records ``performance.now()`` (ms since
 navigation start) when each chart is first drawn by Plotly, and when it is first
 drawn with data; it also wraps ``fetch`` to time each Dash callback request
 (request sent -> response headers: the server's work plus loopback).
+
+``--ranks N`` measures a run of N ranks instead (``bench-data/dashboard-load-ranks.db``):
+every rank sends loss, grad norm, step time … each step (``--steps`` per rank, default
+100,000), rank 5 slower than the others; rank 0 also sends the 150 per-layer grad
+norms every step and the sparse statistics every 100, as in the single-rank run.
+The page then also draws the rank overlays and rank × step heatmaps, and **all**
+waits for them too.
 
 Reported per visit, and as medians:
 
@@ -51,6 +59,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import checkout  # noqa: E402  (bench/, this script's folder)
+sys.path.insert(0, str(checkout.shim(ROOT)))   # gradwatch.* is this checkout's code
 sys.path.insert(0, str(ROOT / "bench"))
 
 from query import find_or_build_run  # noqa: E402 - bench/ is not a package
@@ -126,14 +136,89 @@ return {drawn: W.drawn, data: W.data, calls: W.calls, usable: W.usable, headDraw
 """
 
 
-def chart_ids() -> list[str]:
-    from dashboard.figures import HEATMAPS, PANELS
+def chart_ids(ranks: int = 1) -> list[str]:
+    from gradwatch.dashboard.figures import HEATMAPS, PANELS, RANK_CHARTS
 
+    per_rank = ([f"run-rank-{kind}-{sig}" for kind in ("graph", "heatmap") for sig, _, _ in RANK_CHARTS]
+                if ranks > 1 else [])
     return ([f"run-graph-{p.key}" for p in PANELS] + ["run-graph-update_ratio"]
-            + [f"run-heatmap-{stat}" for stat, _ in HEATMAPS])
+            + [f"run-heatmap-{stat}" for stat, _ in HEATMAPS] + per_rank)
 
 
-def start_browser(profile: Path):
+SLOW_RANK = 5
+
+
+def build_rank_run(db_url: str, ranks: int, steps: int, batch_steps: int = 2000) -> int:
+    """A run of ``ranks`` ranks through the server's write path (rollups included, rules off)."""
+    import numpy as np
+
+    from gradwatch.server.db import open_database, upgrade
+    from gradwatch.server.ingest import ingest_batch
+    from gradwatch.server.schemas import IngestBatchIn, MetaIn, StepIn
+    from gradwatch.server.settings import Settings
+
+    from query import LAYERS, SPARSE_STATS
+
+    if db_url.startswith("sqlite"):
+        for suffix in ("", "-wal", "-shm"):
+            p = Path(db_url.split("///", 1)[1] + suffix)
+            if p.exists():
+                p.unlink()
+    upgrade(db_url)
+    database = open_database(db_url)
+    settings = Settings(data_dir=ROOT / "bench-data", database_url=db_url)
+    names = [f"blocks.{i // 6}.p{i % 6}.weight" for i in range(LAYERS)]
+    t0 = time.perf_counter()
+    run_id = None
+    for r in range(ranks):
+        rng = np.random.default_rng(r)
+        for lo in range(0, steps, batch_steps):
+            idx = np.arange(lo, min(lo + batch_steps, steps))
+            loss = 3.0 * np.exp(-idx / (steps / 3)) + 0.05 * rng.standard_normal(len(idx))
+            st = 0.05 * (3 if r == SLOW_RANK else 1) + 0.002 * rng.random(len(idx))
+            gn = np.abs(1.0 + 0.2 * rng.standard_normal((len(idx), LAYERS))).astype("<f4") if r == 0 else None
+            objs = []
+            for j, i in enumerate(idx.tolist()):
+                layers = {}
+                if gn is not None:
+                    layers = {"grad_norm": gn[j].tobytes()}
+                    if i % 100 == 0:
+                        layers.update({k: gn[j].tobytes() for k in SPARSE_STATS})
+                objs.append(StepIn.model_construct(
+                    step=i, time=1.7e9 + i * 0.05, loss=float(loss[j]), grad_norm=0.8 + 0.01 * (i % 7),
+                    clip_max_norm=1.0, clipped=False, loss_scale=65536.0, overflow=False, overflow_count=0, lr=3e-4,
+                    step_time=float(st[j]), samples_per_s=1000.0, tokens_per_s=None, mem_peak=None,
+                    ema_divergence=1e-3, input_nonfinite=0, custom={}, layers=layers))
+            meta = (MetaIn.model_construct(param_names=names, module_names=names, bn_names=None, config={},
+                                           host=f"node-{r // 8}", local_rank=r % 8, device=f"cuda:{r % 8}")
+                    if lo == 0 else None)
+            batch = IngestBatchIn.model_construct(batch_id=f"bench-{r}-{lo}", project="bench", run=f"ranks-{ranks}",
+                                                  rank=r, world_size=ranks, meta=meta, steps=objs, events=[],
+                                                  status=None)
+            with database.write_sessionmaker() as session:
+                run_id = ingest_batch(session, batch=batch, settings=settings, now=time.time(),
+                                      evaluate_rules=False).run_id
+                session.commit()
+        print(f"  rank {r}: {(r + 1) * steps / (time.perf_counter() - t0):,.0f} steps/s", flush=True)
+    database.dispose()
+    print(f"built {ranks} ranks x {steps:,} steps in {time.perf_counter() - t0:.0f} s")
+    return run_id
+
+
+def find_rank_run(db_url: str, ranks: int):
+    from sqlalchemy import select
+
+    from gradwatch.server.db import open_database
+    from gradwatch.server.models import Run
+
+    database = open_database(db_url)
+    with database.sessionmaker() as session:
+        rid = session.scalar(select(Run.id).where(Run.name == f"ranks-{ranks}"))
+    database.dispose()
+    return rid
+
+
+def start_browser(profile: Path, ranks: int = 1):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -152,7 +237,7 @@ def start_browser(profile: Path):
     drv = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
     drv.set_page_load_timeout(60)
     drv.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",
-                        {"source": PROBE_JS % {"ids": json.dumps(chart_ids()), "head": json.dumps(list(HEADLINE))}})
+                        {"source": PROBE_JS % {"ids": json.dumps(chart_ids(ranks)), "head": json.dumps(list(HEADLINE))}})
     return drv
 
 
@@ -229,8 +314,9 @@ def report(label: str, visits: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--db", default=f"sqlite:///{ROOT / 'bench-data' / 'dashboard-load.db'}")
-    ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument("--db", help="default: bench-data/dashboard-load.db (dashboard-load-ranks.db with --ranks)")
+    ap.add_argument("--steps", type=int, help="default: 1,000,000 (per rank with --ranks: 100,000)")
+    ap.add_argument("--ranks", type=int, default=1, help="a run of this many ranks (e.g. 64)")
     ap.add_argument("--reuse", action="store_true", help="keep an existing benchmark run")
     ap.add_argument("--cold", type=int, default=3, help="cold visits (a fresh browser profile each)")
     ap.add_argument("--warm", type=int, default=5, help="warm visits (one browser, after the cold ones)")
@@ -238,32 +324,39 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write every visit's figures here")
     ap.add_argument("--verbose", action="store_true", help="print each visit's callbacks and chart draw times")
     args = ap.parse_args()
-    from server.settings import normalize_db_url
+    from gradwatch.server.settings import normalize_db_url
 
+    many = args.ranks > 1
+    args.db = args.db or f"sqlite:///{ROOT / 'bench-data' / ('dashboard-load-ranks.db' if many else 'dashboard-load.db')}"
+    args.steps = args.steps or (100_000 if many else 1_000_000)
     db = normalize_db_url(args.db)
     (ROOT / "bench-data").mkdir(exist_ok=True)
-    run_id = find_or_build_run(db, args.steps, reuse=args.reuse)
-    env = dict(os.environ, GRADWATCH_DATA_DIR=str(ROOT / "bench-data"))
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--db", db, "--port", str(args.port),
+    if many:
+        run_id = (find_rank_run(db, args.ranks) if args.reuse else None) or build_rank_run(db, args.ranks, args.steps)
+    else:
+        run_id = find_or_build_run(db, args.steps, reuse=args.reuse)
+    env = dict(os.environ, GRADWATCH_DATA_DIR=str(ROOT / "bench-data"), **checkout.pythonpath(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "gradwatch.server", "serve", "--db", db, "--port", str(args.port),
                              "--log-level", "warning"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{args.port}"
     url = f"{base}/runs/{run_id}"
-    results: dict = {"url": url, "steps": args.steps, "cold": [], "warm": []}
+    results: dict = {"url": url, "steps": args.steps, "ranks": args.ranks, "cold": [], "warm": []}
     browsers = []
     try:
         wait_healthy(base, proc)
-        print(f"run {run_id}: {args.steps:,} steps; {url}; load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"run {run_id}: {args.ranks} rank(s) x {args.steps:,} steps; {url}; "
+              f"load average {os.getloadavg()[0]:.2f}", flush=True)
         with tempfile.TemporaryDirectory(prefix="gw-dashboard-load-") as tmp:
             # One unmeasured visit first: the server's own first-request costs (imports, SQLite
             # pages into the OS cache) are not what a browser visit costs.
-            drv = start_browser(Path(tmp) / "warmup")
+            drv = start_browser(Path(tmp) / "warmup", args.ranks)
             browsers.append(drv)
             visit(drv, url)
             drv.quit()
             browsers.remove(drv)
             for i in range(args.cold):
-                drv = start_browser(Path(tmp) / f"cold-{i}")
+                drv = start_browser(Path(tmp) / f"cold-{i}", args.ranks)
                 browsers.append(drv)
                 results["cold"].append(visit(drv, url))
                 if i < args.cold - 1:
@@ -271,7 +364,7 @@ def main() -> int:
                     browsers.remove(drv)
             # Warm: the last cold browser visits again (its cache and code cache are filled).
             if not browsers:
-                drv = start_browser(Path(tmp) / "warm")
+                drv = start_browser(Path(tmp) / "warm", args.ranks)
                 browsers.append(drv)
                 visit(drv, url)
             for _ in range(args.warm):

@@ -4,6 +4,7 @@
     .venv/bin/python bench/ingest.py --db postgresql://postgres@127.0.0.1:5432/test
     .venv/bin/python bench/ingest.py --rate 1000000 --agents 8 --layer-stats all   # open loop at 1M values/s
     .venv/bin/python bench/ingest.py --in-process                        # where a batch's time goes
+    .venv/bin/python bench/ingest.py --ranks 256 --sharded --seconds 30   # one 256-rank FSDP run, 2 steps/s/rank
 
 Each agent is a thread with its own keep-alive connection, its own run, and
 real wire-format payloads (the agent's fields, 150-layer statistics as the
@@ -29,6 +30,13 @@ Reports values/s accepted (acknowledged) and verified as stored (counted in
 the database afterwards), and p50 / p99 batch latency, with and without each
 run's first batch (which creates the run).
 Target: >= 1,000,000 values/s per server process with p99 < 200 ms.
+
+``--ranks N``: one run of N ranks instead of N runs (each rank a thread, default telemetry, 150 layers,
+``--steps-per-s`` steps/s each, one batch per ``--interval``: the agent's cadence). ``--sharded`` makes
+it an FSDP run: each rank sends its shard's norms (``*_local``) and its layout, and the server combines
+every step once its last rank arrives (server/ranks.py), then runs the rules on the combined row as well
+as the cross-rank ones (F1, F3, F5) on every batch. Reported besides: how many steps got their combined
+row (must be every step every rank sent). Target (issue 17): 256 ranks keep up, p99 < 200 ms.
 """
 from __future__ import annotations
 
@@ -50,23 +58,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import checkout  # noqa: E402  (bench/, this script's folder)
+sys.path.insert(0, str(checkout.shim(ROOT)))   # gradwatch.* is this checkout's code
 
 LAYERS = 150
+ASK_ALERTS = True     # batches ask for the run's alerts, as the agent's do (--no-alerts: as before the loop asked)
 ALL_STATS = ("grad_norm", "weight_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_nonfinite",
              "bn_mean_norm", "bn_var_norm")
 
 
-def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32") -> dict:
+def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32", *,
+               world_size: int = 0, sharded: bool = False) -> dict:
     """Steps ``first .. first+n-1`` of agent ``agent``'s run, as the agent would send them.
 
     Values behave like a healthy run (each layer's statistic drifts slowly around its own level, the
     loss falls with noise), with a NaN in one layer's grad norm every 997 steps: random noise would
     keep several rules firing on every step, which no real run does. ``encoding`` is the agent's
-    compact ``"f32:"`` layer arrays (docs/wire-format.md) or plain JSON lists.
+    compact ``"f32:"`` layer arrays (docs/wire-format.md) or plain JSON lists. ``world_size``: ``agent``
+    is a rank of the one run ``ranks`` (its steps at the same times as the other ranks'); ``sharded``:
+    an FSDP rank holding piece ``agent`` of ``world_size`` of every parameter (its norms are ``*_local``).
     """
     import numpy as np
 
-    from server.numbers import pack_f32_b64
+    from gradwatch.server.numbers import pack_f32_b64
 
     rnd = np.random.default_rng(agent * 1_000_003 + first)
     # each statistic's usual range in a healthy run (update ratio ~1e-3, activations of unit scale, ...)
@@ -83,28 +97,47 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
             v = (base[k] * (1.0 + 0.02 * rnd.standard_normal(LAYERS))).astype("<f4")
             if st == "grad_norm" and i % 997 == 3:
                 v[5] = np.nan
+            if sharded:
+                if st not in ("grad_norm", "weight_norm"):
+                    continue      # what a sharded rank measures of its pieces: their norms
+                st, v = st + "_local", (v / np.sqrt(world_size)).astype("<f4")
             if encoding == "f32":
                 layers[st] = pack_f32_b64(v)
             else:
                 layers[st] = [x if x == x else "NaN" for x in np.round(v.astype(float), 6).tolist()]
         loss = 4.0 * (1.0 + i / 2000) ** -0.3 * (1.0 + 0.02 * rnd.standard_normal())
+        grad_norm = 0.8 + 0.1 * rnd.random()
         steps.append({
-            "step": i, "time": 1.7e9 + i * 0.05, "loss": loss, "grad_norm": 0.8 + 0.1 * rnd.random(),
+            "step": i, "time": 1.7e9 + i * 0.05, "loss": loss, "grad_norm": grad_norm,
             "clip_max_norm": 1.0, "clipped": False, "loss_scale": 65536.0, "overflow": False, "overflow_count": 0,
             "lr": 3e-4, "step_time": 0.05, "samples_per_s": 1000.0, "tokens_per_s": 512000.0, "mem_peak": 1.2e9,
             "ema_divergence": 1e-3, "input_nonfinite": 0 if i % 10 == 0 else None, "custom": {}, "layers": layers,
         })
+        if sharded:
+            steps[-1]["grad_norm"] = None
+            steps[-1]["grad_norm_local"] = grad_norm / math.sqrt(world_size)
     body = {"batch_id": uuid.uuid4().hex, "project": "bench", "run": f"agent-{agent}", "rank": 0,
             "world_size": 1, "steps": steps}
+    if world_size:
+        body.update(run="ranks", rank=agent, world_size=world_size)
+    if ASK_ALERTS:
+        # as the agent asks (docs/alerts-in-the-loop.md): 0 in a process's first batch, then the last
+        # reply's cursor; bodies are built before the clock starts, so this cursor (the build time) is
+        # older than an agent's and each reply carries every alert of the run changed during the run
+        body["alerts_after"] = 0.0 if first == 0 else time.time()
     if first == 0:
         body["meta"] = {"param_names": [f"blocks.{k // 6}.p{k % 6}.weight" for k in range(LAYERS)],
                         "module_names": [f"blocks.{k // 6}.m{k % 6}" for k in range(LAYERS)],
                         "bn_names": [f"bn{k}" for k in range(LAYERS)]}
+        if sharded:
+            body["meta"]["param_shards"] = [[agent, world_size]] * LAYERS
+        if world_size:
+            body["meta"].update(host=f"node{agent // 8}", local_rank=agent % 8, pid=1000 + agent)
     return body
 
 
 def count_values(body: dict) -> int:
-    from server.numbers import unpack_f32_b64
+    from gradwatch.server.numbers import unpack_f32_b64
 
     n = 0
     for s in body["steps"]:
@@ -117,10 +150,10 @@ def count_values(body: dict) -> int:
 def start_server(db: str, port: int, data_dir: str, root: Path = ROOT) -> subprocess.Popen:
     """``gradwatch serve`` from the checkout at ``root`` (``python -m`` imports from the working directory,
     so another checkout's server can be measured against this one)."""
-    env = dict(os.environ, GRADWATCH_DATA_DIR=data_dir)
-    subprocess.run([sys.executable, "-m", "server", "db", "upgrade", "--db", db], cwd=root, env=env, check=True,
+    env = dict(os.environ, GRADWATCH_DATA_DIR=data_dir, **checkout.pythonpath(root))
+    subprocess.run([sys.executable, "-m", checkout.server_module(root), "db", "upgrade", "--db", db], cwd=root, env=env, check=True,
                    capture_output=True)
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--db", db, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", checkout.server_module(root), "serve", "--db", db, "--port", str(port),
                              "--log-level", "warning"], cwd=root, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
@@ -136,21 +169,45 @@ def start_server(db: str, port: int, data_dir: str, root: Path = ROOT) -> subpro
     raise SystemExit("server did not start")
 
 
-def stored_values(db: str, project: str = "bench") -> int:
-    """Count what the database holds for ``project``: non-null step scalars (+ NaN bits) and layer values."""
+def combined_steps(db: str, project: str = "bench") -> tuple[int, int]:
+    """(steps with their combined row, distinct steps the ranks sent) of ``project``'s runs."""
     from sqlalchemy import func, select
 
-    from server.db import open_database
-    from server.models import STEP_SIGNALS, LayerStat, Project, Run, Step
+    from gradwatch.server.db import open_database
+    from gradwatch.server.models import Project, Run, Step
+    from gradwatch.server.ranks import COMBINED_RANK
 
     database = open_database(db)
     with database.sessionmaker() as s:
         runs = select(Run.id).join(Project, Project.id == Run.project_id).where(Project.name == project)
+        combined = s.scalar(select(func.count()).where(Step.run_id.in_(runs), Step.rank == COMBINED_RANK))
+        sent = s.scalar(select(func.count(func.distinct(Step.step))).where(Step.run_id.in_(runs), Step.rank >= 0))
+    database.dispose()
+    return int(combined), int(sent)
+
+
+def stored_values(db: str, project: str = "bench", ranks_only: bool = False) -> int:
+    """Count what the database holds for ``project``: non-null step scalars (+ NaN bits) and layer values
+    (``ranks_only``: the ranks' own rows, not the server's combined ones)."""
+    from sqlalchemy import func, select
+
+    from gradwatch.server.db import open_database
+    from gradwatch.server.models import STEP_COLUMNS, LayerStat, Project, Run, Step
+    from gradwatch.server.numbers import extra_measured, unpack_extra
+
+    database = open_database(db)
+    with database.sessionmaker() as s:
+        runs = select(Run.id).join(Project, Project.id == Run.project_id).where(Project.name == project)
+        mine = [Step.run_id.in_(runs)] + ([Step.rank >= 0] if ranks_only else [])
         scalars = 0
-        for name in STEP_SIGNALS:
-            scalars += s.scalar(select(func.count(getattr(Step, name))).where(Step.run_id.in_(runs)))
-        scalars += s.scalar(select(func.count()).where(Step.nan_mask != 0, Step.run_id.in_(runs)))
-        layer_bytes = s.scalar(select(func.sum(func.length(LayerStat.values))).where(LayerStat.run_id.in_(runs))) or 0
+        for name in STEP_COLUMNS:
+            scalars += s.scalar(select(func.count(getattr(Step, name))).where(*mine))
+        scalars += s.scalar(select(func.count()).where(Step.nan_mask != 0, *mine))
+        # the signals declared after the columns (e.g. a sharded rank's grad_norm_local), measured slots
+        for blob in s.scalars(select(Step.extra).where(Step.extra.is_not(None), *mine)):
+            scalars += int(extra_measured(unpack_extra(blob)).sum())
+        layer_bytes = s.scalar(select(func.sum(func.length(LayerStat.values))).where(
+            LayerStat.run_id.in_(runs), *([LayerStat.rank >= 0] if ranks_only else []))) or 0
     database.dispose()
     return scalars + int(layer_bytes) // 4
 
@@ -158,11 +215,11 @@ def stored_values(db: str, project: str = "bench") -> int:
 def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str, encoding: str) -> None:
     """Where a batch's time goes, without HTTP: parse + validate, then the write path with and
     without the rule engine (``ingest_batch(evaluate_rules=False)``), on one core."""
-    from server.api.ingest import decode_body
-    from server.db import open_database, upgrade
-    from server.ingest import ingest_batch
-    from server.schemas import IngestBatchIn
-    from server.settings import Settings
+    from gradwatch.server.api.ingest import decode_body
+    from gradwatch.server.db import open_database, upgrade
+    from gradwatch.server.ingest import ingest_batch
+    from gradwatch.server.schemas import IngestBatchIn
+    from gradwatch.server.settings import Settings
 
     raws = [json.dumps(make_batch(0, b * steps_per_batch, steps_per_batch, stats, encoding)).encode()
             for b in range(batches)]
@@ -189,6 +246,32 @@ def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str, en
         print(f"rules {'on ' if rules else 'off'}  {nvals / total:>12,.0f} values/s  "
               f"{batches * steps_per_batch / total:>7,.0f} steps/s   parse+validate {t_parse / total:4.0%}  "
               f"write{' + rules' if rules else ''} {t_write / total:4.0%}")
+
+
+class FreshDatabase:
+    """The database of one benchmark run: ``db`` None gives a new SQLite file in ``tmp``; a PostgreSQL
+    URL gives a new database next to the one named, dropped again by ``close()``."""
+
+    def __init__(self, db: str | None, tmp: str, prefix: str):
+        from gradwatch.server.settings import normalize_db_url
+
+        self._admin = self._name = None
+        if db and not db.startswith("sqlite"):
+            import psycopg
+
+            admin_url = db.replace("postgresql+psycopg://", "postgresql://")
+            self._admin = psycopg.connect(admin_url, autocommit=True)
+            self._name = f"gw_{prefix}_{uuid.uuid4().hex[:8]}"
+            self._admin.execute(f'CREATE DATABASE "{self._name}"')
+            self.url = normalize_db_url(admin_url.rsplit("/", 1)[0] + "/" + self._name)
+        else:
+            self.url = db or f"sqlite:///{tmp}/{prefix}.db"
+
+    def close(self) -> None:
+        if self._admin is not None:
+            self._admin.execute(f'DROP DATABASE IF EXISTS "{self._name}" WITH (FORCE)')
+            self._admin.close()
+            self._admin = None
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -223,37 +306,43 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="batches sent to an uncounted run first")
     ap.add_argument("--gzip", action="store_true", help="send Content-Encoding: gzip bodies")
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="one run of this many ranks (a thread each) instead of --agents runs; open loop at "
+                         "--steps-per-s per rank")
+    ap.add_argument("--steps-per-s", type=float, default=2.0, help="with --ranks: each rank's training speed")
+    ap.add_argument("--sharded", action="store_true",
+                    help="with --ranks: an FSDP run (shard norms and layouts; the server combines the ranks)")
+    ap.add_argument("--no-alerts", action="store_true", help="batches do not ask for the run's alerts "
+                    "(alerts_after), as agents did before alerts reached the loop")
     ap.add_argument("--in-process", action="store_true",
                     help="instead: time parse/validate/write in this process, rule engine off and on")
     args = ap.parse_args()
-
-    from server.settings import normalize_db_url
+    global ASK_ALERTS
+    ASK_ALERTS = not args.no_alerts
 
     if not args.port:   # never a fixed default: another benchmark or test server may hold it
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             args.port = sock.getsockname()[1]
     tmp = tempfile.mkdtemp(prefix="gw-bench-")
-    pg_admin = None
-    if args.db and not args.db.startswith("sqlite"):
-        import psycopg
-
-        admin_url = args.db.replace("postgresql+psycopg://", "postgresql://")
-        pg_admin = psycopg.connect(admin_url, autocommit=True)
-        name = f"gw_bench_{uuid.uuid4().hex[:8]}"
-        pg_admin.execute(f'CREATE DATABASE "{name}"')
-        db = normalize_db_url(admin_url.rsplit("/", 1)[0] + "/" + name)
-    else:
-        db = args.db or f"sqlite:///{tmp}/bench.db"
-        name = None
+    fresh = FreshDatabase(args.db, tmp, "bench")
+    db = fresh.url
 
     if args.in_process:
         in_process_split(db, args.batches, args.steps_per_batch, args.layer_stats, args.encoding)
-        if pg_admin is not None:
-            pg_admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        fresh.close()
         return 0
-    values_per_step = count_values(make_batch(0, 1, 100, args.layer_stats, args.encoding)) / 100
-    if args.rate:
+    if args.sharded and not args.ranks:
+        ap.error("--sharded needs --ranks N")
+    if args.ranks:
+        args.agents = args.ranks
+    shape = {"world_size": args.ranks, "sharded": args.sharded}
+    values_per_step = count_values(make_batch(0, 1, 100, args.layer_stats, args.encoding, **shape)) / 100
+    if args.ranks:
+        steps_per_batch = max(1, round(args.steps_per_s * args.interval))
+        batches = max(1, round(args.seconds / args.interval))
+        args.rate = args.ranks * args.steps_per_s * values_per_step     # open loop, the offered rate
+    elif args.rate:
         # open loop, like real agents: each sends one batch per flush interval whatever the server does
         steps_per_batch = max(1, round(args.rate * args.interval / (args.agents * values_per_step)))
         batches = max(1, round(args.seconds / args.interval))
@@ -265,7 +354,7 @@ def main() -> int:
     for a in range(args.agents):
         mine = []
         for b in range(batches):
-            body = make_batch(a, b * steps_per_batch, steps_per_batch, args.layer_stats, args.encoding)
+            body = make_batch(a, b * steps_per_batch, steps_per_batch, args.layer_stats, args.encoding, **shape)
             raw = json.dumps(body).encode()
             mine.append((gzip.compress(raw, 1) if args.gzip else raw, count_values(body), len(body["steps"])))
         payloads.append(mine)
@@ -335,7 +424,8 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    stored = stored_values(db)
+    stored = stored_values(db, ranks_only=bool(args.ranks))
+    combined = combined_steps(db) if args.sharded else None
     every = sorted(latencies + first_latencies)
     print(f"database          {db.split(':', 1)[0]}")
     print(f"mode              {'open loop: each agent sends a batch every %.2f s' % args.interval if args.rate else 'closed loop: each agent sends its next batch as soon as the last is answered'}")
@@ -351,7 +441,14 @@ def main() -> int:
     print(f"server process    {server_cpu:.2f} CPU-s over {wall:.2f} s wall ({server_cpu / wall:.0%} of one core, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
           f"{accepted[0] / server_cpu:,.0f} values per server CPU-second")
-    print(f"stored            {stored:,} values ({'all' if stored == total_values else 'MISMATCH vs ' + format(total_values, ',')})")
+    print(f"stored            {stored:,} values ({'all' if stored == total_values else 'MISMATCH vs ' + format(total_values, ',')})"
+          + (" by the ranks" if args.ranks else ""))
+    if args.ranks:
+        print(f"ranks             one run, {args.ranks} ranks x {args.steps_per_s:g} steps/s"
+              + (", sharded (FSDP): the server combines each step" if args.sharded else " (DDP-like: no layout)"))
+    if combined is not None:
+        print(f"combined rows     {combined[0]:,} of {combined[1]:,} steps "
+              f"({'all' if combined[0] == combined[1] else 'MISSING ' + format(combined[1] - combined[0], ',')})")
     print(f"batch latency ms  p50 {statistics.median(every):.0f}  p99 {percentile(every, 0.99):.0f}  max {every[-1]:.0f}"
           f"   (all {len(every)} batches)")
     if latencies:
@@ -361,10 +458,8 @@ def main() -> int:
     print(f"first batches ms  {', '.join(f'{x:.0f}' for x in first_latencies)}")
     if errors:
         print(f"errors            {len(errors)}: {errors[:3]}")
-    if pg_admin is not None:
-        pg_admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        pg_admin.close()
-    return 1 if errors or stored != total_values else 0
+    fresh.close()
+    return 1 if errors or stored != total_values or (combined is not None and combined[0] != combined[1]) else 0
 
 
 if __name__ == "__main__":

@@ -30,16 +30,18 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import checkout  # noqa: E402  (bench/, this script's folder)
+sys.path.insert(0, str(checkout.shim(ROOT)))   # gradwatch.* is this checkout's code
 
 LAYERS = 150
 SPARSE_STATS = ("weight_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_nonfinite")
 
 
 def build_run(db_url: str, steps: int, batch_steps: int = 1000) -> int:
-    from server.db import open_database, upgrade
-    from server.ingest import ingest_batch
-    from server.schemas import IngestBatchIn, MetaIn, StepIn
-    from server.settings import Settings
+    from gradwatch.server.db import open_database, upgrade
+    from gradwatch.server.ingest import ingest_batch
+    from gradwatch.server.schemas import IngestBatchIn, MetaIn, StepIn
+    from gradwatch.server.settings import Settings
 
     upgrade(db_url)
     database = open_database(db_url)
@@ -92,9 +94,9 @@ def compare_layouts(db_url: str, steps: int) -> None:
     """Write ``steps`` x 150 grad norms in three layouts; time writes and a 500-column heatmap."""
     from sqlalchemy import text
 
-    from server.db import open_database
-    from server.ingest import bulk_insert
-    from server.rollups import layer_partials
+    from gradwatch.server.db import open_database
+    from gradwatch.server.ingest import bulk_insert
+    from gradwatch.server.rollups import layer_partials
 
     database = open_database(db_url)
     rng = np.random.default_rng(1)
@@ -155,8 +157,8 @@ def compare_layouts(db_url: str, steps: int) -> None:
         bulk_insert(s, "lay_rollup", ("level", "bucket", "data"), parts)
 
     def q_rollup(s):
-        from server.models import ROLLUP_LEVELS
-        from server.rollups import layer_partial_arrays
+        from gradwatch.server.models import ROLLUP_LEVELS
+        from gradwatch.server.rollups import layer_partial_arrays
 
         level = max([lv for lv in ROLLUP_LEVELS if lv <= bucket] or [1])
         rows = s.execute(text(f"SELECT bucket, data FROM lay_rollup WHERE level = {level} ORDER BY bucket")).all()
@@ -199,8 +201,8 @@ def compare_layouts(db_url: str, steps: int) -> None:
 def find_run(db_url: str):
     from sqlalchemy import select
 
-    from server.db import open_database
-    from server.models import Run
+    from gradwatch.server.db import open_database
+    from gradwatch.server.models import Run
 
     database = open_database(db_url)
     with database.sessionmaker() as session:
@@ -239,11 +241,11 @@ def main() -> int:
     ap.add_argument("--layouts", type=int, metavar="STEPS", default=0,
                     help="instead: compare storage layouts on STEPS x 150 values (e.g. 20000)")
     args = ap.parse_args()
-    from server.settings import normalize_db_url
+    from gradwatch.server.settings import normalize_db_url
 
     db = normalize_db_url(args.db)
     if args.layouts:
-        from server.db import upgrade
+        from gradwatch.server.db import upgrade
 
         upgrade(db)
         compare_layouts(db, args.layouts)
@@ -255,8 +257,8 @@ def main() -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             args.port = sock.getsockname()[1]
-    env = dict(os.environ, GRADWATCH_DATA_DIR=str(ROOT / "bench-data"))
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--db", db, "--port", str(args.port),
+    env = dict(os.environ, GRADWATCH_DATA_DIR=str(ROOT / "bench-data"), **checkout.pythonpath(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "gradwatch.server", "serve", "--db", db, "--port", str(args.port),
                              "--log-level", "warning"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{args.port}"

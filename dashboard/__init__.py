@@ -7,6 +7,7 @@ share one port. Pages (one module each under ``dashboard/pages``):
 - ``/``            runs: every run with status, health and last values; live
 - ``/runs/<id>``   one run: every signal, per-layer heatmaps, alerts; live
 - ``/compare``     several runs overlaid on the same panels
+- ``/incidents/<alert_id>``  one incident: precursor timeline, charts around it, its alerts, rollback point
 - ``/alerts``      alerts across runs, filtered by severity / rule / status
 - ``/settings``    webhook endpoints and per-project rule thresholds
 
@@ -14,6 +15,13 @@ Data comes only through :mod:`dashboard.gateway` (``server.queries`` and the
 rules / webhooks modules); figures are built by :mod:`dashboard.figures`.
 """
 from __future__ import annotations
+
+# One module, one name: this folder is installed as gradwatch.dashboard (pyproject.toml maps it at build
+# time). Imported as a top-level `dashboard` -- a checkout's root on sys.path -- every module
+# would load a second time beside gradwatch.dashboard's, with its own state; refuse instead.
+if __name__ != "gradwatch.dashboard":
+    raise ImportError(f"{__path__[0]} is gradwatch's dashboard package: import it as `gradwatch.dashboard`, "
+                      f"not as {__name__!r} (that name is left to your own code)")
 
 import importlib
 import re
@@ -23,8 +31,7 @@ from typing import Any
 # never as a page script tag; their names carry their version, so a browser may keep them for a year.
 PLOTLY_BUNDLE = re.compile(r"^plotly-.*\.min\.js$")
 
-PAGE_MODULES = ("dashboard.pages.runs", "dashboard.pages.run", "dashboard.pages.compare",
-                "dashboard.pages.alerts", "dashboard.pages.settings")
+PAGE_MODULES = tuple(f"{__name__}.pages.{page}" for page in ("runs", "run", "incident", "compare", "alerts", "settings"))
 
 # Dash moves callbacks declared with ``dash.callback`` into the first app that
 # starts serving and forgets them. The page modules declare theirs at import
@@ -54,13 +61,20 @@ def create_dash(sessionmaker, settings, *, deliveries_queued=None):
     """
     import dash
     from dash import dcc, html
-    from flask import request
+    from flask import Flask, request
 
-    from dashboard import gateway
+    from gradwatch.dashboard import gateway
 
     gateway.configure(sessionmaker, settings, deliveries_queued=deliveries_queued)
+    # Our own Flask app, told its instance folder (never used): left to find it, Flask walks the
+    # top-level package's search path, and `gradwatch` is a namespace package whose editable-install
+    # path holds no folder it can match (StopIteration: the dashboard would not load).
+    import os
+
+    flask_app = Flask(__name__, instance_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "instance"))
     app = dash.Dash(
         __name__,
+        server=flask_app,
         use_pages=True,
         pages_folder="",
         requests_pathname_prefix="/",

@@ -51,6 +51,18 @@ def _actions(actions) -> list:
             html.Ul([html.Li(a if isinstance(a, str) else json.dumps(a)) for a in actions], className="gw-alert-actions")]
 
 
+def held_back_note(alert: dict) -> Optional[str]:
+    """Why routing did not notify this alert (server/routing/), or None: it was (or will be) notified."""
+    if alert.get("suppressed_by") is not None:
+        what = alert.get("suppressed_by_rule") or "alert"
+        return f"suppressed by {what} (alert {alert['suppressed_by']}): not notified"
+    if alert.get("silenced_by") is not None:
+        return f"silenced by silence {alert['silenced_by']}: not notified"
+    if alert.get("muted"):
+        return f"muted ({alert['muted']}): not notified"
+    return None
+
+
 def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None) -> html.Div:
     """One alert: severity, rule, steps, message, diagnosis, actions, evidence and an acknowledge button.
 
@@ -68,8 +80,14 @@ def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None) -
         head.append(html.Span(f"rank {alert['rank']}", className="gw-muted"))
     if run_label is not None:
         head.append(dcc.Link(run_label, href=f"/runs/{alert.get('run_id')}", className="gw-alert-run"))
-    body = [html.Div(head, className="gw-alert-head"),
-            html.Div(alert.get("message", ""), className="gw-alert-message")]
+    if alert.get("id") is not None:   # the incident page: timeline, charts around it, rollback point
+        head.append(dcc.Link("incident", href=f"/incidents/{alert['id']}", className="gw-alert-incident",
+                             id=f"{ack_type}-incident-{alert['id']}"))
+    body = [html.Div(head, className="gw-alert-head")]
+    note = held_back_note(alert)
+    if note:
+        body.append(html.Div(note, className="gw-alert-held"))
+    body.append(html.Div(alert.get("message", ""), className="gw-alert-message"))
     if alert.get("diagnosis"):
         body += [html.Div("Diagnosis", className="gw-alert-label"), html.Div(alert["diagnosis"], className="gw-alert-diagnosis")]
     body += _actions(alert.get("actions"))
@@ -80,7 +98,8 @@ def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None) -
     body.append(html.Button("acknowledged" if acked else "Acknowledge",
                             id={"type": ack_type, "index": alert.get("id")},
                             disabled=acked, n_clicks=0, className="gw-button gw-ack"))
-    return html.Div(body, className=f"gw-alert gw-alert-sev-{sev}" + (" gw-alert-acked" if acked else ""),
+    return html.Div(body, className=f"gw-alert gw-alert-sev-{sev}" + (" gw-alert-acked" if acked else "")
+                    + (" gw-alert-held-back" if note else ""),
                     id=f"{ack_type}-card-{alert.get('id')}", **{"data-rule": alert.get("rule", ""),
                                                                    "data-severity": sev})
 

@@ -17,37 +17,33 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from dashboard import theme
-
-_STR_FLOATS = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "inf": math.inf,
-               "-Infinity": -math.inf, "-inf": -math.inf}
+from gradwatch.agent import signals as table
+from gradwatch.agent.nonfinite import decode_float_or_none
+from gradwatch.dashboard import theme
 
 NAN_RUG_Y = 0.96      # where NaN / Inf markers sit on the hidden 0..1 axis
 MAX_ALERT_MARKS = 60  # vertical alert lines per chart; older ones are dropped
+MAX_CHECKPOINT_MARKS = 60  # vertical checkpoint lines per chart; the latest are kept (a rollback names a late one)
 
 
 def to_float(value: Any) -> Optional[float]:
     """A read-path number as a float: ``None`` stays ``None``; strings and bools are decoded."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            return _STR_FLOATS[value]
-        except KeyError:
-            try:
-                return float(value)
-            except ValueError:
-                return None
-    try:
+    if isinstance(value, bool):
         return float(value)
-    except (TypeError, ValueError):
-        return None
+    return decode_float_or_none(value)
 
 
 def finite(value: Any) -> Optional[float]:
     """``to_float`` with non-finite values turned into ``None`` (a gap in a line)."""
     f = to_float(value)
     return f if f is not None and math.isfinite(f) else None
+
+
+def plot_text(text: Any) -> str:
+    """A name from the training script as Plotly text: Plotly renders a subset of HTML in tick labels,
+    legends and hovers (``<a href>`` becomes a link), so ``&``, ``<`` and ``>`` are sent as entities and
+    shown as the characters they are."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def is_nonfinite(value: Any) -> bool:
@@ -104,27 +100,30 @@ class Panel:
         return names
 
 
-GIB = 1.0 / (1 << 30)
+def _panel(p: table.Panel) -> Panel:
+    """A run-page panel from the signal table: its signals drawn as lines (one palette colour each, in
+    id order across the page), dashed reference lines and flags on the panel's first line."""
+    decl = table.panel_signals(p.key)
+    host = next(s.name for s in decl if s.draw == "line")
+    lines, flags = [], []
+    for s in decl:
+        if s.draw == "flag":
+            flags.append(Flag(s.name, s.label, host, symbol=s.marker))
+        elif s.draw == "dash":
+            lines.append(Line(s.name, s.label, theme.MUTED, dash="dash", scale=s.scale))
+        else:
+            lines.append(Line(s.name, s.label, theme.PALETTE[_LINE_COLOURS[s.name] % len(theme.PALETTE)],
+                              scale=s.scale))
+    return Panel(p.key, p.title, tuple(lines), log_y=p.log_y, smoothed=p.smoothed, flags=tuple(flags),
+                 include_zero=p.include_zero)
 
-PANELS: tuple[Panel, ...] = (
-    Panel("loss", "Loss", (Line("loss", "loss", theme.PALETTE[0]),), smoothed=True),
-    Panel("grad_norm", "Grad norm (pre-clip, unscaled)",
-          (Line("grad_norm", "grad norm", theme.PALETTE[1]),
-           Line("clip_max_norm", "clip max_norm", theme.MUTED, dash="dash")),
-          log_y=True, flags=(Flag("clipped", "clipped step", "grad_norm", symbol="circle-open"),)),
-    Panel("loss_scale", "Loss scale (log)", (Line("loss_scale", "loss scale", theme.PALETTE[2]),), log_y=True,
-          flags=(Flag("overflow", "overflow (skipped step)", "loss_scale"),)),
-    Panel("lr", "Learning rate", (Line("lr", "lr", theme.PALETTE[3]),), include_zero=True),
-    Panel("ema_divergence", "EMA divergence ‖θ_ema − θ‖ / ‖θ‖",
-          (Line("ema_divergence", "EMA divergence", theme.PALETTE[4]),), log_y=True),
-    Panel("throughput", "Throughput",
-          (Line("samples_per_s", "samples/s", theme.PALETTE[5]), Line("tokens_per_s", "tokens/s", theme.PALETTE[6])),
-          include_zero=True),
-    Panel("step_time", "Step time (s)", (Line("step_time", "step time", theme.PALETTE[7]),), include_zero=True),
-    Panel("memory", "Device memory, peak (GiB)", (Line("mem_peak", "peak allocated", theme.PALETTE[8], scale=GIB),),
-          include_zero=True),
-)
+
+# each drawn line keeps one colour on every page: its place among the table's line signals
+_LINE_COLOURS = {s.name: i for i, s in enumerate(
+    s for p in table.PANELS for s in table.panel_signals(p.key) if s.draw == "line")}
+PANELS: tuple[Panel, ...] = tuple(_panel(p) for p in table.PANELS)
 PANELS_BY_KEY = {p.key: p for p in PANELS}
+HEADLINE: tuple[str, ...] = tuple(p.key for p in table.PANELS if p.headline)
 
 
 def panel_signals(panels: Iterable[Panel]) -> tuple[str, ...]:
@@ -134,12 +133,8 @@ def panel_signals(panels: Iterable[Panel]) -> tuple[str, ...]:
 
 SERIES_SIGNALS: tuple[str, ...] = panel_signals(PANELS)
 
-# Per-layer heatmaps on the run page: (stat, title, names kind).
-HEATMAPS: tuple[tuple[str, str], ...] = (
-    ("grad_norm", "Per-parameter grad norm (log10)"),
-    ("weight_norm", "Per-parameter weight norm (log10)"),
-    ("act_std", "Per-module activation std (log10)"),
-)
+# Per-layer heatmaps on the run page: (stat, title), the table's statistics that declare one.
+HEATMAPS: tuple[tuple[str, str], ...] = tuple((s.name, s.heatmap) for s in table.LAYER_STATS if s.heatmap)
 
 
 # --------------------------------------------------------------------------- series -> points
@@ -233,9 +228,32 @@ def alert_shapes(alerts: Sequence[dict]) -> list[dict]:
     return shapes
 
 
+def checkpoint_shapes(checkpoints: Sequence[dict]) -> list[dict]:
+    """A thin solid vertical line, labelled "ckpt <step>" at the chart's foot, at each checkpoint's step
+    (``GET /api/v1/runs/{id}/checkpoints``; the step a resume from it continues with). Drawn under the
+    traces and apart from the alerts' dotted lines, so a rollback's checkpoint reads off the same axis."""
+    marks = sorted((c for c in checkpoints if c.get("step") is not None), key=lambda c: c["step"])
+    shapes = []
+    for c in marks[-MAX_CHECKPOINT_MARKS:]:
+        step = c["step"]
+        shapes.append({
+            "type": "line", "xref": "x", "yref": "paper", "x0": step, "x1": step, "y0": 0, "y1": 1,
+            "line": {"color": theme.CHECKPOINT_COLOUR, "width": 1}, "opacity": 0.55, "layer": "below",
+            "name": f"checkpoint {step}",
+            "label": {"text": f"ckpt {step:,}", "textposition": "start", "yanchor": "bottom",
+                      "font": {"size": 9, "color": theme.CHECKPOINT_COLOUR}},
+        })
+    return shapes
+
+
+def checkpoints_signature(checkpoints: Sequence[dict]) -> list:
+    return [[c.get("step"), c.get("path")] for c in checkpoints]
+
+
 def alerts_signature(alerts: Sequence[dict]) -> list:
     """What, in a run's alerts, changes what the page shows (cheap to compare in a Store)."""
-    return [[a.get("id"), a.get("status"), bool(a.get("acknowledged")), a.get("last_step")] for a in alerts]
+    return [[a.get("id"), a.get("status"), bool(a.get("acknowledged")), a.get("last_step"), a.get("suppressed_by"),
+             a.get("silenced_by"), a.get("muted")] for a in alerts]
 
 
 # --------------------------------------------------------------------------- run-page charts
@@ -253,7 +271,8 @@ def _x_axis(x_range: Optional[Sequence[float]]) -> dict:
 
 
 def series_figure(panel: Panel, series: dict, *, alerts: Sequence[dict] = (), smoothing: float = 0.0,
-                  x_range: Optional[Sequence[float]] = None) -> tuple[dict, dict]:
+                  x_range: Optional[Sequence[float]] = None,
+                  checkpoints: Sequence[dict] = ()) -> tuple[dict, dict]:
     """A run-page chart from ``{signal: {"bucket_size", "steps"}}``; returns (figure, live state).
 
     The live state carries the smoothing EMA so that :func:`series_append`
@@ -295,7 +314,7 @@ def series_figure(panel: Panel, series: dict, *, alerts: Sequence[dict] = (), sm
     if panel.include_zero:
         layout["yaxis"]["rangemode"] = "tozero"
     layout["xaxis"].update(_x_axis(x_range))
-    layout["shapes"] = alert_shapes(alerts)
+    layout["shapes"] = alert_shapes(alerts) + checkpoint_shapes(checkpoints)
     if not has_data:
         layout["annotations"] = [{"text": "no data for this run", "xref": "paper", "yref": "paper", "x": 0.5,
                                   "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]
@@ -369,6 +388,9 @@ def heatmap_figure(title: str, matrix: Optional[dict], *, alerts: Sequence[dict]
                                   "x": 0.5, "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]
         return {"data": [{"type": "heatmap", "x": [], "y": [], "z": [], "showscale": False, "name": title}],
                 "layout": layout}
+    if highlight in names:
+        highlight = plot_text(highlight)
+    names = [plot_text(n) for n in names]
     z, bad_x, bad_y = [], [], []
     for name, row in zip(names, rows):
         z.append([_log10(v) for v in row])
@@ -419,18 +441,210 @@ def update_ratio_figure(matrix: Optional[dict], *, alerts: Sequence[dict] = (),
     ], "layout": layout}
 
 
+# --------------------------------------------------------------------------- ranks
+
+# what a sharded run's combined row (rank -1) holds, read there by default instead of on rank 0 (whose
+# grad norm is "not measured" under FSDP by design: docs/integrations.md, "Distributed training")
+COMBINED_SIGNALS: frozenset[str] = frozenset(s.name for s in table.STEP_SIGNALS if s.combined)
+COMBINED_STATS: frozenset[str] = frozenset(s.name for s in table.LAYER_STATS if s.combined)
+# the all-ranks overlays and rank × step heatmaps: (signal, title, log y), from the table's per_rank titles
+RANK_CHARTS: tuple[tuple[str, str, bool], ...] = tuple(
+    (s.name, s.per_rank, bool(s.panel and table.panel(s.panel).log_y)) for s in table.STEP_SIGNALS if s.per_rank)
+# a sharded run's ranks measure only their pieces (agent/signals.py: grad_norm_local): its per-rank chart of
+# a combined signal draws what each rank measured, the combined value being one number for all ranks
+SHARDED_PER_RANK: dict[str, str] = {s.name: f"{s.name}_local" for s in table.STEP_SIGNALS
+                                    if s.per_rank and s.combined and table.is_step_signal(f"{s.name}_local")}
+ALL_RANKS = "all"
+MANY_RANKS = 8             # above this, the overlay draws one rank in colour and the others thin and grey
+# line points per overlay chart, over all ranks: 64 ranks get ~125 points each (an SVG chart of 64 lines
+# stays responsive and its figure ~0.3 MB instead of 1.5 MB); 8 ranks or fewer keep every column
+OVERLAY_POINTS = 8_000
+HIGHLIGHT_COLOUR = theme.FLAG_COLOUR
+OTHER_RANKS_COLOUR = "#6e7681"
+_RANK_PALETTE = [c for c in theme.PALETTE if c != HIGHLIGHT_COLOUR]   # no rank drawn like the highlighted one
+
+
+def rank_sources(picked: Any, combined: bool) -> tuple[dict[str, int], int, int]:
+    """Where the run page reads: (signal → rank for the combined signals, rank of every other signal, rank
+    of the per-layer heatmaps). All ranks picked: rank 0, and a sharded run's combined row (-1) for the
+    grad norm and per-layer norms; one rank picked: that rank for everything."""
+    if picked is None or picked == ALL_RANKS:
+        if combined:
+            return {sig: -1 for sig in COMBINED_SIGNALS}, 0, -1
+        return {}, 0, 0
+    rank = int(picked)
+    return {}, rank, rank
+
+
+def layer_rank(stat: str, sources_layer_rank: int, picked: Any) -> int:
+    """The rank a per-layer statistic is read from: the combined row only holds the combined statistics."""
+    if sources_layer_rank == -1 and (picked is None or picked == ALL_RANKS) and stat not in COMBINED_STATS:
+        return 0
+    return sources_layer_rank
+
+
+def _median(vals: Sequence[float]) -> float:
+    v = sorted(vals)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def odd_rank(matrix: Optional[dict]) -> Optional[int]:
+    """The rank whose typical value (median over the shown steps) is furthest from the median of the ranks,
+    if it stands out: more than 6 median absolute deviations (~4 σ: among 64 healthy ranks the furthest
+    one's noise alone is typically 4–5 deviations) and 5 % away. None when no rank does."""
+    m = matrix or {}
+    typical = {}
+    for r, row in zip(m.get("ranks") or [], m.get("last") or []):
+        vals = [f for f in (finite(v) for v in row) if f is not None]
+        if vals:
+            typical[r] = _median(vals)
+    if len(typical) < 3:
+        return None
+    centre = _median(list(typical.values()))
+    dev = {r: abs(v - centre) for r, v in typical.items()}
+    mad = _median(list(dev.values()))
+    rank, far = max(dev.items(), key=lambda kv: (kv[1], -kv[0]))
+    return rank if far > max(6 * mad, 0.05 * abs(centre)) else None
+
+
+def alert_rank(alerts: Sequence[dict]) -> Optional[int]:
+    """The rank named by the latest firing cross-rank (F-family) alert, if any."""
+    named = [a for a in alerts if str(a.get("rule", "")).startswith("F") and a.get("status") == "firing"
+             and (a.get("rank") or 0) >= 0]
+    if not named:
+        return None
+    return max(named, key=lambda a: (a.get("last_step") or 0, a.get("id") or 0)).get("rank")
+
+
+def _short(v: Optional[float]) -> Optional[float]:
+    """7 significant digits (float32's): a 64-rank figure's JSON is half as long as with 17."""
+    return None if v is None else float(f"{v:.7g}")
+
+
+def _rank_buckets(matrix: dict, row: int, cols: Sequence[int], factor: int) -> list[dict]:
+    """One rank's cells as series buckets, ``factor`` columns merged into one (many ranks: fewer points)."""
+    steps = matrix.get("steps") or []
+    mins, maxs, lasts = matrix["min"][row], matrix["max"][row], matrix["last"][row]
+    nfs = (matrix.get("nonfinite") or [[0] * len(steps)] * (row + 1))[row]
+    out = []
+    for g in range(0, len(cols), factor):
+        idx = [j for j in cols[g:g + factor] if lasts[j] is not None or maxs[j] is not None]
+        if not idx:
+            continue
+        lo = [f for f in (to_float(mins[j]) for j in idx) if f is not None and not math.isnan(f)]
+        hi = [f for f in (to_float(maxs[j]) for j in idx) if f is not None and not math.isnan(f)]
+        out.append({"step": steps[cols[g]], "min": min(lo) if lo else None, "max": max(hi) if hi else None,
+                    "last": lasts[idx[-1]], "count": len(idx) * max(1, factor),
+                    "nonfinite": sum(int(nfs[j] or 0) for j in idx)})
+    return out
+
+
+def rank_overlay_figure(title: str, matrix: Optional[dict], *, highlight: Optional[int] = None, why: str = "",
+                        log_y: bool = False, alerts: Sequence[dict] = (),
+                        x_range: Optional[Sequence[float]] = None) -> dict:
+    """Every rank's line on one chart, one legend entry per rank; ``highlight`` drawn thick, on top.
+    Above ``MANY_RANKS`` ranks the others are thin grey lines under one "other ranks" legend entry."""
+    m = matrix or {}
+    ranks = list(m.get("ranks") or [])
+    steps = list(m.get("steps") or [])
+    many = len(ranks) > MANY_RANKS
+    factor = max(1, math.ceil(2 * len(steps) * max(1, len(ranks)) / OVERLAY_POINTS))
+    bucket = (m.get("bucket_size") or 1) * factor
+    cols = list(range(len(steps)))
+    traces, top = [], None
+    nan_x, nan_text = [], []
+    has_data = False
+    for row, r in enumerate(ranks):
+        buckets = _rank_buckets(m, row, cols, factor) if steps else []
+        xs, ys = bucket_points(buckets, bucket if bucket > 1 else 1)
+        ys = [_short(y) for y in ys]
+        has_data = has_data or any(y is not None for y in ys)
+        for st in nonfinite_steps(buckets):
+            nan_x.append(st)
+            nan_text.append(f"rank {r}")
+        if r == highlight:
+            line = {"color": HIGHLIGHT_COLOUR, "width": 2.4}
+        elif many:
+            line = {"color": OTHER_RANKS_COLOUR, "width": 0.6}
+        else:
+            line = {"color": _RANK_PALETTE[row % len(_RANK_PALETTE)], "width": 1.1}
+        t = {"type": "scatter", "mode": "lines", "name": f"rank {r}", "x": xs, "y": ys, "line": line,
+             "connectgaps": False, "legendgroup": "others" if many and r != highlight else f"rank {r}",
+             "showlegend": not many or r == highlight, "opacity": 0.55 if many and r != highlight else 1.0,
+             "hovertemplate": f"rank {r}: %{{y:.4g}} at step %{{x}}<extra></extra>"}
+        if r == highlight:
+            top = t
+        else:
+            traces.append(t)
+    if many:
+        # one legend entry for the grey lines (64 entries would bury the chart)
+        traces.append({"type": "scatter", "mode": "lines", "name": "other ranks", "x": [], "y": [],
+                       "legendgroup": "others", "line": {"color": OTHER_RANKS_COLOUR, "width": 0.6}})
+    if top is not None:
+        traces.append(top)   # drawn last: on top of the others
+    traces.append({"type": "scatter", "mode": "markers", "name": "NaN / Inf", "x": nan_x,
+                   "y": [NAN_RUG_Y] * len(nan_x), "yaxis": "y2", "text": nan_text,
+                   "marker": {"symbol": "x", "size": 9, "color": theme.NAN_COLOUR},
+                   "hovertemplate": "%{text}: non-finite at step %{x}<extra></extra>"})
+    shown = title if highlight is None else f"{title} · rank {highlight} highlighted{f' ({why})' if why else ''}"
+    layout = theme.base_layout(shown, log_y=log_y)
+    layout["xaxis"].update(_x_axis(x_range))
+    layout["shapes"] = alert_shapes(alerts)
+    layout["hovermode"] = "closest"   # "x unified" would list every one of 64 ranks
+    if not has_data:
+        layout["annotations"] = [{"text": "no data for this run", "xref": "paper", "yref": "paper", "x": 0.5,
+                                  "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]
+    return {"data": traces, "layout": layout}
+
+
+def rank_heatmap_figure(title: str, matrix: Optional[dict], *, log: bool = False, highlight: Optional[int] = None,
+                        x_range: Optional[Sequence[float]] = None) -> dict:
+    """Rank × step: rank on y (rank 0 on top), a bucket's max as the colour (log10 for log signals), NaN / Inf
+    cells a red ✕."""
+    m = matrix or {}
+    ranks = list(m.get("ranks") or [])
+    steps = list(m.get("steps") or [])
+    layout = theme.base_layout(f"{title} (log10)" if log else title, height=theme.HEATMAP_HEIGHT)
+    layout["xaxis"].update(_x_axis(x_range))
+    layout["yaxis"].update({"type": "linear", "autorange": "reversed", "title": {"text": "rank"}})
+    if len(ranks) <= 16:
+        layout["yaxis"]["dtick"] = 1
+    layout["showlegend"] = False
+    if not steps or not ranks:
+        layout["annotations"] = [{"text": "no data for this run", "xref": "paper", "yref": "paper", "x": 0.5,
+                                  "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]
+        return {"data": [{"type": "heatmap", "x": [], "y": [], "z": [], "showscale": False, "name": title}],
+                "layout": layout}
+    z, bad_x, bad_y = [], [], []
+    nfs = m.get("nonfinite") or [[0] * len(steps) for _ in ranks]
+    for r, row, nf in zip(ranks, m.get("max") or [], nfs):
+        z.append([_short(_log10(v) if log else finite(v)) for v in row])
+        for st, v, n in zip(steps, row, nf):
+            if (n or 0) > 0 or is_nonfinite(v):
+                bad_x.append(st)
+                bad_y.append(r)
+    traces = [{"type": "heatmap", "x": steps, "y": ranks, "z": z, "colorscale": "Viridis", "name": title,
+               "colorbar": {"thickness": 10, "len": 0.9}, "hoverongaps": False,
+               "hovertemplate": "step %{x}<br>rank %{y}<br>%{z:.4g}<extra></extra>"},
+              {"type": "scatter", "mode": "markers", "name": "NaN / Inf", "x": bad_x, "y": bad_y,
+               "marker": {"symbol": "x", "size": 7, "color": theme.NAN_COLOUR},
+               "hovertemplate": "non-finite: rank %{y} at step %{x}<extra></extra>"}]
+    if highlight in ranks:
+        layout["shapes"] = [{"type": "rect", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": highlight - 0.5,
+                             "y1": highlight + 0.5, "line": {"color": HIGHLIGHT_COLOUR, "width": 1.5}}]
+    return {"data": traces, "layout": layout}
+
+
 # --------------------------------------------------------------------------- compare page
 
-COMPARE_PANELS: tuple[tuple[str, str, bool], ...] = (
-    ("loss", "Loss", False),
-    ("grad_norm", "Grad norm (pre-clip)", True),
-    ("loss_scale", "Loss scale (log)", True),
-    ("lr", "Learning rate", False),
-    ("ema_divergence", "EMA divergence", True),
-    ("samples_per_s", "Throughput (samples/s)", False),
-)
+# The compare page: (signal, title, log y) for each step signal the table gives a compare title, in
+# run-page panel order.
+COMPARE_PANELS: tuple[tuple[str, str, bool], ...] = tuple(
+    (s.name, s.compare, p.log_y) for p in table.PANELS for s in table.panel_signals(p.key) if s.compare)
 
-ZERO_BASED = {"lr", "samples_per_s", "tokens_per_s", "step_time", "mem_peak"}
+# signals whose charts start at zero (their panel says include_zero)
+ZERO_BASED = frozenset(s.name for s in table.STEP_SIGNALS if s.panel and table.panel(s.panel).include_zero)
 
 
 def compare_figure(signal: str, title: str, runs: Sequence[tuple[str, dict]], *, log_y: bool = False) -> dict:
@@ -440,6 +654,7 @@ def compare_figure(signal: str, title: str, runs: Sequence[tuple[str, dict]], *,
     for i, (label, s) in enumerate(runs):
         colour = theme.PALETTE[i % len(theme.PALETTE)]
         xs, ys = bucket_points((s or {}).get("steps", []), (s or {}).get("bucket_size", 1) or 1)
+        label = plot_text(label)
         traces.append({"type": "scatter", "mode": "lines", "name": label, "x": xs, "y": ys,
                        "line": {"color": colour, "width": 1.3}})
         for step in nonfinite_steps((s or {}).get("steps", [])):

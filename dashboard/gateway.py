@@ -49,19 +49,33 @@ def signed_in_project() -> Optional[str]:
     return scope.get(SCOPE_KEY)
 
 
+# A project filter no stored project matches (names are at most 200 characters): what a signed-in user
+# asking for another project's data reads. Plain text: PostgreSQL refuses a NUL even in a parameter.
+_NO_PROJECT = "~" * 201
+
+
 def _scoped(project: Optional[str]) -> Optional[str]:
     """The project filter to apply: the signed-in one when auth is on (a request for another sees nothing)."""
     mine = signed_in_project()
     if mine is None:
         return project or None
-    return mine if not project or project == mine else "\x00no-such-project"
+    return mine if not project or project == mine else _NO_PROJECT
+
+
+def _writable(project: str) -> str:
+    """The project a write goes to: with auth on, only the signed-in one (``ValueError`` otherwise, shown to
+    the user; nothing is created)."""
+    mine = signed_in_project()
+    if mine is not None and project and project != mine:
+        raise ValueError(f"you are signed in to project {mine!r}: sign in with its token to change another")
+    return mine or project
 
 
 def _run_visible(session, run_id: int) -> bool:
     mine = signed_in_project()
     if mine is None:
         return True
-    from server import queries
+    from gradwatch.server import queries
     return queries.run_project(session, run_id=run_id) == mine
 
 
@@ -126,33 +140,36 @@ def _series(result: Any) -> dict:
 
 
 def list_runs(*, project: Optional[str] = None, status: Optional[str] = None, name: Optional[str] = None) -> list[dict]:
-    from server import queries
+    from gradwatch.server import queries
     with _session() as s:
         return _unwrap(queries.list_runs(s, project=_scoped(project), status=status or None, name=name or None,
                                          stall_seconds=_stall_seconds()), "runs")
 
 
 def get_run(run_id: int) -> Optional[dict]:
-    from server import queries
+    from gradwatch.server import queries
     with _session() as s:
         if not _run_visible(s, run_id):
             return None
         return _plain(queries.get_run(s, run_id=run_id, stall_seconds=_stall_seconds()))
 
 
-def _one_series(run_id: int, signal: str, start, end, max_points: int, since) -> dict:
-    from server import queries
+def _one_series(run_id: int, signal: str, start, end, max_points: int, since, rank: int = 0) -> dict:
+    from gradwatch.server import queries
     with _session() as s:
         return _series(queries.get_series(s, run_id=run_id, signal=signal, start=start, end=end,
-                                          max_points=max_points, since=since))
+                                          max_points=max_points, since=since, rank=rank))
 
 
 def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = None, end: Optional[float] = None,
-               max_points: int = 1000, since: Optional[int] = None) -> dict[str, dict]:
+               max_points: int = 1000, since: Optional[int] = None, rank: int = 0,
+               sources: Optional[dict[str, int]] = None) -> dict[str, dict]:
     """``{signal: {"bucket_size": n, "steps": [bucket, ...]}}`` for several signals of one run.
 
     ``start`` / ``end`` may be floats (a zoomed chart's range); ``since``
-    returns the raw steps after that step (a live tail).
+    returns the raw steps after that step (a live tail). Signals are read
+    from ``rank``, or from the rank ``sources`` names for them (a sharded
+    run's grad norm from its combined row, -1).
 
     A range (or the whole run) is one ``queries.get_series_multi`` call: the
     rollup partials, which hold every step signal, are read once for all the
@@ -161,7 +178,7 @@ def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = 
     parallel, one session per signal: the database does the work with the GIL
     released.
     """
-    from server import queries
+    from gradwatch.server import queries
 
     start = None if start is None else max(0, int(math.floor(start)))
     end = None if end is None else int(math.ceil(end))
@@ -169,15 +186,48 @@ def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = 
         with _session() as s:
             if not _run_visible(s, run_id):
                 return {sig: {"bucket_size": 1, "steps": []} for sig in signals}
+    source = {sig: (sources or {}).get(sig, rank) for sig in signals}
     if since is None:
+        by_rank: dict[int, list[str]] = {}
+        for sig in signals:
+            by_rank.setdefault(source[sig], []).append(sig)
+        got = {}
         with _session() as s:
-            out = queries.get_series_multi(s, run_ids=[run_id], signals=list(signals), start=start, end=end,
-                                           max_points=max_points)
-        return {sig: _series(one) for sig, one in zip(signals, out)}
+            for r, sigs in by_rank.items():
+                out = queries.get_series_multi(s, run_ids=[run_id], signals=sigs, start=start, end=end,
+                                               max_points=max_points, rank=r)
+                got.update({sig: _series(one) for sig, one in zip(sigs, out)})
+        return {sig: got[sig] for sig in signals}
     if len(signals) == 1:
-        return {signals[0]: _one_series(run_id, signals[0], start, end, max_points, since)}
-    futures = {sig: _pool().submit(_one_series, run_id, sig, start, end, max_points, since) for sig in signals}
+        return {signals[0]: _one_series(run_id, signals[0], start, end, max_points, since, source[signals[0]])}
+    futures = {sig: _pool().submit(_one_series, run_id, sig, start, end, max_points, since, source[sig])
+               for sig in signals}
     return {sig: f.result() for sig, f in futures.items()}
+
+
+def get_rank_meta(run_id: int) -> Optional[dict]:
+    """``{"world_size", "combined", "ranks": [{"rank", "host", "local_rank", "device", "pid"}]}``, or None."""
+    from gradwatch.server import queries
+    with _session() as s:
+        if not _run_visible(s, run_id):
+            return None
+        return queries.rank_meta(s, run_id=run_id)
+
+
+def get_rank_matrix(run_id: int, signals: Sequence[str], *, start: Optional[float] = None,
+                    end: Optional[float] = None, max_steps: int = 300) -> dict[str, dict]:
+    """``{signal: {"bucket_size", "steps", "ranks", "min", "max", "last", "nonfinite"}}``: every rank of
+    the run on one step axis (``queries.get_rank_matrix``)."""
+    from gradwatch.server import queries
+    start = None if start is None else max(0, int(math.floor(start)))
+    end = None if end is None else int(math.ceil(end))
+    with _session() as s:
+        if not _run_visible(s, run_id):
+            return {}
+        out = queries.get_rank_matrix(s, run_id=run_id, signals=list(signals), start=start, end=end,
+                                      max_steps=max_steps) or []
+    return {m.signal: {"bucket_size": m.bucket_size, "steps": m.steps, "ranks": m.ranks, "min": m.min, "max": m.max,
+                       "last": m.last, "nonfinite": m.nonfinite} for m in out}
 
 
 _executor = None
@@ -192,16 +242,16 @@ def _pool():
 
 
 def get_layer_matrix(run_id: int, stat: str, *, start: Optional[float] = None, end: Optional[float] = None,
-                     max_steps: int = 300, max_layers: int = 48) -> dict:
+                     max_steps: int = 300, max_layers: int = 48, rank: int = 0) -> dict:
     """``{"steps": [...], "names": [...], "values": [[one per step] per layer], "layer_group_size": n}``."""
-    from server import queries
+    from gradwatch.server import queries
     start = None if start is None else max(0, int(math.floor(start)))
     end = None if end is None else int(math.ceil(end))
     with _session() as s:
         if not _run_visible(s, run_id):
             return {"steps": [], "names": [], "values": []}
         m = _plain(queries.get_layer_matrix(s, run_id=run_id, stat=stat, start=start, end=end,
-                                            max_steps=max_steps, max_layers=max_layers)) or {}
+                                            max_steps=max_steps, max_layers=max_layers, rank=rank)) or {}
     return {"steps": list(m.get("steps") or []), "names": list(m.get("layers") or []),
             "values": list(m.get("values") or []), "layer_group_size": m.get("layer_group_size", 1),
             "bucket_size": m.get("bucket_size", 1)}
@@ -209,25 +259,45 @@ def get_layer_matrix(run_id: int, stat: str, *, start: Optional[float] = None, e
 
 def list_alerts(*, run_id: Optional[int] = None, severity: Optional[str] = None, rule: Optional[str] = None,
                 status: Optional[str] = None) -> list[dict]:
-    from server import queries
+    from gradwatch.server import queries
     with _session() as s:
         return _unwrap(queries.list_alerts(s, run_id=run_id, severity=severity or None, rule=rule or None,
                                            status=status or None, project=_scoped(None)), "alerts")
 
 
 def list_events(run_id: int, *, kind: Optional[str] = None) -> list[dict]:
-    from server import queries
+    from gradwatch.server import queries
     with _session() as s:
         if not _run_visible(s, run_id):
             return []
         return _unwrap(queries.list_events(s, run_id=run_id, kind=kind), "events")
 
 
+def get_incident(alert_id: int) -> Optional[dict]:
+    """One alert's incident (``server.forensics.incident.get_incident``): the alert, its incident's other
+    alerts, the checkpoint to roll back to and the timeline; None for no such alert (or another project's)."""
+    from gradwatch.server.forensics import incident
+    with _session() as s:
+        found = incident.get_incident(s, alert_id=alert_id)
+        if found is None or not _run_visible(s, found["alert"]["run_id"]):
+            return None
+        return found
+
+
+def list_checkpoints(run_id: int) -> list[dict]:
+    """The run's checkpoints in step order (``queries.list_checkpoints``)."""
+    from gradwatch.server import queries
+    with _session() as s:
+        if not _run_visible(s, run_id):
+            return []
+        return _unwrap(queries.list_checkpoints(s, run_id=run_id), "checkpoints")
+
+
 # --------------------------------------------------------------------------- writes
 
 def acknowledge_alert(alert_id: int) -> None:
-    from server import queries
-    from server.rules import alerts
+    from gradwatch.server import queries
+    from gradwatch.server.rules import alerts
     with _session(write=True) as s:
         alert = queries.get_alert(s, alert_id=alert_id)
         if alert is None or not _run_visible(s, alert.run_id):
@@ -236,9 +306,9 @@ def acknowledge_alert(alert_id: int) -> None:
 
 
 def list_endpoints(projects: Sequence[str] = ()) -> list[dict]:
-    """Every webhook endpoint (with auth on: the signed-in project's and the server-wide ones);
-    ``project`` is filled in for those of the given projects."""
-    from server.webhooks import endpoints
+    """Every webhook endpoint (with auth on: the signed-in project's only; server-wide endpoints are the
+    operator's); ``project`` is filled in for those of the given projects."""
+    from gradwatch.server.webhooks import endpoints
     mine = signed_in_project()
     with _session() as s:
         names = {}
@@ -246,7 +316,7 @@ def list_endpoints(projects: Sequence[str] = ()) -> list[dict]:
             for ep in endpoints.list_endpoints(s, project=name):
                 if ep.project_id is not None:
                     names[ep.id] = name
-        shown = endpoints.list_endpoints(s, project=mine) if mine else endpoints.list_endpoints(s)
+        shown = endpoints.list_endpoints(s, project=mine, server_wide=False) if mine else endpoints.list_endpoints(s)
         return [endpoints.endpoint_to_dict(ep, names.get(ep.id)) for ep in shown]
 
 
@@ -254,24 +324,24 @@ def _own_endpoint(session, endpoint_id: int) -> None:
     mine = signed_in_project()
     if mine is None:
         return
-    from server.webhooks import endpoints
-    if endpoint_id not in {ep.id for ep in endpoints.list_endpoints(session, project=mine) if ep.project_id}:
+    from gradwatch.server.webhooks import endpoints
+    if endpoint_id not in {ep.id for ep in endpoints.list_endpoints(session, project=mine, server_wide=False)}:
         raise LookupError(f"no webhook endpoint {endpoint_id} in project {mine}")
 
 
 def create_endpoint(*, url: str, project: str, format: str = "json", min_severity: str = "info",
                     secret: Optional[str] = None) -> dict:
     """Raises ``ValueError`` saying what is wrong with the URL, format, severity or secret."""
-    from server.webhooks import endpoints
-    project = _scoped(project)
+    from gradwatch.server.webhooks import endpoints
+    project = _writable(project)
     with _session(write=True) as s:
         ep = endpoints.create_endpoint(s, project=project, url=url, format=format, min_severity=min_severity,
-                                       secret=secret or None)
+                                       secret=secret or None, settings=_settings)
         return endpoints.endpoint_to_dict(ep, project)
 
 
 def delete_endpoint(endpoint_id: int) -> bool:
-    from server.webhooks import endpoints
+    from gradwatch.server.webhooks import endpoints
     with _session(write=True) as s:
         _own_endpoint(s, endpoint_id)
         return endpoints.delete_endpoint(s, endpoint_id=endpoint_id)
@@ -279,7 +349,7 @@ def delete_endpoint(endpoint_id: int) -> bool:
 
 def send_test(endpoint_id: int) -> dict:
     """Queue a sample alert to one endpoint; the server's delivery worker sends it right away."""
-    from server.webhooks import endpoints
+    from gradwatch.server.webhooks import endpoints
     with _session(write=True) as s:
         _own_endpoint(s, endpoint_id)
         delivery = endpoints.delivery_to_dict(endpoints.send_test(s, endpoint_id=endpoint_id, settings=_settings,
@@ -290,21 +360,61 @@ def send_test(endpoint_id: int) -> dict:
 
 
 def list_deliveries(*, limit: int = 50) -> list[dict]:
-    from server.webhooks import endpoints
+    from gradwatch.server.webhooks import endpoints
     mine = signed_in_project()
     with _session() as s:
-        own = None if mine is None else {ep.id for ep in endpoints.list_endpoints(s, project=mine)}
+        own = None if mine is None else {ep.id for ep in endpoints.list_endpoints(s, project=mine, server_wide=False)}
         return [endpoints.delivery_to_dict(d) for d in endpoints.list_deliveries(s, limit=limit)
                 if own is None or d.endpoint_id in own]
 
 
 def get_rule_config(project: str) -> Any:
-    from server.rules import config
+    from gradwatch.server.rules import config
     with _session() as s:
         return _plain(config.get_rule_config(s, project=_scoped(project), settings=_settings))
 
 
 def set_rule_override(project: str, rule: str, values: dict) -> None:
-    from server.rules import config
+    from gradwatch.server.rules import config
     with _session(write=True) as s:
-        config.set_rule_override(s, project=_scoped(project), rule=rule, **values)
+        config.set_rule_override(s, project=_writable(project), rule=rule, **values)
+
+
+# --------------------------------------------------------------------------- silences
+
+def list_silences() -> list[dict]:
+    """Not yet ended silences, newest first (with auth on: the signed-in project's)."""
+    from gradwatch.server.models import Project
+    from gradwatch.server.routing import silences
+    mine = signed_in_project()
+    with _session() as s:
+        rows = silences.list_silences(s, project=mine, active_only=True)
+        if mine is not None:
+            rows = [r for r in rows if r.project_id is not None]
+        names = {p.id: p.name for p in s.query(Project).filter(Project.id.in_({r.project_id for r in rows}))}
+        return [silences.silence_to_dict(r, names.get(r.project_id)) for r in rows]
+
+
+def create_silence(*, project: Optional[str], matchers: Sequence[str], duration: str, comment: str = "",
+                   created_by: str = "") -> dict:
+    """Raises ``ValueError`` saying what is wrong with a matcher or the duration."""
+    from gradwatch.server.routing import silences
+    mine = signed_in_project()
+    project = _writable(project) if (project or mine) else None
+    with _session(write=True) as s:
+        row = silences.create_silence(s, project=project, matchers=list(matchers),
+                                      duration_s=silences.parse_duration(duration), comment=comment,
+                                      created_by=created_by or ("dashboard" if mine is None else f"dashboard:{mine}"))
+        out = silences.silence_to_dict(row, project)
+    if _deliveries_queued is not None:
+        _deliveries_queued()
+    return out
+
+
+def expire_silence(silence_id: int) -> bool:
+    from gradwatch.server.routing import silences
+    with _session(write=True) as s:
+        row = silences.expire_silence(s, silence_id=silence_id, project=signed_in_project())
+    if _deliveries_queued is not None:
+        _deliveries_queued()
+    return row is not None

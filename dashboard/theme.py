@@ -10,6 +10,7 @@ PANEL = "#161b22"
 BORDER = "#30363d"
 TEXT = "#c9d1d9"
 MUTED = "#8b949e"
+CHECKPOINT_COLOUR = "#3fb950"   # checkpoint markers on the step axis: green, apart from the alerts' colours
 GRID = "#21262d"
 
 SEVERITY_COLOURS = {"critical": "#f85149", "warning": "#d29922", "info": "#58a6ff"}

@@ -1,4 +1,4 @@
-"""``python -m server …`` is the ``gradwatch`` console script."""
+"""``python -m gradwatch.server …`` is the ``gradwatch`` console script."""
 from .cli import main
 
 raise SystemExit(main())

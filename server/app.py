@@ -8,7 +8,7 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .api import alerts, health, ingest, runs, webhooks, metrics as metrics_api
+from .api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
 from .db import Database, open_database, schema_problem
 from .metrics import IngestMetrics
 from .schemas import IngestBatchIn
@@ -43,9 +43,18 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         check_schema(database, settings)
+        import os
+
+        from .routing.config import routing_of
+        from .routing.dispatch import flush_due, route_timer_alerts
+        from .routing.groups import mark_delivered, next_flush_at
+        from .routing.receivers.email import EmailSender, SmtpSettings
         from .webhooks.worker import DeliveryWorker
 
-        worker = DeliveryWorker(database.sessionmaker, settings)
+        routing_of(settings)      # a bad routing file stops the server here, saying where
+        worker = DeliveryWorker(database.sessionmaker, settings, route=route_timer_alerts, flush=flush_due,
+                                flush_due_at=next_flush_at, delivered=mark_delivered,
+                                senders={"mailto": EmailSender(SmtpSettings.from_env(os.environ))})
         app.state.delivery_worker = worker
         await worker.start()
         try:
@@ -69,7 +78,8 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
         add_login_routes(app, auth)
         app.add_middleware(AuthMiddleware, auth=auth)
 
-    for router in (health.router, metrics_api.router, ingest.router, runs.router, alerts.router, webhooks.router):
+    for router in (health.router, metrics_api.router, ingest.router, runs.router, alerts.router, webhooks.router,
+                   silences.router):
         app.include_router(router)
 
     _add_error_handlers(app)
@@ -116,7 +126,7 @@ def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> No
     from a2wsgi import WSGIMiddleware
 
     try:
-        from dashboard import create_dash
+        from gradwatch.dashboard import create_dash
 
         def deliveries_queued() -> None:     # the worker exists once the lifespan has started
             worker = getattr(app.state, "delivery_worker", None)

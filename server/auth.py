@@ -5,10 +5,17 @@
   ASGI scope; routes limit reads to it and ingest refuses other projects.
 - Dashboard (everything else): a signed session cookie set by ``POST /login``
   (the user pastes a project token); requests without one are redirected to
-  ``/login`` (Dash's own JSON endpoints get 401). ``/logout`` clears it.
+  ``/login`` (Dash's own JSON endpoints get 401). ``/logout`` clears it. The
+  cookie names the token it was made with and ends when that token is
+  deleted (within the token cache's few seconds).
+- Writes made with the cookie (any method but GET / HEAD / OPTIONS) and
+  ``POST /login`` must come from the server's own origin: their ``Origin``
+  (or, without one, ``Referer``) must name this host and port. A page served
+  from another port of the same host is same-site for the browser, so the
+  cookie's ``SameSite=Lax`` alone lets it post with the victim's session.
 
 Tokens are looked up by SHA-256 (server/tokens.py) and cached briefly.
-The cookie is ``<base64 project>.<expiry>.<HMAC-SHA256>`` keyed by
+The cookie is ``<base64 project>.<token id>.<expiry>.<HMAC-SHA256>`` keyed by
 ``GRADWATCH_SESSION_SECRET`` when it is set or, without it, by a random key
 kept in the database (table ``server_secrets``), created by the first replica
 that needs it: every replica of one database signs and checks with the same
@@ -26,14 +33,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse
 
 from .settings import Settings
-from .tokens import lookup_token, touch_token
+from .tokens import lookup_token, token_project, touch_token
 
 log = logging.getLogger("gradwatch.auth")
 
@@ -87,24 +94,43 @@ class Auth:
         return self._secret_value
 
     # -- tokens
-    def project_for(self, token: str) -> Optional[str]:
+    def identify(self, token: str) -> Optional[tuple[str, int]]:
+        """(project, token id) of a token, or None for an unknown one."""
         key = hashlib.sha256(token.encode()).hexdigest()
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit and hit[1] > now:
+        hit = self._cached(key)
+        if hit is not None:
             return hit[0]
         with self._sessionmaker() as session:
             use = lookup_token(session, token=token)
-        project = use.project if use else None
         if use is not None and use.needs_touch:
             # recorded off the request path: on SQLite the write may wait for an ingest transaction
             self._toucher.submit(self._touch, use.token_id)
+        return self._remember(key, (use.project, use.token_id) if use else None)
+
+    def project_for(self, token: str) -> Optional[str]:
+        found = self.identify(token)
+        return found[0] if found else None
+
+    def token_alive(self, token_id: int, project: str) -> bool:
+        """Whether the token a session was made with still exists for that project."""
+        key = f"id:{token_id}"
+        hit = self._cached(key)
+        if hit is None:
+            with self._sessionmaker() as session:
+                hit = (self._remember(key, token_project(session, token_id=token_id)),)
+        return hit[0] == project
+
+    def _cached(self, key: str):
+        with self._lock:
+            hit = self._cache.get(key)
+        return (hit[0],) if hit and hit[1] > time.monotonic() else None
+
+    def _remember(self, key: str, value):
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
-            self._cache[key] = (project, now + self._cache_seconds)
-        return project
+            self._cache[key] = (value, time.monotonic() + self._cache_seconds)
+        return value
 
     def _touch(self, token_id: int) -> None:
         try:
@@ -115,20 +141,22 @@ class Auth:
             log.debug("could not record the use of token %s", token_id, exc_info=True)
 
     # -- cookies
-    def sign(self, project: str, *, now: Optional[float] = None) -> str:
+    def sign(self, project: str, token_id: int, *, now: Optional[float] = None) -> str:
         expiry = int((now or time.time()) + SESSION_SECONDS)
         p64 = base64.urlsafe_b64encode(project.encode()).decode().rstrip("=")
-        payload = f"{p64}.{expiry}"
+        payload = f"{p64}.{int(token_id)}.{expiry}"
         mac = hmac.new(self._secret, payload.encode(), hashlib.sha256).hexdigest()
         return f"{payload}.{mac}"
 
-    def verify(self, cookie: str) -> Optional[str]:
+    def verify(self, cookie: str) -> Optional[tuple[str, int]]:
+        """(project, token id) of a well-signed, unexpired cookie (a cookie of the older, token-less form
+        is not: its holder signs in again)."""
         try:
-            p64, expiry, mac = cookie.strip('"').split(".")
-            want = hmac.new(self._secret, f"{p64}.{expiry}".encode(), hashlib.sha256).hexdigest()
+            p64, token_id, expiry, mac = cookie.strip('"').split(".")
+            want = hmac.new(self._secret, f"{p64}.{token_id}.{expiry}".encode(), hashlib.sha256).hexdigest()
             if not hmac.compare_digest(mac, want) or int(expiry) < time.time():
                 return None
-            return base64.urlsafe_b64decode((p64 + "=" * (-len(p64) % 4)).encode()).decode()
+            return base64.urlsafe_b64decode((p64 + "=" * (-len(p64) % 4)).encode()).decode(), int(token_id)
         except (ValueError, UnicodeDecodeError):
             return None
 
@@ -170,8 +198,13 @@ class AuthMiddleware:
             project = await to_thread.run_sync(self.auth.project_for, token)
         if project is None:
             cookie = _cookie(headers)
-            if cookie:
-                project = self.auth.verify(cookie)
+            session = self.auth.verify(cookie) if cookie else None
+            if session is not None and await to_thread.run_sync(self.auth.token_alive, session[1], session[0]):
+                if scope.get("method", "GET") not in _SAFE_METHODS and not same_origin(headers):
+                    resp = JSONResponse({"detail": "cross-origin request refused: writes with the dashboard's "
+                                                   "session must come from its own pages"}, status_code=403)
+                    return await resp(scope, receive, send)
+                project = session[0]
         if project is None:
             if path.startswith("/api/") or path.startswith("/_dash-"):
                 detail = "invalid token" if token else "authentication required: send Authorization: Bearer <token>"
@@ -181,6 +214,22 @@ class AuthMiddleware:
             return await resp(scope, receive, send)
         scope[SCOPE_KEY] = project
         return await self.app(scope, receive, send)
+
+
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def same_origin(headers: dict[bytes, bytes], *, missing_ok: bool = False) -> bool:
+    """Whether the request's Origin (or, without one, Referer) names the host and port it was sent to.
+    The scheme is not compared: behind a TLS proxy the page is https and the request reaches us as http.
+    Browsers send an Origin with every POST; ``missing_ok`` admits a request with neither header (a
+    script signing in, which no other page can make a browser do)."""
+    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+    source = headers.get(b"origin") or headers.get(b"referer")
+    if not source:
+        return missing_ok
+    netloc = urlsplit(source.decode("latin-1").strip()).netloc.lower()
+    return bool(host) and netloc == host
 
 
 def project_of(request: Request) -> Optional[str]:
@@ -211,16 +260,19 @@ def add_login_routes(app, auth: Auth) -> None:
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request):
+        if not same_origin(dict(request.scope.get("headers") or []), missing_ok=True):
+            # login CSRF: another page signing the victim's browser in to the attacker's project
+            return HTMLResponse(_LOGIN_PAGE.format(next="/", error="Sign in from this page."), status_code=403)
         body = (await request.body())[:10_000].decode(errors="replace")
         form = {k: v[0] for k, v in parse_qs(body).items()}
         nxt = _safe_next(form.get("next", "/"))
         token = form.get("token", "").strip()
-        project = await to_thread.run_sync(auth.project_for, token) if token else None
-        if project is None:
+        found = await to_thread.run_sync(auth.identify, token) if token else None
+        if found is None:
             page = _LOGIN_PAGE.format(next=html.escape(nxt), error="Unknown token.")
             return HTMLResponse(page, status_code=401)
         resp = RedirectResponse(nxt, status_code=303)
-        resp.set_cookie(COOKIE, auth.sign(project), max_age=SESSION_SECONDS, httponly=True, samesite="lax")
+        resp.set_cookie(COOKIE, auth.sign(*found), max_age=SESSION_SECONDS, httponly=True, samesite="lax")
         return resp
 
     @app.get("/logout", include_in_schema=False)

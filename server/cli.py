@@ -1,18 +1,27 @@
-"""The ``gradwatch`` console script (also ``python -m server``).
+"""The ``gradwatch`` console script (also ``python -m gradwatch.server``).
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its
 parser and sets ``func``; adding a subcommand is one function plus one line
-in ``SUBCOMMANDS`` (or a module's own ``add_subparser``, like ``server.demo``).
+in ``SUBCOMMANDS`` (or a module's own ``add_subparser``, listed with
+:func:`_module`, like ``gradwatch.server.demo``).
+
+This module imports the standard library only, at import and while building the
+parser: the same ``gradwatch`` runs on a training node that has the agent only
+(``gradwatch sync``), on a monitoring host without torch, and in development. A
+command whose packages are missing says in one line which extra installs them
+(:mod:`gradwatch.server.extras`).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from typing import Callable, Optional
 
-from .settings import DEFAULT_PORT, Settings
+from .extras import install_hint
+from .ports import DEFAULT_PORT, port_problem
 
 
 def _eprint(*args) -> None:
@@ -30,21 +39,29 @@ def add_serve(subparsers) -> None:
     p.add_argument("--webhook", action="append", default=[], metavar="URL",
                    help="server-wide webhook URL (repeatable; env GRADWATCH_WEBHOOK_URLS)")
     p.add_argument("--rules", metavar="FILE", help="rule configuration file")
+    p.add_argument("--routing", metavar="FILE", help="alert routing file: receivers, routes, grouping, inhibitions "
+                                                     "(env GRADWATCH_ROUTING; docs/webhooks.md)")
     p.add_argument("--migrate", action="store_true", help="apply pending migrations before starting")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
+
+
+def _prepare_schema(settings) -> None:
+    from .db import prepare_schema
+
+    prepare_schema(settings.database_url, upgrade_old=settings.embedded_db or settings.migrate)
 
 
 def run_serve(args) -> int:
     import uvicorn
 
     from .app import check_schema, create_app, SchemaOutOfDate
-    from .db import open_database, upgrade
+    from .db import open_database
+    from .settings import Settings
 
     settings = Settings.from_env(db=args.db, host=args.host, port=args.port, webhooks=args.webhook,
-                                 rules_file=args.rules, migrate=args.migrate)
-    if settings.embedded_db or settings.migrate:
-        upgrade(settings.database_url)
+                                 rules_file=args.rules, routing_file=args.routing, migrate=args.migrate)
+    _prepare_schema(settings)
     database = open_database(settings.database_url)
     try:
         check_schema(database, settings)
@@ -53,13 +70,13 @@ def run_serve(args) -> int:
         _eprint(f"gradwatch: refusing to start: {e}")
         return 2
     if settings.auth:
-        _eprint(f"gradwatch: auth is on: the API needs a project token, the dashboard a login at /login")
+        _eprint("gradwatch: auth is on: the API needs a project token, the dashboard a login at /login")
     else:
         where = "only this machine can reach it" if settings.host in ("127.0.0.1", "localhost", "::1") else \
             f"ANYONE who can reach {settings.host} can read and write data"
         _eprint(f"gradwatch: auth is off (GRADWATCH_AUTH=on to require project tokens); "
                 f"listening on {settings.host}:{settings.port}, {where}")
-    busy = _port_problem(settings.host, settings.port)
+    busy = port_problem(settings.host, settings.port)
     if busy:
         database.dispose()
         _eprint(f"gradwatch: cannot listen on {settings.host}:{settings.port} ({busy}); "
@@ -91,26 +108,6 @@ def _tune_gc_for_serving() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-def _port_problem(host: str, port: int) -> Optional[str]:
-    """Why ``host:port`` cannot be bound right now (None when it can)."""
-    import socket
-
-    if port == 0:
-        return None
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        return f"unknown host: {e}"
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
-
-
 # --------------------------------------------------------------------------- db
 
 def add_db(subparsers) -> None:
@@ -127,6 +124,7 @@ def add_db(subparsers) -> None:
 
 def run_db_upgrade(args) -> int:
     from .db import upgrade
+    from .settings import Settings
 
     settings = Settings.from_env(db=args.db)
     upgrade(settings.database_url, args.revision)
@@ -136,6 +134,7 @@ def run_db_upgrade(args) -> int:
 
 def run_db_check(args) -> int:
     from .db import make_engine, schema_problem
+    from .settings import Settings
 
     settings = Settings.from_env(db=args.db)
     engine = make_engine(settings.database_url)
@@ -171,11 +170,11 @@ def add_token(subparsers) -> None:
 
 
 def _token_db(args):
-    from .db import open_database, upgrade
+    from .db import open_database
+    from .settings import Settings
 
     settings = Settings.from_env(db=args.db)
-    if settings.embedded_db:
-        upgrade(settings.database_url)
+    _prepare_schema(settings)
     return open_database(settings.database_url)
 
 
@@ -232,38 +231,38 @@ def run_token_delete(args) -> int:
 
 # --------------------------------------------------------------------------- main
 
-def _add_demo(subparsers) -> None:
-    from . import demo
+def _module(module: str, name: str, help: str) -> Callable:
+    """The subcommand ``name`` that ``module``'s ``add_subparser`` registers.
 
-    demo.add_subparser(subparsers)
-
-
-def _add_rules(subparsers) -> None:
-    from .rules import cli as rules_cli
-
-    rules_cli.add_subparser(subparsers)
-
-
-def _add_export(subparsers) -> None:
-    from . import export
-
-    export.add_subparser(subparsers)
-
-
-def _add_sync(subparsers) -> None:
-    from . import spool_sync
-
-    spool_sync.add_subparser(subparsers)
+    If the module cannot be imported for want of an extra's package (none should at import time,
+    but a subcommand must never take the whole CLI down), ``name`` is still listed and says in one
+    line what to install.
+    """
+    def add(subparsers) -> None:
+        try:
+            mod = importlib.import_module(module, __package__)
+        except ModuleNotFoundError as e:
+            hint = install_hint(name, e)
+            if hint is None:
+                raise
+            p = subparsers.add_parser(name, help=f"{help} (not installed here)", add_help=False)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(func=lambda args: (_eprint(hint), 2)[1])
+            return
+        mod.add_subparser(subparsers)
+    return add
 
 
-def _add_webhooks(subparsers) -> None:
-    from .webhooks import cli as webhooks_cli
-
-    webhooks_cli.add_subparser(subparsers)
-
-
-SUBCOMMANDS: list[Callable] = [add_serve, add_db, add_token, _add_demo, _add_rules, _add_export, _add_sync,
-                               _add_webhooks]
+SUBCOMMANDS: list[Callable] = [
+    add_serve, add_db, add_token,
+    _module(".demo", "demo", "run the server, the dashboard and a demo training job that goes bad"),
+    _module(".rules.cli", "rules", "the rule catalogue and a rule configuration's effective values"),
+    _module(".export", "export", "a run's data as CSV / JSON lines / Parquet"),
+    _module(".spool_sync", "sync", "upload an agent's offline spool"),
+    _module(".webhooks.cli", "webhooks", "webhook endpoints and deliveries"),
+    _module(".importers.cli", "import", "runs logged by TensorBoard or W&B, turned into gradwatch runs"),
+    _module(".routing.cli", "silence", "silences: mute alerts matching labels until they expire"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,6 +280,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        hint = install_hint(args.command, e)
+        if hint is None:
+            raise
+        _eprint(hint)
+        return 2
     except Exception as e:  # noqa: BLE001 - one readable line for the errors a user can fix
         from sqlalchemy.exc import ArgumentError, OperationalError
 

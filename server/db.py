@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,7 +22,7 @@ try:  # JSON columns (rule states, alert evidence) are read and written on every
 
     def json_dumps(obj) -> str:
         # Every writer already stores strict JSON (PostgreSQL's json type rejects NaN, so values go
-        # through numbers.json_safe / rules.stats.enc first); orjson would turn a stray NaN into null.
+        # through numbers.encode_json / rules.stats.enc first); orjson would turn a stray NaN into null.
         return orjson.dumps(obj).decode()
 
     def json_loads(text):
@@ -116,6 +116,10 @@ def upgrade(url: str, revision: str = "head") -> None:
     try:
         cfg = alembic_config(url)
         with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # replicas started together on an empty database would all create the schema:
+                # the first takes the lock and migrates, the others then find it at head
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
     finally:
@@ -133,6 +137,47 @@ def current_revisions(engine: Engine) -> set[str]:
 
     with engine.connect() as conn:
         return set(MigrationContext.configure(conn).get_current_heads())
+
+
+_MIGRATION_LOCK = 0x67726164   # "grad": the advisory-lock key gradwatch's migrations hold on PostgreSQL
+
+
+def schema_state(engine: Engine, url: str) -> str:
+    """``current`` (at head), ``empty`` (no gradwatch schema and none of its tables: safe to create),
+    ``out_of_date`` (an older revision) or ``foreign`` (gradwatch's tables without a revision, or a
+    revision this server does not know)."""
+    from sqlalchemy import inspect
+
+    from .models import Base
+
+    current, heads = current_revisions(engine), head_revisions(url)
+    if current == heads:
+        return "current"
+    if current:
+        from alembic.script import ScriptDirectory
+
+        known = {r.revision for r in ScriptDirectory.from_config(alembic_config(url)).walk_revisions()}
+        return "out_of_date" if current <= known else "foreign"
+    ours = set(inspect(engine).get_table_names()) & set(Base.metadata.tables)
+    return "foreign" if ours else "empty"
+
+
+def prepare_schema(url: str, *, upgrade_old: bool) -> None:
+    """Create the schema in a database that has none; upgrade an older one only if ``upgrade_old``.
+
+    A database without gradwatch's schema -- a new SQLite file, an empty PostgreSQL database -- is
+    given the schema: there is nothing to lose. An explicit database at an older revision is its
+    operator's to upgrade (when replicas move to a new schema), so callers pass ``upgrade_old`` for
+    the embedded SQLite default (the user's own file) and for ``--migrate`` only; otherwise they
+    refuse to start with :func:`schema_problem`'s message.
+    """
+    engine = make_engine(url)
+    try:
+        state = schema_state(engine, url)
+    finally:
+        engine.dispose()
+    if state == "empty" or (state == "out_of_date" and upgrade_old):
+        upgrade(url)
 
 
 def schema_problem(engine: Engine, url: str) -> Optional[str]:

@@ -2,22 +2,25 @@
 
 Both halves run as child processes of this command, exactly as a user runs
 them: ``gradwatch serve`` (API + dashboard on one port) and
-``python -m agent.demo`` (a real training loop with ``agent.attach``). This
+``python -m gradwatch.agent.demo`` (a real training loop with ``agent.attach``). This
 process prints the dashboard URL, echoes each alert as it fires, and keeps
 the server up until Ctrl-C.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from .extras import install_hint
+from .ports import DEFAULT_PORT, port_problem
+from .processes import Terminated, module_command, popen, raise_on_sigterm, stop
 
 
 def add_subparser(subparsers) -> None:
@@ -29,7 +32,7 @@ def add_subparser(subparsers) -> None:
                     "Keeps serving until Ctrl-C.",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--db", default=None, help="database URL (default: sqlite file demo.db in the data dir)")
     p.add_argument("--steps", type=int, default=600,
                    help="steps of the demo run (>= 60; a bad batch comes at 40%%, a NaN loss from 2/3 on)")
@@ -46,42 +49,26 @@ def _data_dir() -> Path:
     return path
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _get_json(url: str):
     with urllib.request.urlopen(url, timeout=2) as resp:
         return json.loads(resp.read())
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    """The API answers and the dashboard is mounted (the image's health check: a server that failed
+    to load the dashboard serves the API alone, and the demo's URL would lead nowhere)."""
+    from .healthcheck import Unhealthy, check
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            _get_json(base + "/api/health")
+            check(base, timeout=5.0)
             return True
-        except (OSError, ValueError):
+        except (Unhealthy, OSError):
             time.sleep(0.2)
     return False
-
-
-def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _find_run_id(base: str, run_name: str) -> int | None:
@@ -109,33 +96,41 @@ def run(args) -> int:
         print("gradwatch demo: --steps must be at least 60 so the run has a healthy phase before it goes bad.",
               file=sys.stderr)
         return 2
-    if not _port_free(args.host, args.port):
-        print(f"gradwatch demo: port {args.port} on {args.host} is in use; pass --port with a free one.",
+    for module in ("torch", "fastapi"):   # the demo is a training job and a server on one machine
+        if importlib.util.find_spec(module) is None:
+            print(install_hint("demo", ModuleNotFoundError(name=module)), file=sys.stderr)
+            return 2
+    busy = port_problem(args.host, args.port)
+    if busy:
+        print(f"gradwatch demo: port {args.port} on {args.host} cannot be used ({busy}); pass --port with a free one.",
               file=sys.stderr)
         return 2
     data_dir = _data_dir()
     db = args.db or f"sqlite:///{data_dir / 'demo.db'}"
     base = f"http://{args.host}:{args.port}"
     run_name = time.strftime("demo-%Y%m%d-%H%M%S")
-    env = dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    # the demo is a sandbox on this machine: its server and job talk without tokens whatever the
+    # shell's GRADWATCH_AUTH says (a token-less job would be refused, and the demo read nothing)
+    env = dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", GRADWATCH_AUTH="off")
 
-    serve_cmd = [sys.executable, "-m", "server", "serve", "--db", db, "--host", args.host,
-                 "--port", str(args.port), "--migrate"]
+    serve_cmd = module_command("gradwatch.server", "serve", "--db", db, "--host", args.host,
+                               "--port", str(args.port), "--migrate")
     for url in args.webhook:
         serve_cmd += ["--webhook", url]
-    server = subprocess.Popen(serve_cmd, env=env)
-    job = None
+    raise_on_sigterm()    # `kill PID` stops the demo like Ctrl-C: the finally below ends both children
+    server = job = None
     try:
+        server = popen(serve_cmd, env=env)
         if not _wait_healthy(base, server):
             print("gradwatch demo: the server did not come up; see its output above.", file=sys.stderr)
             return 1
         print(f"[demo] dashboard: {base}/   (API: {base}/api/v1/runs)", flush=True)
-        job = subprocess.Popen(
-            [sys.executable, "-m", "agent.demo", "--server", base, "--project", "demo", "--run", run_name,
-             "--steps", str(args.steps), "--step-delay", str(args.step_delay),
-             # the failures scale with the run: a bad batch at 40 %, a NaN loss from 2/3 on
-             "--bad-batch-at", str(int(args.steps * 0.4)), "--nan-at", str(int(args.steps * 2 / 3)),
-             "--nan-steps", str(max(20, args.steps // 25))],
+        job = popen(
+            module_command("gradwatch.agent.demo", "--server", base, "--project", "demo", "--run", run_name,
+                           "--steps", str(args.steps), "--step-delay", str(args.step_delay),
+                           # the failures scale with the run: a bad batch at 40 %, a NaN loss from 2/3 on
+                           "--bad-batch-at", str(int(args.steps * 0.4)), "--nan-at", str(int(args.steps * 2 / 3)),
+                           "--nan-steps", str(max(20, args.steps // 25))),
             env=env,
         )
         print(f"[demo] training run {run_name}; press Ctrl-C to stop", flush=True)
@@ -162,9 +157,9 @@ def run(args) -> int:
                     return 0 if job.returncode == 0 else 1
                 job = None
             time.sleep(0.5)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         print("\n[demo] stopping", flush=True)
         return 0
     finally:
-        _stop(job)
-        _stop(server)
+        stop(job)
+        stop(server)

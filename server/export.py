@@ -24,18 +24,19 @@ import json
 import math
 import os
 import sys
-import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Protocol
 
-from .models import STEP_SIGNALS
+from gradwatch.agent.signals import STEP_SIGNAL_NAMES, STEP_SIGNALS
+from gradwatch.server.http_json import request_json
 
 CHUNK_STEPS = 50_000            # steps per read (queries and the API return them unbucketed)
-INT_SIGNALS = {"overflow_count", "input_nonfinite"}
-BOOL_SIGNALS = {"clipped", "overflow"}
+# typed by the signal table: counts are integers and bools booleans in Parquet, both integers in CSV
+INT_SIGNALS = frozenset(s.name for s in STEP_SIGNALS if s.kind == "count")
+BOOL_SIGNALS = frozenset(s.name for s in STEP_SIGNALS if s.kind == "bool")
 
 
 class ExportError(Exception):
@@ -137,21 +138,8 @@ class HttpSource:
         req = urllib.request.Request(f"{self.base}{path}" + (f"?{query}" if query else ""))
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail).get("detail", detail)
-            except (ValueError, AttributeError):
-                pass
-            if e.code in (401, 403):
-                raise ExportError(f"the server refused the request ({e.code}: {detail}); "
-                                  f"pass --token or set GRADWATCH_TOKEN to a token of the run's project") from None
-            raise ExportError(f"{self.base}{path}: HTTP {e.code}: {detail}") from None
-        except OSError as e:
-            raise ExportError(f"cannot reach the server at {self.base} ({e}); is `gradwatch serve` running?") from None
+        return request_json(req, base=self.base, path=path, timeout=self.timeout, error=ExportError,
+                            token_of="the run's project")
 
     @staticmethod
     def _ref(r: dict) -> RunRef:
@@ -169,10 +157,10 @@ class HttpSource:
         return _pick_run(ref, project, [self._ref(r) for r in runs])
 
     def signals(self, run: RunRef) -> list[str]:
-        # The run detail names the run's signals when the server lists them; else the step fields.
+        # The run detail lists the run's signals (custom:<key> included); an older server's does not,
+        # and then the step signals are all that can be exported.
         detail = self._get(f"/api/v1/runs/{run.id}")
-        custom = sorted(s for s in detail.get("signals") or [] if s.startswith("custom:"))
-        return list(STEP_SIGNALS) + custom
+        return list(detail.get("signals") or STEP_SIGNAL_NAMES)
 
     def points(self, run: RunRef, signal: str, rank: int, start: int, end: int):
         body = self._get(f"/api/v1/runs/{run.id}/series", signal=signal, start=start, end=end,

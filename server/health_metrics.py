@@ -60,10 +60,11 @@ def _number(v: Optional[float]) -> str:
 
 def render_run_health(session: Session, *, stall_seconds: float = queries.DEFAULT_STALL_SECONDS,
                       recent_seconds: float = 86_400.0, max_runs: int = 500,
-                      now: Optional[float] = None) -> str:
-    """The per-run health families in Prometheus text exposition format (ends with a newline)."""
+                      now: Optional[float] = None, project: Optional[str] = None) -> str:
+    """The per-run health families in Prometheus text exposition format (ends with a newline); only
+    ``project``'s runs when given."""
     now = time.time() if now is None else now
-    runs = [r for r in queries.list_runs(session, stall_seconds=stall_seconds, now=now)
+    runs = [r for r in queries.list_runs(session, project=project, stall_seconds=stall_seconds, now=now)
             if r.status in ("running", "stalled") or now - r.last_seen <= recent_seconds][:max_runs]
     by_id = {r.id: r for r in runs}
     open_counts: dict[tuple[int, str, str, str], int] = defaultdict(int)

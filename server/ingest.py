@@ -5,34 +5,39 @@ per-layer statistics, custom scalars and events of one batch, updates the
 run, then calls the rule engine and the webhook outbox, exactly as
 docs/architecture.md describes. The caller commits (or rolls back) once.
 
-Idempotency: the batch id is inserted first; a batch id already present
-means a retry, and nothing else is written. Rows are inserted with
+Idempotency: the batch id is inserted first; a batch id already present for
+the same run means a retry, and nothing else is written (ids are scoped to
+their run: another run's batch with the same id is a different batch). Rows are inserted with
 ``ON CONFLICT DO NOTHING`` so two replicas racing on the same steps (a retry
 sent to another replica with a new connection) can neither double nor fail.
 """
 from __future__ import annotations
 
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from .models import STEP_SIGNALS, IngestBatch, Project, Run, RunEvent, Step
-from .numbers import NULL_F32_BITS, json_safe, null_mask
-from .rollups import layer_partials_by_stat, step_partials
-from .rules.engine import evaluate_batch
-from .schemas import IngestBatchIn
-from .settings import Settings
-from .webhooks.outbox import enqueue_alerts
+from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, ROLLUP_WIDTH, STEP_SIGNAL_NAMES
 
-_BOOL_SIGNALS = {"clipped", "overflow"}
-_NAN_BIT = {name: 1 << i for i, name in enumerate(STEP_SIGNALS)}
+from .forensics.rollback import advise_rollback
+from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
+from .numbers import NULL_F32_BITS, encode_json, extra_measured, null_mask, pack_extra, unpack_extra
+from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, record_layout
+from .rollups import layer_partials_by_stat, step_partials
+from .forensics.precursors import attach_precursors
+from .resume import add_history, apply_shift, session_shift
+from .rules.engine import evaluate_batch
+from .schemas import EventIn, IngestBatchIn
+from .settings import Settings
+from .routing.dispatch import route_alerts
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,13 @@ class IngestOutcome:
     accepted: int
     duplicate: bool
     alerts_enqueued: int = 0
+    # alerts handed to routing (raised, escalated, lead changed): their groups may now be due later
+    # (group_wait), and the delivery worker is woken to look at the new due time rather than poll for it
+    alerts_routed: int = 0
     values_written: int = 0
     rows_written: int = 0
+    step_shift: int = 0
+    already_stored: int = 0
 
 
 def _insert(session: Session, table):
@@ -74,7 +84,7 @@ def _batch_id_insert(session: Session):
             _insert(session, IngestBatch)
             .values(batch_id=bindparam("batch_id"), run_id=bindparam("run_id"), received_at=bindparam("received_at"),
                     step_count=bindparam("step_count"))
-            .on_conflict_do_nothing(index_elements=["batch_id"]).returning(IngestBatch.batch_id))
+            .on_conflict_do_nothing(index_elements=["run_id", "batch_id"]).returning(IngestBatch.batch_id))
     return stmt
 
 
@@ -102,22 +112,43 @@ def _get_or_create_run(session: Session, *, project: Project, name: str, world_s
     return session.scalars(_RUN_FOR_UPDATE, {"project_id": project.id, "name": name}).one()
 
 
-_STEP_COLUMNS = ("run_id", "rank", "step", "time", *STEP_SIGNALS, "nan_mask")
-_SIGNALS_AT = slice(4, 4 + len(STEP_SIGNALS))          # the signals' place in a step row
-_NAN_BITS = np.array([_NAN_BIT[name] for name in STEP_SIGNALS], dtype=np.int64)
+_STEP_COLUMNS = ("run_id", "rank", "step", "time", *STEP_COLUMNS, "nan_mask", "extra")
+_SIGNALS_AT = slice(4, 4 + len(STEP_COLUMNS))          # the column signals' place in a step row
+_BITS = tuple(1 << s.id for s in COLUMN_SIGNALS)           # each column signal's nan_mask bit
+_NAN_BITS = np.array(_BITS, dtype=np.int64)
+_EXTRA_NAMES = tuple(s.name for s in EXTRA_SIGNALS)
+_EXTRA_SLOTS = tuple(s.id - EXTRA_BASE for s in EXTRA_SIGNALS)
+_EXTRA_WIDTH = ROLLUP_WIDTH - EXTRA_BASE
+
+
+# Every signal read off a step in one C-level call each (a step is one of thousands per batch). The
+# extras' getter gives the value itself for one extra signal, a tuple for several, None for none.
+_COLUMNS_OF = operator.attrgetter(*STEP_COLUMNS)
+_EXTRAS_OF = operator.attrgetter(*_EXTRA_NAMES) if _EXTRA_NAMES else (lambda s: None)
+_MANY_EXTRAS = len(_EXTRA_NAMES) > 1
+_NO_EXTRAS = (None,) * len(_EXTRA_NAMES)
 
 
 def _step_row(run_id: int, rank: int, s) -> tuple:
-    row: list[Any] = [run_id, rank, s.step, s.time]
+    values = _COLUMNS_OF(s)
     mask = 0
-    for name in STEP_SIGNALS:
-        v = getattr(s, name)
-        if v is not None and v != v:
-            mask |= _NAN_BIT[name]
-            v = None
-        row.append(v)
-    row.append(mask)
-    return tuple(row)
+    for v, bit in zip(values, _BITS):
+        if v is not None and v != v:            # NaN: stored as NULL + its bit
+            mask |= bit
+    if mask:
+        values = tuple(None if v != v else v for v in values)
+    x = _EXTRAS_OF(s)
+    extra = None if x is None or x == _NO_EXTRAS else _extra_blob(x if _MANY_EXTRAS else (x,))
+    return (run_id, rank, s.step, s.time, *values, mask, extra)
+
+
+def _extra_blob(values: tuple) -> Optional[bytes]:
+    """The signals without a column (declared after the first 14), packed by slot."""
+    by_slot: list[Optional[float]] = [None] * _EXTRA_WIDTH
+    for v, slot in zip(values, _EXTRA_SLOTS):
+        if v is not None:
+            by_slot[slot] = float(v)
+    return pack_extra(by_slot)
 
 
 def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list[tuple]) -> int:
@@ -219,12 +250,12 @@ class _LayerView(Mapping):
 
 
 def _keys_present(steps: list) -> frozenset:
-    """``rules.checks.keys_present`` of the steps' wire dicts, read off the validated models: a column
+    """``rules.batch.keys_present`` of the steps' wire dicts, read off the validated models: a column
     is almost always set on the first step, so ``any`` stops there."""
     if not steps:
         return frozenset()
     keys = {"step", "time", "custom"}          # required, or a dict (never None)
-    keys.update(name for name in STEP_SIGNALS if any(getattr(s, name) is not None for s in steps))
+    keys.update(name for name in STEP_SIGNAL_NAMES if any(getattr(s, name) is not None for s in steps))
     for s in steps:
         for stat, blob in s.layers.items():
             if blob:
@@ -232,7 +263,7 @@ def _keys_present(steps: list) -> frozenset:
     return frozenset(keys)
 
 
-_WIRE_KEYS = ("step", "time", *STEP_SIGNALS, "custom", "layers")
+_WIRE_KEYS = ("step", "time", *STEP_SIGNAL_NAMES, "custom", "layers")
 
 
 def _wire_step(s) -> dict[str, Any]:
@@ -264,76 +295,134 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     if inserted is None:
         return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True)
 
-    steps = sorted(batch.steps, key=lambda s: s.step)
     rank = batch.rank
-    values = 0
-    rows = 1  # the ingest_batches row
-    if steps:
-        # Batches of one run are serialised (the run row is locked above), so the
-        # steps already stored can be read and skipped: a step sent again under
-        # another batch id is neither doubled nor rolled up twice.
-        stored = set(session.scalars(
-            _STORED_STEPS, {"run_id": run.id, "rank": rank, "lo": steps[0].step, "hi": steps[-1].step}).all())
-        fresh = [s for s in steps if s.step not in stored] if stored else _dedupe(steps)
-        if stored:
-            fresh = _dedupe(fresh)
-        step_rows = [_step_row(run.id, rank, s) for s in fresh]
-        rows += bulk_insert(session, "steps", _STEP_COLUMNS, step_rows)
-        values += len(fresh) * len(STEP_SIGNALS)
-        custom_rows = []
-        layer_rows = []
-        by_stat: dict[str, tuple[list[int], list[bytes]]] = {}
-        for s in fresh:
-            for key, v in s.custom.items():
-                nan = v is not None and v != v
-                custom_rows.append((run.id, key, rank, s.step, None if nan else v, nan))
-            for stat, blob in s.layers.items():
-                layer_rows.append((run.id, stat, rank, s.step, blob))
-                st, bl = by_stat.setdefault(stat, ([], []))
-                st.append(s.step)
-                bl.append(blob)
-                values += len(blob) // 4
-        rows += bulk_insert(session, "custom_scalars", ("run_id", "key", "rank", "step", "value", "is_nan"), custom_rows)
-        values += len(custom_rows)
-        rows += bulk_insert(session, "layer_stats", ("run_id", "stat", "rank", "step", "values"), layer_rows)
-        rows += _write_rollups(session, run_id=run.id, rank=rank, step_rows=step_rows, by_stat=by_stat)
+    # a resumed process continues the run's step axis; its snapshot gets the stored state before it
+    shift = session_shift(session, run=run, batch=batch, rank=rank)
+    apply_shift(batch, shift)
+    add_history(session, run=run, rank=rank, events=batch.events)
+    steps = sorted(batch.steps, key=lambda s: s.step)
+    fresh, values, rows = write_steps(session, run_id=run.id, rank=rank, steps=steps)
+    rows += 1  # the ingest_batches row
+    already = _already_stored(batch, steps, fresh)
 
     if batch.events:
         session.execute(
             _insert(session, RunEvent),
-            [{"run_id": run.id, "rank": rank, "step": e.step, "kind": e.kind, "data": json_safe(e.data), "time": now}
+            [{"run_id": run.id, "rank": rank, "step": e.step, "kind": e.kind, "data": encode_json(e.data), "time": now}
              for e in batch.events],
         )
 
     _update_run(run, batch=batch, steps=steps, now=now)
+    if batch.meta is not None and batch.meta.param_shards is not None:
+        record_layout(session, run=run, rank=rank, world_size=batch.world_size,
+                      shards=batch.meta.param_shards, now=now)
     session.flush()
+    # sharded runs: the steps this batch completed (their last rank arrived) get their combined row
+    combined = combine_steps(session, run=run, steps=[s.step for s in fresh]) if batch.world_size > 1 else []
+    if combined:
+        _, c_values, c_rows = write_steps(session, run_id=run.id, rank=COMBINED_RANK, steps=combined)
+        values, rows = values + c_values, rows + c_rows
+        session.flush()
 
     if not evaluate_rules:
         return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False, values_written=values,
-                             rows_written=rows)
+                             rows_written=rows, step_shift=shift, already_stored=already)
     wire_steps = [_wire_step(s) for s in steps]
     wire_events = [e.model_dump() for e in batch.events]
     alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
                             settings=settings, now=now, present=_keys_present(steps)) or []
+    if combined:   # the rules on the full parameters' and the global grad norm (A2, B1, E2, E3, ...)
+        alerts += evaluate_batch(session, run=run, rank=COMBINED_RANK, steps=[_wire_step(s) for s in combined],
+                                 events=[], settings=settings, now=now, present=_keys_present(combined)) or []
+    # the forensics go into the critical alerts before routing, so notifications carry them: first what
+    # deviated first (precursors), then the rollback advice, whose restart point comes before a precursor
     enqueued = 0
     if alerts:
         session.flush()
-        enqueued = enqueue_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
+        attach_precursors(session, alerts, run=run)
+    advise_rollback(session, run_id=run.id, alerts=alerts, events=wire_events)
+    if alerts:
+        enqueued = route_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
     return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
-                         alerts_enqueued=enqueued, values_written=values, rows_written=rows + len(batch.events))
+                         alerts_enqueued=enqueued, alerts_routed=len(alerts), values_written=values,
+                         rows_written=rows + len(batch.events), step_shift=shift, already_stored=already)
+
+
+def _already_stored(batch: IngestBatchIn, steps: list, fresh: list) -> int:
+    """Steps of the batch not written because stored ones have their numbers: never overwritten, but
+    never silently either (an event on the run, and the count in the reply the agent warns with)."""
+    if len(fresh) == len(steps):
+        return 0
+    written = {s.step for s in fresh}
+    skipped = sorted({s.step for s in steps} - written)
+    if not skipped:       # repeats within the batch itself (the first of each was written)
+        return 0
+    batch.events.append(EventIn(step=skipped[0], kind="steps_already_stored",
+                                data={"count": len(skipped), "first": skipped[0], "last": skipped[-1],
+                                      "step_origin": batch.step_origin}))
+    return len(skipped)
+
+
+def write_steps(session: Session, *, run_id: int, rank: int, steps: list) -> tuple[list, int, int]:
+    """Write one rank's steps (``StepIn``, sorted by step) with their custom scalars, layer statistics and
+    rollups; steps already stored are skipped. Returns (the steps written, values, rows)."""
+    if not steps:
+        return [], 0, 0
+    # Batches of one run are serialised (the run row is locked), so the
+    # steps already stored can be read and skipped: a step sent again under
+    # another batch id is neither doubled nor rolled up twice.
+    stored = set(session.scalars(
+        _STORED_STEPS, {"run_id": run_id, "rank": rank, "lo": steps[0].step, "hi": steps[-1].step}).all())
+    fresh = [s for s in steps if s.step not in stored] if stored else _dedupe(steps)
+    if stored:
+        fresh = _dedupe(fresh)
+    step_rows = [_step_row(run_id, rank, s) for s in fresh]
+    rows = bulk_insert(session, "steps", _STEP_COLUMNS, step_rows)
+    values = len(fresh) * len(STEP_SIGNAL_NAMES)
+    custom_rows = []
+    layer_rows = []
+    by_stat: dict[str, tuple[list[int], list[bytes]]] = {}
+    for s in fresh:
+        for key, v in s.custom.items():
+            nan = v is not None and v != v
+            custom_rows.append((run_id, key, rank, s.step, None if nan else v, nan))
+        for stat, blob in s.layers.items():
+            layer_rows.append((run_id, stat, rank, s.step, blob))
+            st, bl = by_stat.setdefault(stat, ([], []))
+            st.append(s.step)
+            bl.append(blob)
+            values += len(blob) // 4
+    rows += bulk_insert(session, "custom_scalars", ("run_id", "key", "rank", "step", "value", "is_nan"), custom_rows)
+    values += len(custom_rows)
+    rows += bulk_insert(session, "layer_stats", ("run_id", "stat", "rank", "step", "values"), layer_rows)
+    rows += _write_rollups(session, run_id=run_id, rank=rank, step_rows=step_rows, by_stat=by_stat)
+    return fresh, values, rows
 
 
 def _write_rollups(session: Session, *, run_id: int, rank: int, step_rows: list[tuple], by_stat: dict) -> int:
     if not step_rows:
         return 0
     # the steps' rows as written (NaN stored as None plus its nan_mask bit) give the rollups' input
-    # in two array conversions instead of a Python loop over every signal of every step
+    # in two array conversions instead of a Python loop over every signal of every step; columns are
+    # signal ids, the extra signals' decoded from their blobs
     step_arr = np.fromiter((r[2] for r in step_rows), dtype=np.int64, count=len(step_rows))
-    vals = np.array([r[_SIGNALS_AT] for r in step_rows], dtype=np.float64)   # None -> NaN
-    masks = np.fromiter((r[-1] for r in step_rows), dtype=np.int64, count=len(step_rows))
-    measured = ~np.isnan(vals)
+    cols = np.array([r[_SIGNALS_AT] for r in step_rows], dtype=np.float64)   # None -> NaN
+    masks = np.fromiter((r[-2] for r in step_rows), dtype=np.int64, count=len(step_rows))
+    col_measured = ~np.isnan(cols)
     if masks.any():
-        measured |= (masks[:, None] & _NAN_BITS[None, :]) != 0   # stored as None, so already NaN in vals
+        col_measured |= (masks[:, None] & _NAN_BITS[None, :]) != 0   # stored as None, so already NaN in cols
+    extras = [(i, r[-1]) for i, r in enumerate(step_rows) if r[-1] is not None]
+    if extras:
+        vals = np.full((len(step_rows), ROLLUP_WIDTH), np.nan)
+        measured = np.zeros(vals.shape, dtype=bool)
+        vals[:, :EXTRA_BASE], measured[:, :EXTRA_BASE] = cols, col_measured
+        for i, blob in extras:
+            extra = unpack_extra(blob)
+            ok = extra_measured(extra)
+            vals[i, EXTRA_BASE:EXTRA_BASE + len(extra)] = np.where(ok, extra, np.nan)
+            measured[i, EXTRA_BASE:EXTRA_BASE + len(extra)] = ok
+    else:   # no step of the batch measured a signal without a column: the partials need no column for them
+        vals, measured = cols, col_measured
     n = bulk_insert(session, "step_rollups", ("run_id", "rank", "level", "bucket", "data"),
                 [(run_id, rank, lvl, b, blob) for lvl, b, blob in step_partials(step_arr, vals, measured)])
     layer_rollups = [(run_id, stat, rank, lvl, b, blob) for stat, lvl, b, blob in layer_partials_by_stat(by_stat)]
@@ -371,7 +460,8 @@ def _update_run(run: Run, *, batch: IngestBatchIn, steps: list, now: float) -> N
             names = getattr(meta, field)
             if names is not None:
                 setattr(run, field, list(names))
-        extra = {k: v for k, v in meta.model_dump(exclude={"param_names", "module_names", "bn_names", "config"}).items()
+        extra = {k: v for k, v in meta.model_dump(exclude={"param_names", "module_names", "bn_names", "config",
+                                                       "param_shards"}).items()
                  if v is not None}
         if meta.config is not None or extra:
             merged = dict(run.config or {})
@@ -379,4 +469,9 @@ def _update_run(run: Run, *, batch: IngestBatchIn, steps: list, now: float) -> N
             if extra:
                 merged.setdefault("_meta", {})
                 merged["_meta"] = {**merged["_meta"], **extra}
-            run.config = json_safe(merged)
+                # "_meta" is the last rank's word; where each rank runs is kept per rank (the run
+                # header's hosts and devices; queries.rank_meta). Batches of a run are serialised.
+                mine = {k: extra[k] for k in RANK_META_KEYS if k in extra}
+                if mine:
+                    merged["_ranks"] = {**(merged.get("_ranks") or {}), str(batch.rank): mine}
+            run.config = encode_json(merged)

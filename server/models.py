@@ -1,6 +1,7 @@
 """SQLAlchemy ORM models: the one place the schema is described.
 
-Leaf module: imports nothing internal. Alembic migrations under
+Leaf module: imports only the signal table (agent/signals.py, itself a
+leaf). Alembic migrations under
 ``server/migrations`` own the live schema; these classes must match them.
 
 Times are stored as float seconds since the epoch: the same on SQLite and
@@ -24,6 +25,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from gradwatch.agent.signals import COLUMN_SIGNALS
 
 # SQLite only auto-increments INTEGER PRIMARY KEY, not BIGINT.
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
@@ -103,16 +106,33 @@ class Step(Base):
     mem_peak: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     ema_divergence: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     input_nonfinite: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
-    # NaN encoding (server/numbers.py): bit i set = STEP_SIGNALS[i] was NaN (its column is NULL).
+    # NaN encoding (server/numbers.py): bit i set = the column signal of id i was NaN (its column is NULL).
     nan_mask: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Every step signal declared after the columns above, by id (server/numbers.py, pack_extra);
+    # NULL when the step measured none of them. A new signal needs no migration (0005).
+    extra: Mapped[Optional[bytes]] = mapped_column(LargeBinary, nullable=True)
 
 
-# The step columns a series query may ask for, in wire-format order.
-STEP_SIGNALS = (
-    "loss", "grad_norm", "clip_max_norm", "clipped", "loss_scale", "overflow",
-    "overflow_count", "lr", "step_time", "samples_per_s", "tokens_per_s",
-    "mem_peak", "ema_divergence", "input_nonfinite",
-)
+# The step signals with a column of their own, in id order (agent/signals.py declares them all).
+STEP_COLUMNS = tuple(s.name for s in COLUMN_SIGNALS)
+
+
+class RankLayout(Base):
+    """One rank of a distributed run whose parameters are sharded: which piece of each parameter it holds.
+
+    ``shards[i] = [index, count]`` for ``runs.param_names[i]`` (``agent/capture/shards.py``): the
+    parameter is cut into ``count`` disjoint pieces and this rank holds piece ``index``. The server
+    combines the ranks' per-piece norms with it (``server/ranks.py``). A row per (run, rank) that sent
+    a layout; unsharded runs (single process, DDP) have none (migration 0008).
+    """
+
+    __tablename__ = "rank_layouts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    world_size: Mapped[int] = mapped_column(Integer)
+    shards: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    updated_at: Mapped[float] = mapped_column(Float)
 
 
 class CustomScalar(Base):
@@ -157,7 +177,9 @@ class StepRollup(Base):
 
     Insert-only: each batch adds one row per (level, bucket) it touches, so
     replicas never update a shared row; a query merges the partials.
-    ``data`` is float64[6, len(STEP_SIGNALS)]: min, max (NaN skipped), count
+    ``data`` is float64[6, W], one column per step signal id (W is the widest id + 1
+    when the partial was written, ``agent.signals.ROLLUP_WIDTH``; a partial narrower
+    than a signal's id holds nothing of it): min, max (NaN skipped), count
     (measured, NaN included), nonfinite, last_step, last_value (server/rollups.py).
     """
 
@@ -207,12 +229,13 @@ class RunEvent(Base):
 
 
 class IngestBatch(Base):
-    """Batch ids already written: a retried batch is recognised and skipped."""
+    """Batch ids already written, per run: a retried batch is recognised and skipped (0006: the id is
+    scoped to its run, so another project's or run's batch with the same id is stored)."""
 
     __tablename__ = "ingest_batches"
 
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     received_at: Mapped[float] = mapped_column(Float)
     step_count: Mapped[int] = mapped_column(Integer, default=0)
 
@@ -240,6 +263,57 @@ class Alert(Base):
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     resolved_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    # Why it was not notified (server/routing/): the alert that inhibits it, the silence that covers it,
+    # the warm-up window it fell in. Stored, not derived on read, so the UI shows what routing decided.
+    suppressed_by: Mapped[Optional[int]] = mapped_column(ForeignKey("alerts.id", ondelete="SET NULL"), nullable=True)
+    silenced_by: Mapped[Optional[int]] = mapped_column(ForeignKey("silences.id", ondelete="SET NULL"), nullable=True)
+    muted: Mapped[Optional[str]] = mapped_column(String(32), nullable=True)
+
+
+class Silence(Base):
+    """Matchers that keep matching alerts from being notified between ``starts_at`` and ``ends_at``."""
+
+    __tablename__ = "silences"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # NULL project: an operator's silence over every project
+    project_id: Mapped[Optional[int]] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), nullable=True,
+                                                      index=True)
+    matchers: Mapped[list[Any]] = mapped_column(JSON, default=list)     # ["run=exp-1", 'rule=~"C.*"']
+    starts_at: Mapped[float] = mapped_column(Float)
+    ends_at: Mapped[float] = mapped_column(Float, index=True)
+    created_by: Mapped[str] = mapped_column(String(200), default="")
+    comment: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class NotificationGroup(Base):
+    """One incident as one route sees it: the alerts sharing the route's group labels (server/routing/groups.py)."""
+
+    __tablename__ = "notification_groups"
+    __table_args__ = (Index("ix_notification_groups_due", "next_flush_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_key: Mapped[str] = mapped_column(String(500), unique=True)
+    route: Mapped[str] = mapped_column(String(100))
+    receiver: Mapped[str] = mapped_column(String(100))
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[Optional[int]] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), nullable=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[float] = mapped_column(Float)
+    next_flush_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    last_notified_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    notified: Mapped[list[Any]] = mapped_column(JSON, default=list)    # ["<alert id>:<severity>", ...] last sent
+    notifications: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class NotificationGroupAlert(Base):
+    """Membership: insert-only, so ingest adding an alert never races the worker rewriting the group."""
+
+    __tablename__ = "notification_group_alerts"
+
+    group_id: Mapped[int] = mapped_column(ForeignKey("notification_groups.id", ondelete="CASCADE"), primary_key=True)
+    alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), primary_key=True, index=True)
 
 
 class RuleState(Base):
@@ -294,6 +368,8 @@ class WebhookDelivery(Base):
         ForeignKey("webhook_endpoints.id", ondelete="SET NULL"), nullable=True
     )
     alert_id: Mapped[Optional[int]] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), nullable=True)
+    # the notification group it tells (routing); its intervals count from the delivery (migration 0009)
+    group_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     url: Mapped[str] = mapped_column(String(2000))
     body: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | delivered | expired

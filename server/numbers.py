@@ -1,71 +1,64 @@
-"""Non-finite float encoding shared by the ingest and read paths.
+"""How numbers are stored: NaN, ±Inf and "not measured" on both databases.
 
-JSON has no NaN/Infinity, and SQLite stores a float NaN as NULL, so NaN,
-+Inf, -Inf and "not measured" (null) need an explicit scheme to survive a
-round trip on both databases:
+The wire spelling of non-finite floats (``"NaN"``, ``"Infinity"``,
+``"-Infinity"``) has one encoder and one decoder, in ``agent/nonfinite.py``;
+this module re-exports them for the server's read and write paths and adds
+the storage encodings. SQLite stores a float NaN as NULL, so:
 
-- scalar columns (``steps``): NaN is stored as NULL **and** a bit in the row's
-  ``nan_mask`` (bit i = ``STEP_SIGNALS[i]``); ±Inf are stored as themselves
-  (both SQLite REAL and PostgreSQL double precision keep them); NULL with the
-  bit clear is "not measured".
+- scalar columns (``steps``): NaN is stored as NULL **and** bit ``id`` of the
+  row's ``nan_mask`` (the signal's permanent id, agent/signals.py); ±Inf are
+  stored as themselves (both SQLite REAL and PostgreSQL double precision keep
+  them); NULL with the bit clear is "not measured".
+- ``steps.extra``: the signals without a column, little-endian float64 at
+  slot ``id - EXTRA_BASE``; NaN is the canonical quiet NaN, "not measured" the
+  NaN with payload ``NULL_F64_BITS``, trailing unmeasured slots left out.
 - custom scalars: NULL + ``is_nan``.
 - per-layer arrays (``layer_stats.values``): little-endian float32; NaN is the
   canonical quiet NaN, "not measured" is a NaN with the payload
   ``NULL_F32_BITS`` so the two stay distinct inside one blob.
-
-On the wire (read responses) non-finite values are the strings ``"NaN"``,
-``"Infinity"`` and ``"-Infinity"``; ``None`` is JSON ``null``.
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import math
-from typing import Any, Iterable, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-NAN_STR, INF_STR, NINF_STR = "NaN", "Infinity", "-Infinity"
-_FROM_STR = {NAN_STR: math.nan, INF_STR: math.inf, NINF_STR: -math.inf,
-             "nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+from gradwatch.agent.nonfinite import (F32_PREFIX, NULL_F32_BITS, decode_float, encode_float,  # noqa: F401 (re-exported)
+                             encode_json)
 
-# float32 bit patterns: canonical NaN and the "not measured" marker.
+# Free-form JSON (event data, run config) goes through encode_json before it is stored: PostgreSQL's
+# json type rejects NaN / Infinity tokens.
+
+# float32 bit patterns: canonical NaN (the "not measured" marker, NULL_F32_BITS, is the wire's)
 NAN_F32_BITS = 0x7FC00000
-NULL_F32_BITS = 0x7FC0DEAD
+NULL_F64_BITS = 0x7FF800000000DEAD
 _NUMBER_TYPES = {float, int}
 _NULL_F32 = np.array([NULL_F32_BITS], dtype="<u4").view("<f4")[0]
+_NULL_F64 = np.array([NULL_F64_BITS], dtype="<u8").view("<f8")[0]
 
+def pack_extra(values: Sequence[Optional[float]]) -> Optional[bytes]:
+    """The ``steps.extra`` blob of one step: ``values`` by slot, None for "not measured".
 
-def parse_wire_float(value: Any) -> Optional[float]:
-    """A wire float: number, ``"NaN"``/``"Infinity"``/``"-Infinity"`` or null.
-
-    Raises ``ValueError`` for anything else (booleans included).
+    >>> pack_extra([None, None]) is None, len(pack_extra([1.0, None])), unpack_extra(pack_extra([None, 2.0])).tolist()[1]
+    (True, 8, 2.0)
     """
-    if value is None:
+    n = len(values)
+    while n and values[n - 1] is None:
+        n -= 1
+    if not n:
         return None
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return _FROM_STR[value]
-        except KeyError:
-            raise ValueError(f'expected a number, "NaN", "Infinity" or "-Infinity", got {value[:40]!r}') from None
-    raise ValueError(f"expected a number, got {type(value).__name__}")
+    return np.array([_NULL_F64 if v is None else v for v in values[:n]], dtype="<f8").tobytes()
 
 
-def to_wire(value: Optional[float]) -> Any:
-    """A float for a JSON response: non-finite values become strings."""
-    if value is None:
-        return None
-    if value != value:
-        return NAN_STR
-    if value == math.inf:
-        return INF_STR
-    if value == -math.inf:
-        return NINF_STR
-    return value
+def unpack_extra(blob: Optional[bytes]) -> np.ndarray:
+    """A ``steps.extra`` blob -> float64 by slot (the "not measured" NaN kept; see ``extra_measured``)."""
+    return np.frombuffer(blob or b"", dtype="<f8")
+
+
+def extra_measured(arr_f64: np.ndarray) -> np.ndarray:
+    return arr_f64.view("<u8") != NULL_F64_BITS
 
 
 def pack_layer_values(values: list[Any]) -> bytes:
@@ -75,14 +68,11 @@ def pack_layer_values(values: list[Any]) -> bytes:
     out = np.empty(len(values), dtype="<f4")
     for i, v in enumerate(values):
         try:
-            f = parse_wire_float(v)
+            f = decode_float(v)
         except ValueError as e:
             raise ValueError(f"[{i}]: {e}") from None
         out[i] = _NULL_F32 if f is None else f
     return out.tobytes()
-
-
-F32_B64_PREFIX = "f32:"
 
 
 def unpack_f32_b64(text: str, *, max_values: int) -> bytes:
@@ -91,22 +81,24 @@ def unpack_f32_b64(text: str, *, max_values: int) -> bytes:
     The bytes are the storage format itself (NaN, ±Inf, and ``NULL_F32_BITS`` for "not measured"), so
     nothing is walked value by value: an agent saves building a JSON list and the server saves parsing one.
     """
-    if not text.startswith(F32_B64_PREFIX):
-        raise ValueError(f'expected an array of numbers or an "{F32_B64_PREFIX}…" base64 string, got {text[:40]!r}')
-    if len(text) > len(F32_B64_PREFIX) + 4 * (max_values * 4 + 2) // 3 + 4:
+    if not text.startswith(F32_PREFIX):
+        raise ValueError(f'expected an array of numbers or an "{F32_PREFIX}…" base64 string, got {text[:40]!r}')
+    if len(text) > len(F32_PREFIX) + 4 * (max_values * 4 + 2) // 3 + 4:
         raise ValueError(f"at most {max_values} layer values")
     try:
-        blob = base64.b64decode(text[len(F32_B64_PREFIX):], validate=True)
+        blob = base64.b64decode(text[len(F32_PREFIX):], validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f'"{F32_B64_PREFIX}" array is not valid base64') from None
+        raise ValueError(f'"{F32_PREFIX}" array is not valid base64') from None
     if len(blob) % 4:
-        raise ValueError(f'"{F32_B64_PREFIX}" array holds {len(blob)} bytes, not a whole number of float32 values')
+        raise ValueError(f'"{F32_PREFIX}" array holds {len(blob)} bytes, not a whole number of float32 values')
+    if len(blob) > 4 * max_values:   # the text bound above leaves room for padding: the decoded count decides
+        raise ValueError(f"at most {max_values} layer values")
     return blob
 
 
 def pack_f32_b64(arr) -> str:
     """float32 values (numpy / anything ``np.asarray`` takes) -> the compact wire string."""
-    return F32_B64_PREFIX + base64.b64encode(np.asarray(arr, dtype="<f4").tobytes()).decode("ascii")
+    return F32_PREFIX + base64.b64encode(np.asarray(arr, dtype="<f4").tobytes()).decode("ascii")
 
 
 def unpack_layer_values(blob: bytes) -> np.ndarray:
@@ -116,27 +108,3 @@ def unpack_layer_values(blob: bytes) -> np.ndarray:
 
 def null_mask(arr_f32: np.ndarray) -> np.ndarray:
     return arr_f32.view("<u4") == NULL_F32_BITS
-
-
-def layer_values_to_wire(arr_f32: np.ndarray) -> list[Any]:
-    nulls = null_mask(arr_f32)
-    return [None if n else to_wire(float(v)) for v, n in zip(arr_f32.tolist(), nulls.tolist())]
-
-
-def floats_to_wire(values: Iterable[Optional[float]]) -> list[Any]:
-    return [to_wire(v) for v in values]
-
-
-def json_safe(obj: Any) -> Any:
-    """Deep copy of a JSON-like value with non-finite floats as wire strings.
-
-    PostgreSQL's json type rejects NaN/Infinity tokens; free-form JSON
-    (events' data, run config) goes through this before it is stored.
-    """
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else to_wire(obj)
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj

@@ -7,7 +7,7 @@ means "not measured". The routes turn them into wire strings
 
 Example::
 
-    from server import queries
+    from gradwatch.server import queries
     with sessionmaker() as session:
         runs = queries.list_runs(session, project="default")
         s = queries.get_series(session, run_id=runs[0].id, signal="loss", max_points=500)
@@ -22,24 +22,34 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from sqlalchemy import Integer, and_, case, cast, func, literal, or_, select
+from sqlalchemy import Integer, case, cast, func, or_, select
 from sqlalchemy.orm import Session
 
-from .models import STEP_SIGNALS, Alert, CustomScalar, LayerRollup, LayerStat, Project, Run, RunEvent, Step, StepRollup
-from .numbers import NULL_F32_BITS
+from gradwatch.agent.signals import EXTRA_BASE, STEP_SIGNAL_NAMES, is_step_signal, layer_stat, step_signal
+
+from .models import (ROLLUP_LEVELS, Alert, CustomScalar, LayerRollup, LayerStat, Project, RankLayout, Run, RunEvent, Step,
+                     StepRollup)
+from .numbers import NULL_F32_BITS, extra_measured, unpack_extra
+from .ranks import RANK_META_KEYS
 from .rollups import choose_level, layer_partial_arrays, merge_step_partials, raw_layer_partials
 
 DEFAULT_STALL_SECONDS = 300.0
-PARAM_STATS = ("grad_norm", "weight_norm", "update_ratio")
-MODULE_STATS = ("act_mean", "act_std", "act_absmax", "act_nonfinite")
-BN_STATS = ("bn_mean_norm", "bn_var_norm")
-_BOOL_SIGNALS = {"clipped", "overflow"}
-_NAN_BIT = {name: 1 << i for i, name in enumerate(STEP_SIGNALS)}
 _INF = math.inf
 
 
 class UnknownSignal(ValueError):
     """The signal names neither a step field nor ``custom:<key>``."""
+
+
+class RequestTooLarge(ValueError):
+    """A read would cost more than its bound (points, cells or rows read); the message says what to narrow."""
+
+
+# Bounds on what one read may cost, checked before the work (docs/api.md, "Limits"): a request that
+# asks for more is refused with a message, never answered by growing the server's memory.
+MAX_SERIES_POINTS = 200_000          # buckets over all series of one request (runs × signals × max_points)
+MAX_MATRIX_CELLS = 1_000_000         # cells of one heatmap answer (step columns × layer rows)
+MAX_MATRIX_READ = 8_000_000          # layer values one heatmap may read (partials or raw rows × layers)
 
 
 @dataclass
@@ -116,6 +126,13 @@ class AlertRecord:
     acknowledged: bool
     created_at: float
     updated_at: float
+    resolved_at: Optional[float] = None
+    # why it was not notified (server/routing/): the inhibiting alert, "A1 loss_nonfinite rank 2" for it,
+    # the silence, the warm-up mute
+    suppressed_by: Optional[int] = None
+    suppressed_by_rule: Optional[str] = None
+    silenced_by: Optional[int] = None
+    muted: Optional[str] = None
 
 
 @dataclass
@@ -211,19 +228,28 @@ def run_project(session: Session, *, run_id: int) -> Optional[str]:
 
 # --------------------------------------------------------------------------- series
 
+@dataclass(frozen=True)
+class _ExtraSlot:
+    """Where a step signal without a column of its own lives: its slot in ``steps.extra``."""
+    slot: int
+
+
 def _signal_source(signal: str):
-    """(table, value column expr, nan-flag expr, extra where) for a signal."""
+    """(table, value column expr or _ExtraSlot, nan-flag expr, extra where) for a signal."""
     if signal.startswith("custom:"):
         key = signal[len("custom:"):]
         if not key:
             raise UnknownSignal("custom signal needs a key: custom:<key>")
         return CustomScalar, CustomScalar.value, CustomScalar.is_nan.is_(True), [CustomScalar.key == key]
-    if signal not in STEP_SIGNALS:
-        raise UnknownSignal(f"unknown signal {signal!r}: use one of {', '.join(STEP_SIGNALS)} or custom:<key>")
+    if not is_step_signal(signal):
+        raise UnknownSignal(f"unknown signal {signal!r}: use one of {', '.join(STEP_SIGNAL_NAMES)} or custom:<key>")
+    sig = step_signal(signal)
+    if not sig.column:
+        return Step, _ExtraSlot(sig.id - EXTRA_BASE), None, []
     col = getattr(Step, signal)
-    if signal in _BOOL_SIGNALS:
+    if sig.kind == "bool":
         col = cast(col, Integer)
-    return Step, col, Step.nan_mask.op("&")(_NAN_BIT[signal]) != 0, []
+    return Step, col, Step.nan_mask.op("&")(1 << sig.id) != 0, []
 
 
 def _step_bounds(session: Session, table, run_id: int, rank: int, extra) -> tuple[Optional[int], Optional[int]]:
@@ -245,6 +271,19 @@ def _fetch_blobs(session: Session, stmt) -> list[tuple[int, bytes]]:
         return [(k, bytes(b)) for k, b in cur.fetchall()]
 
 
+def _fetch_blob_rows(session: Session, stmt) -> list[tuple[int, int, bytes]]:
+    """``_fetch_blobs`` for (int, int, bytes) rows."""
+    conn = session.connection()
+    if conn.dialect.name != "postgresql":
+        return [(a, k, bytes(b)) for a, k, b in conn.execute(stmt)]
+    # render_postcompile: the IN list of ranks as plain parameters (the raw cursor knows no expanding ones)
+    compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    raw = conn.connection.driver_connection
+    with raw.cursor(binary=True) as cur:
+        cur.execute(compiled.string, compiled.construct_params())
+        return [(a, k, bytes(b)) for a, k, b in cur.fetchall()]
+
+
 def _bounds(session: Session, col, where) -> tuple[Optional[int], Optional[int]]:
     """min and max of an indexed column as two scalar subqueries: SQLite answers a lone
     min() or max() with one index seek, but min() and max() together with a full scan."""
@@ -259,13 +298,24 @@ def _value(v, nan: bool) -> Optional[float]:
     return None if v is None else float(v)
 
 
-def _raw_points(session, table, col, nanflag, where, limit: Optional[int] = None) -> list[SeriesPoint]:
-    q = select(table.step, col, nanflag).where(*where).order_by(table.step)
-    if limit:
-        q = q.limit(limit)
+def _raw_values(session, table, col, nanflag, where):
+    """(step, value) rows in step order; value None when not measured."""
+    if isinstance(col, _ExtraSlot):
+        # the step's extra blob holds the signal at its slot; a shorter blob, or none, did not measure it
+        for step, blob in session.execute(select(table.step, table.extra).where(*where).order_by(table.step)):
+            arr = unpack_extra(blob)
+            if col.slot < len(arr) and extra_measured(arr[col.slot:col.slot + 1])[0]:
+                yield step, float(arr[col.slot])
+            else:
+                yield step, None
+        return
+    for step, v, nan in session.execute(select(table.step, col, nanflag).where(*where).order_by(table.step)):
+        yield step, _value(v, bool(nan))
+
+
+def _raw_points(session, table, col, nanflag, where) -> list[SeriesPoint]:
     out = []
-    for step, v, nan in session.execute(q):
-        val = _value(v, bool(nan))
+    for step, val in _raw_values(session, table, col, nanflag, where):
         measured = val is not None
         nf = int(measured and not math.isfinite(val))
         out.append(SeriesPoint(step=step, min=val, max=val, last=val, count=int(measured), nonfinite=nf))
@@ -326,7 +376,7 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
             ).order_by(StepRollup.bucket))
             if rollup_rows is not None:
                 rollup_rows[key] = rows
-        merged = merge_step_partials(rows, signal_index=STEP_SIGNALS.index(signal), level=level, start0=start0,
+        merged = merge_step_partials(rows, signal_index=step_signal(signal).id, level=level, start0=start0,
                                      bucket_size=bucket)
         points = []
         for first, mn, mx, last, cnt, nf in merged:
@@ -334,7 +384,34 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
                 mn = mx = None
             points.append(SeriesPoint(step=first, min=mn, max=mx, last=last, count=cnt, nonfinite=nf))
         return bucket, points
+    if isinstance(col, _ExtraSlot):
+        return bucket, _bucket_in_python(_raw_values(session, table, col, nanflag, where), start, bucket)
     return bucket, _bucketed_points(session, table, col, nanflag, where, base, start, bucket)
+
+
+def _bucket_in_python(values, start: int, bucket: int) -> list[SeriesPoint]:
+    """What ``_bucketed_points`` computes in SQL, from raw (step, value) rows: for buckets smaller than
+    the first rollup level, so at most 16 × max_points rows, each read once."""
+    out: list[SeriesPoint] = []
+    cur = None
+    for step, v in values:
+        b = start + (step - start) // bucket * bucket
+        if cur is None or cur.step != b:
+            cur = SeriesPoint(step=b, min=None, max=None, last=None, count=0, nonfinite=0)
+            out.append(cur)
+        if v is None:
+            continue
+        cur.count += 1
+        cur.last = v
+        if not math.isfinite(v):
+            cur.nonfinite += 1
+        if not math.isnan(v):
+            cur.min = v if cur.min is None else min(cur.min, v)
+            cur.max = v if cur.max is None else max(cur.max, v)
+    for p in out:
+        if p.min is None and p.count:
+            p.min = p.max = math.nan  # every measured value in the bucket was NaN
+    return out
 
 
 def _bucketed_points(session, table, col, nanflag, where, base, start: int, bucket: int) -> list[SeriesPoint]:
@@ -377,6 +454,11 @@ def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Seque
 
     Step signals read each run's rollup partials once for all of them (a
     partial holds every step signal): a dozen signals cost about one."""
+    if len(set(run_ids)) != len(run_ids) or len(set(signals)) != len(signals):
+        raise RequestTooLarge("each run and each signal may be named once")
+    if len(run_ids) * len(signals) * max_points > MAX_SERIES_POINTS:
+        raise RequestTooLarge(f"{len(run_ids)} runs × {len(signals)} signals × max_points={max_points} is more than "
+                              f"{MAX_SERIES_POINTS:,} points: ask for fewer runs, signals or points")
     sources = {signal: _signal_source(signal) for signal in signals}
     lo_all = hi_all = None
     for signal, (table, _, _, extra) in sources.items():
@@ -405,15 +487,19 @@ def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Seque
 def list_signals(session: Session, *, run_id: int) -> list[str]:
     """Step signals plus the run's ``custom:<key>`` signals."""
     keys = session.scalars(select(CustomScalar.key).where(CustomScalar.run_id == run_id).distinct()).all()
-    return [*STEP_SIGNALS, *(f"custom:{k}" for k in sorted(keys))]
+    return [*STEP_SIGNAL_NAMES, *(f"custom:{k}" for k in sorted(keys))]
 
 
 # --------------------------------------------------------------------------- layer matrix
 
 def layer_names_for(run: Run | RunDetail, stat: str) -> list[str]:
-    if stat in MODULE_STATS:
+    """The names that index a statistic's arrays (agent/signals.py says which list; a statistic the table
+    does not know is taken to be per parameter)."""
+    decl = layer_stat(stat)
+    over = decl.over if decl is not None else "params"
+    if over == "modules":
         return list(run.module_names or [])
-    if stat in BN_STATS:
+    if over == "bn":
         return list(run.bn_names or [])
     return list(run.param_names or [])
 
@@ -426,13 +512,17 @@ def list_layer_stats(session: Session, *, run_id: int, rank: int = 0) -> list[st
 
 def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optional[int] = None,
                      end: Optional[int] = None, max_steps: int = 500, max_layers: int = 200,
-                     rank: int = 0, agg: str = "max") -> Optional[LayerMatrix]:
+                     rank: int = 0, agg: str = "max", read_budget: int = MAX_MATRIX_READ) -> Optional[LayerMatrix]:
     """A layer × step matrix of one per-layer statistic, downsampled on both axes.
 
     Columns are step buckets (at most ``max_steps``), rows are groups of
     consecutive layers (at most ``max_layers``). ``agg`` is ``max`` (default:
     spikes survive), ``min``, ``mean`` or ``last``; a cell with a NaN among
     its values is NaN, so NaN markers survive too. None if the run is unknown.
+
+    Raises ``RequestTooLarge`` when the answer would have more than ``MAX_MATRIX_CELLS`` cells, or when
+    even the coarsest rollup level would read more than ``read_budget`` layer values; below that, a
+    request that would read more gets wider buckets (the next rollup level) instead.
     """
     if agg not in ("max", "min", "mean", "last"):
         raise ValueError("agg must be max, min, mean or last")
@@ -451,10 +541,32 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     if end < start:
         return empty
     max_steps, max_layers = max(1, int(max_steps)), max(1, int(max_layers))
+    width = max(1, len(names))
+    if max_steps * min(max_layers, width) > MAX_MATRIX_CELLS:
+        raise RequestTooLarge(f"max_steps={max_steps} × {min(max_layers, width)} layer rows is more than "
+                              f"{MAX_MATRIX_CELLS:,} cells: ask for fewer steps or layers")
     bucket = max(1, math.ceil((end - start + 1) / max_steps))
     level = choose_level(bucket)
+    while True:
+        # what the answer reads: partials of this level (or raw rows) × layers; too many, and the buckets
+        # widen to the next level (a coarser heatmap of the same range) rather than the memory growing
+        if level:
+            bucket = math.ceil(bucket / level) * level
+            read = session.scalar(select(func.count()).select_from(LayerRollup).where(
+                LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
+                LayerRollup.level == level, LayerRollup.bucket >= start // level, LayerRollup.bucket <= end // level))
+        else:
+            read = session.scalar(select(func.count()).select_from(LayerStat).where(
+                *base, LayerStat.step >= start, LayerStat.step <= end))
+        if read * width <= read_budget:
+            break
+        coarser = [lv for lv in ROLLUP_LEVELS if lv > level]
+        if not coarser:
+            raise RequestTooLarge(f"this heatmap would read {read * width:,} layer values (more than "
+                                  f"{read_budget:,}): ask for a shorter step range")
+        level = coarser[0]
+        bucket = max(bucket, level)
     if level:
-        bucket = math.ceil(bucket / level) * level
         start0 = (start // level) * level
         rows = _fetch_blobs(session, select(LayerRollup.bucket, LayerRollup.data).where(
             LayerRollup.run_id == run_id, LayerRollup.stat == stat, LayerRollup.rank == rank,
@@ -531,13 +643,27 @@ def _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0,
 
 # --------------------------------------------------------------------------- alerts and events
 
-def _alert(a: Alert) -> AlertRecord:
+def alert_record(a: Alert, inhibitors: Optional[dict[int, str]] = None) -> AlertRecord:
+    """The one shape of an alert outside the database: the API (``AlertOut``), the dashboard and the CLI.
+
+    ``inhibitors``: alert id → "A1 loss_nonfinite rank 2" for the alerts that suppress others."""
     return AlertRecord(
         id=a.id, run_id=a.run_id, rule=a.rule, name=a.name, severity=a.severity, status=a.status,
         step=a.first_step, first_step=a.first_step, last_step=a.last_step, rank=a.rank, message=a.message,
         diagnosis=a.diagnosis, actions=list(a.actions or []), evidence=dict(a.evidence or {}),
         acknowledged=bool(a.acknowledged), created_at=a.created_at, updated_at=a.updated_at,
+        resolved_at=a.resolved_at, suppressed_by=a.suppressed_by,
+        suppressed_by_rule=(inhibitors or {}).get(a.suppressed_by) if a.suppressed_by is not None else None,
+        silenced_by=a.silenced_by, muted=a.muted,
     )
+
+
+def _inhibitors(session: Session, alerts: list[Alert]) -> dict[int, str]:
+    ids = {a.suppressed_by for a in alerts if a.suppressed_by is not None}
+    if not ids:
+        return {}
+    return {i: f"{rule} {name} rank {rank}" for i, rule, name, rank in session.execute(
+        select(Alert.id, Alert.rule, Alert.name, Alert.rank).where(Alert.id.in_(ids)))}
 
 
 def list_alerts(session: Session, *, run_id: Optional[int] = None, severity: Optional[str] = None,
@@ -556,12 +682,14 @@ def list_alerts(session: Session, *, run_id: Optional[int] = None, severity: Opt
     if project:
         q = q.join(Run, Run.id == Alert.run_id).join(Project, Project.id == Run.project_id).where(Project.name == project)
     q = q.order_by(Alert.updated_at.desc(), Alert.id.desc()).limit(limit)
-    return [_alert(a) for a in session.scalars(q)]
+    alerts = list(session.scalars(q))
+    inhibitors = _inhibitors(session, alerts)
+    return [alert_record(a, inhibitors) for a in alerts]
 
 
 def get_alert(session: Session, *, alert_id: int) -> Optional[AlertRecord]:
     a = session.get(Alert, alert_id)
-    return None if a is None else _alert(a)
+    return None if a is None else alert_record(a, _inhibitors(session, [a]))
 
 
 def list_events(session: Session, *, run_id: int, kind: Optional[str] = None, limit: int = 1000) -> list[EventRecord]:
@@ -572,3 +700,208 @@ def list_events(session: Session, *, run_id: int, kind: Optional[str] = None, li
     q = q.order_by(RunEvent.step.is_(None), RunEvent.step, RunEvent.id).limit(limit)
     return [EventRecord(id=e.id, run_id=e.run_id, rank=e.rank, step=e.step, kind=e.kind, data=dict(e.data or {}),
                         time=e.time) for e in session.scalars(q)]
+
+
+@dataclass
+class CheckpointRecord:
+    step: int                     # optimizer steps taken when it was saved: the step a resume continues with
+    path: Optional[str]           # None: saved where gradwatch was not told (Lightning's trainer.save_checkpoint)
+    rank: int                     # the lowest rank that recorded it
+    saved_at: Optional[float]     # the agent's wall clock when it was recorded
+    source: Optional[str]         # "transformers", "lightning", or None (monitor.checkpoint)
+
+
+def list_checkpoints(session: Session, *, run_id: int, limit: int = 10_000) -> list[CheckpointRecord]:
+    """A run's checkpoints (``checkpoint`` events) in step order; the same step and path recorded by
+    several ranks (each DDP process runs the framework callback) is listed once."""
+    q = (select(RunEvent.step, RunEvent.data, RunEvent.rank)
+         .where(RunEvent.run_id == run_id, RunEvent.kind == "checkpoint", RunEvent.step.is_not(None))
+         .order_by(RunEvent.step, RunEvent.rank, RunEvent.id).limit(limit))
+    out: dict[tuple[int, Optional[str]], CheckpointRecord] = {}
+    for step, data, rank in session.execute(q):
+        data = data or {}
+        key = (int(step), data.get("path"))
+        if key not in out:
+            out[key] = CheckpointRecord(step=int(step), path=data.get("path"), rank=rank,
+                                        saved_at=data.get("saved_at"), source=data.get("source"))
+    return list(out.values())
+
+
+@dataclass
+class RankInfo:
+    rank: int               # -1: the combined row of a sharded run (server/ranks.py)
+    steps: int              # steps stored for this rank in the range asked for
+    first_step: Optional[int]
+    last_step: Optional[int]
+    sharded: bool           # it sent a shard layout (meta.param_shards)
+
+
+@dataclass
+class RankCoverage:
+    run_id: int
+    world_size: int
+    combined: bool                          # a sharded run: its global grad norm lives in rank -1's rows
+    ranks: list[RankInfo]
+    incomplete: list[dict[str, Any]]        # sharded runs: {"step", "ranks": [the ranks that sent it]}, no combined row
+
+
+def rank_coverage(session: Session, *, run_id: int, start: Optional[int] = None, end: Optional[int] = None,
+                  limit: int = 1000) -> Optional[RankCoverage]:
+    """Which ranks sent which steps; for a sharded run, the steps still missing a rank (incomplete: they
+    have no combined values yet, rather than values computed from part of the ranks)."""
+    run = session.get(Run, run_id)
+    if run is None:
+        return None
+    where = [Step.run_id == run_id]
+    if start is not None:
+        where.append(Step.step >= start)
+    if end is not None:
+        where.append(Step.step <= end)
+    sharded = set(session.scalars(select(RankLayout.rank).where(RankLayout.run_id == run_id)))
+    ranks = [RankInfo(rank=r, steps=n, first_step=lo, last_step=hi, sharded=r in sharded)
+             for r, n, lo, hi in session.execute(
+                 select(Step.rank, func.count(), func.min(Step.step), func.max(Step.step))
+                 .where(*where).group_by(Step.rank).order_by(Step.rank))]
+    incomplete: list[dict[str, Any]] = []
+    combined = bool(sharded)
+    if combined:
+        by_step: dict[int, list[int]] = {}
+        for s, r in session.execute(select(Step.step, Step.rank).where(*where).order_by(Step.step, Step.rank)):
+            by_step.setdefault(s, []).append(r)
+        for s, rs in by_step.items():
+            if -1 not in rs:
+                incomplete.append({"step": s, "ranks": rs})
+                if len(incomplete) >= limit:
+                    break
+    return RankCoverage(run_id=run_id, world_size=run.world_size or 1, combined=combined, ranks=ranks,
+                        incomplete=incomplete)
+
+
+# --------------------------------------------------------------------------- ranks side by side
+
+MAX_RANK_READ = 200_000   # rollup partials (or raw rows) one rank × step read may touch, over ranks and a level
+
+
+def rank_meta(session: Session, *, run_id: int) -> Optional[dict[str, Any]]:
+    """What the dashboard needs to lay out a run's ranks, without counting steps: ``{"world_size",
+    "combined" (a sharded run: global grad norm and per-layer norms in rank -1), "ranks": [{"rank",
+    "host", "local_rank", "device"}]}`` from the meta each rank's agent sent (``runs.config["_ranks"]``)."""
+    run = session.get(Run, run_id)
+    if run is None:
+        return None
+    combined = session.scalar(select(RankLayout.rank).where(RankLayout.run_id == run_id).limit(1)) is not None
+    sent = dict((run.config or {}).get("_ranks") or {})
+    world = max([run.world_size or 1] + [int(k) + 1 for k in sent if str(k).lstrip("-").isdigit()])
+    ranks = [{"rank": r, **{k: (sent.get(str(r)) or {}).get(k) for k in RANK_META_KEYS}} for r in range(world)]
+    return {"run_id": run_id, "world_size": world, "combined": combined, "ranks": ranks}
+
+
+
+@dataclass
+class RankMatrix:
+    run_id: int
+    signal: str
+    bucket_size: int
+    steps: list[int]                          # first step of each column
+    ranks: list[int]                          # rank of each row
+    min: list[list[Optional[float]]]          # [row][column], as a series bucket's min / max / last;
+    max: list[list[Optional[float]]]          # None where the rank measured nothing in the bucket
+    last: list[list[Optional[float]]]
+    nonfinite: list[list[int]]
+
+
+def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], start: Optional[int] = None,
+                    end: Optional[int] = None, max_steps: int = 300, ranks: Optional[Sequence[int]] = None,
+                    read_budget: int = MAX_RANK_READ) -> Optional[list[RankMatrix]]:
+    """Rank × step matrices of step signals (one per signal, same columns): every rank's series on one
+    shared step axis, for the dashboard's per-rank overlay and heatmap. ``ranks``: default every rank of
+    the run (0 … world_size − 1). None if the run is unknown.
+
+    Raises ``RequestTooLarge`` above ``MAX_MATRIX_CELLS`` cells (ranks × columns × signals); a request that
+    would read more than ``read_budget`` rollup partials gets wider buckets (the next level) instead, so a
+    64-rank run's whole-run heatmap reads a few thousand partials per rank, not a million rows."""
+    run = session.get(Run, run_id)
+    if run is None:
+        return None
+    ranks = list(range(run.world_size or 1)) if ranks is None else list(dict.fromkeys(int(r) for r in ranks))
+    for signal in signals:
+        if signal.startswith("custom:"):
+            raise UnknownSignal("rank matrices are of step signals")
+        _signal_source(signal)
+    max_steps = max(1, int(max_steps))
+    if len(ranks) * max_steps * max(1, len(signals)) > MAX_MATRIX_CELLS:
+        raise RequestTooLarge(f"{len(ranks)} ranks × max_steps={max_steps} × {len(signals)} signals is more than "
+                              f"{MAX_MATRIX_CELLS:,} cells: ask for fewer steps, ranks or signals")
+    bounds = [_bounds(session, Step.step, [Step.run_id == run_id, Step.rank == r]) for r in ranks]
+    los = [lo for lo, _ in bounds if lo is not None]
+    empty = [RankMatrix(run_id=run_id, signal=s, bucket_size=1, steps=[], ranks=ranks, min=[], max=[], last=[],
+                        nonfinite=[]) for s in signals]
+    if not los:
+        return empty
+    lo = los[0] if start is None else start
+    lo = max(lo, min(los))
+    hi = max(h for _, h in bounds if h is not None)
+    hi = hi if end is None else min(end, hi)
+    if hi < lo:
+        return empty
+    span = hi - lo + 1
+    points = max_steps
+    while True:
+        # rollup partials (or raw rows) read: about ranks × span / level; too many, and the columns widen
+        # to the next rollup level (a coarser heatmap of the same range) rather than the read growing
+        level = choose_level(max(1, math.ceil(span / points)))
+        if len(ranks) * span / max(level, 1) <= read_budget:
+            break
+        coarser = [lv for lv in ROLLUP_LEVELS if lv > level]
+        if not coarser:
+            raise RequestTooLarge(f"{len(ranks)} ranks over {span:,} steps would read too much: "
+                                  f"ask for a shorter step range or fewer ranks")
+        points = max(1, span // coarser[0])
+    out = []
+    per_signal: dict[str, list] = {s: [] for s in signals}
+    bucket_sizes: dict[str, int] = {}
+    bucket = max(1, math.ceil(span / points))
+    level = choose_level(bucket)
+    if level:
+        # every rank's rollup partials in one read (a partial holds every step signal), merged per rank
+        # and signal: 64 ranks cost one query, not 64 × the per-series query building
+        bucket = math.ceil(bucket / level) * level
+        start0 = (lo // level) * level
+        by_rank: dict[int, list] = {r: [] for r in ranks}
+        for r, b, blob in _fetch_blob_rows(session, select(StepRollup.rank, StepRollup.bucket, StepRollup.data).where(
+                StepRollup.run_id == run_id, StepRollup.rank.in_(ranks), StepRollup.level == level,
+                StepRollup.bucket >= lo // level, StepRollup.bucket <= hi // level,
+        ).order_by(StepRollup.rank, StepRollup.bucket)):
+            by_rank[r].append((b, blob))
+        for s in signals:
+            bucket_sizes[s] = bucket
+            sid = step_signal(s).id
+            for r in ranks:
+                merged = merge_step_partials(by_rank[r], signal_index=sid, level=level, start0=start0,
+                                             bucket_size=bucket)
+                per_signal[s].append([SeriesPoint(step=first, min=mn if cnt else None, max=mx if cnt else None,
+                                                  last=last, count=cnt, nonfinite=nf)
+                                      for first, mn, mx, last, cnt, nf in merged])
+    else:
+        for r in ranks:
+            for s in signals:
+                b, pts = _series_points(session, run_id=run_id, signal=s, rank=r, start=lo, end=hi,
+                                        max_points=points, bounds=(lo, hi))
+                bucket_sizes[s] = b
+                per_signal[s].append(pts)
+    for s in signals:
+        bucket = bucket_sizes.get(s, 1)
+        cols = sorted({p.step for pts in per_signal[s] for p in pts})
+        where = {c: i for i, c in enumerate(cols)}
+        grid = {k: [[None] * len(cols) for _ in ranks] for k in ("min", "max", "last")}
+        nf = [[0] * len(cols) for _ in ranks]
+        for row, pts in enumerate(per_signal[s]):
+            for p in pts:
+                if not p.count:
+                    continue
+                j = where[p.step]
+                grid["min"][row][j], grid["max"][row][j], grid["last"][row][j] = p.min, p.max, p.last
+                nf[row][j] = p.nonfinite
+        out.append(RankMatrix(run_id=run_id, signal=s, bucket_size=bucket, steps=cols, ranks=ranks, min=grid["min"],
+                              max=grid["max"], last=grid["last"], nonfinite=nf))
+    return out

@@ -6,7 +6,9 @@ when a chart bucket spans at least one rollup level. Every partial covers one
 read time with the same reductions, so out-of-order batches from several
 replicas simply add partials (no shared row is ever updated).
 
-Step partial (``StepRollup.data``): float64[6, S], S = len(STEP_SIGNALS)
+Step partial (``StepRollup.data``): float64[6, W], one column per step signal id
+    (agent/signals.py; W = the widest id + 1 when it was written, so a partial written
+    before a signal was declared is narrower and holds nothing of it)
     rows: min, max (NaN skipped, ±inf kept; NaN if nothing non-NaN),
           count (measured, NaN included), nonfinite (NaN and ±inf),
           last_step (-1: none), last_value (NaN kept)
@@ -27,10 +29,9 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .models import ROLLUP_LEVELS, STEP_SIGNALS
+from .models import ROLLUP_LEVELS
 from .numbers import NULL_F32_BITS
 
-S = len(STEP_SIGNALS)
 STEP_ROWS = ("min", "max", "count", "nonfinite", "last_step", "last_value")
 LAYER_ROWS = ("min", "max", "sum", "count", "nan", "last")
 
@@ -87,8 +88,8 @@ def _reduce_groups(keys: np.ndarray, buckets: np.ndarray, f: int, cur: dict):
 
 def step_partials(steps: np.ndarray, values: np.ndarray, measured: np.ndarray, *,
                   levels: Sequence[int] = ROLLUP_LEVELS) -> list[tuple[int, int, bytes]]:
-    """(level, bucket, blob) for sorted ``steps`` (n,), ``values`` (n, S) float64 with
-    NaN for both NaN and null, ``measured`` (n, S) bool (True for NaN too)."""
+    """(level, bucket, blob) for sorted ``steps`` (n,), ``values`` (n, W) float64 by signal id with
+    NaN for both NaN and null, ``measured`` (n, W) bool (True for NaN too)."""
     n = len(steps)
     if n == 0:
         return []
@@ -112,7 +113,7 @@ def step_partials(steps: np.ndarray, values: np.ndarray, measured: np.ndarray, *
             last_val = np.where(has, values[safe, cols], np.nan)
             block = np.stack([np.where(empty, np.nan, r["min"][2]), np.where(empty, np.nan, r["max"][2]),
                               r["count"][2], r["nonfinite"][2], last_step, last_val], axis=1).astype("<f8")
-            raw, size = block.tobytes(), block[0].nbytes   # (g, 6, S)
+            raw, size = block.tobytes(), block[0].nbytes   # (g, 6, W)
         for g, b in enumerate(buckets.tolist()):
             out.append((level, b, raw[g * size:(g + 1) * size]))
     return out
@@ -246,7 +247,7 @@ def merge_step_partials(rows: Iterable[tuple[int, bytes]], *, signal_index: int,
     if not rows:
         return []
     buckets = np.fromiter((b for b, _ in rows), dtype=np.int64, count=len(rows))
-    data = np.frombuffer(b"".join(blob for _, blob in rows), dtype="<f8").reshape(len(rows), 6, S)[:, :, signal_index]
+    data = step_partial_column([blob for _, blob in rows], signal_index)
     cols = (buckets * level - start0) // bucket_size
     starts = _group_starts(cols)
     mn = np.fmin.reduceat(data[:, 0], starts)
@@ -265,6 +266,25 @@ def merge_step_partials(rows: Iterable[tuple[int, bytes]], *, signal_index: int,
     for i, c in enumerate(cols[starts].tolist()):
         out.append((start0 + c * bucket_size, float(mn[i]), float(mx[i]),
                     float(last[i]) if has_last[i] else None, int(cnt[i]), int(nf[i])))
+    return out
+
+
+_NOTHING = np.array([np.nan, np.nan, 0.0, 0.0, -1.0, np.nan])   # a partial that holds nothing of a signal
+
+
+def step_partial_column(blobs: Sequence[bytes], signal_index: int) -> np.ndarray:
+    """(r, 6) rows of one signal out of step partials, whatever width each was written with (a batch
+    that measured no signal without a column writes narrower partials; so did servers before a signal
+    was declared): each width is decoded in one go."""
+    sizes = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
+    out = np.tile(_NOTHING, (len(blobs), 1))
+    for size in np.unique(sizes).tolist():
+        width = size // 48
+        if signal_index >= width:
+            continue
+        rows = np.flatnonzero(sizes == size)
+        group = blobs if len(rows) == len(blobs) else [blobs[i] for i in rows.tolist()]
+        out[rows] = np.frombuffer(b"".join(group), dtype="<f8").reshape(len(rows), 6, width)[:, :, signal_index]
     return out
 
 

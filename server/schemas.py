@@ -7,22 +7,34 @@ ingest path never walks them again.
 """
 from __future__ import annotations
 
-import re
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
+                      create_model)
 
-from .numbers import F32_B64_PREFIX, pack_layer_values, parse_wire_float, unpack_f32_b64
+from gradwatch.agent.signals import STEP_SIGNALS
+
+from .numbers import F32_PREFIX, pack_layer_values, decode_float, unpack_f32_b64
 
 _WIRE_FLOAT_SCHEMA = {
     "anyOf": [{"type": "number"}, {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}, {"type": "null"}]
 }
-WireFloat = Annotated[Optional[float], BeforeValidator(parse_wire_float), WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
+WireFloat = Annotated[Optional[float], BeforeValidator(decode_float), WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
 OutFloat = Annotated[Union[float, str, None], WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200, strip_whitespace=False)]
+def _no_nul(text: str) -> str:
+    # PostgreSQL's text types cannot hold a NUL (it was a 500 there), SQLite's can: refused on both
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL character (\\x00)")
+    return text
+
+
+NoNul = AfterValidator(_no_nul)
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200, strip_whitespace=False), NoNul]
 StatName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,32}$")]
-CustomKey = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+CustomKey = Annotated[str, StringConstraints(min_length=1, max_length=200), NoNul]
+LayerName = Annotated[str, StringConstraints(max_length=1000), NoNul]
 MAX_LAYERS = 100_000
 
 
@@ -30,7 +42,7 @@ def _pack(values: Any) -> bytes:
     if isinstance(values, str):
         return unpack_f32_b64(values, max_values=MAX_LAYERS)
     if not isinstance(values, list):
-        raise ValueError(f'expected an array of numbers or an "{F32_B64_PREFIX}…" string, '
+        raise ValueError(f'expected an array of numbers or an "{F32_PREFIX}…" string, '
                          f"got {type(values).__name__}")
     if len(values) > MAX_LAYERS:
         raise ValueError(f"at most {MAX_LAYERS} layer values")
@@ -49,52 +61,56 @@ StrictBool = Annotated[Optional[bool], Field(strict=True)]
 Count = Annotated[Optional[int], Field(ge=0, le=2**62, strict=True)]
 
 
-class StepIn(BaseModel):
-    """One optimizer step of one rank."""
+_SIGNAL_TYPES = {"float": WireFloat, "count": Count, "bool": StrictBool}
 
-    model_config = ConfigDict(extra="ignore")
+# One optimizer step of one rank. Its signal fields come from the signal table (agent/signals.py), in id
+# order between ``time`` and ``custom``: a newly declared signal is accepted with no edit here.
+StepIn = create_model(
+    "StepIn",
+    __config__=ConfigDict(extra="ignore"),
+    __doc__="One optimizer step of one rank.",
+    step=(int, Field(ge=0, le=2**62, strict=True)),
+    time=(Annotated[float, BeforeValidator(decode_float), WithJsonSchema({"type": "number"})],
+          Field(allow_inf_nan=False)),
+    **{sig.name: (_SIGNAL_TYPES[sig.kind], None) for sig in STEP_SIGNALS},
+    custom=(dict[CustomKey, WireFloat], Field(default_factory=dict, max_length=1000)),
+    layers=(dict[StatName, LayerArray], Field(default_factory=dict, max_length=64)),
+)
 
-    step: int = Field(ge=0, le=2**62, strict=True)
-    time: Annotated[float, BeforeValidator(parse_wire_float), WithJsonSchema({"type": "number"})] = Field(
-        allow_inf_nan=False
-    )
-    loss: WireFloat = None
-    grad_norm: WireFloat = None
-    clip_max_norm: WireFloat = None
-    clipped: StrictBool = None
-    loss_scale: WireFloat = None
-    overflow: StrictBool = None
-    overflow_count: Count = None
-    lr: WireFloat = None
-    step_time: WireFloat = None
-    samples_per_s: WireFloat = None
-    tokens_per_s: WireFloat = None
-    mem_peak: WireFloat = None
-    ema_divergence: WireFloat = None
-    input_nonfinite: Count = None
-    custom: dict[CustomKey, WireFloat] = Field(default_factory=dict, max_length=1000)
-    layers: dict[StatName, LayerArray] = Field(default_factory=dict, max_length=64)
+
+MAX_EVENT_DATA_BYTES = 64 * 1024    # an event's data as stored JSON; the agent's largest (top grad norms) is ~1 KB
+
+
+def _bounded_event_data(data: dict[str, Any]) -> dict[str, Any]:
+    size = len(json.dumps(data, separators=(",", ":"), default=str, allow_nan=True))
+    if size > MAX_EVENT_DATA_BYTES:
+        raise ValueError(f"event data is {size:,} bytes of JSON; at most {MAX_EVENT_DATA_BYTES:,}")
+    return data
 
 
 class EventIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     step: Optional[int] = Field(default=None, ge=0, le=2**62, strict=True)
-    kind: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    data: dict[str, Any] = Field(default_factory=dict)
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul]
+    data: Annotated[dict[str, Any], AfterValidator(_bounded_event_data)] = Field(default_factory=dict)
 
 
 class MetaIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    param_names: Optional[list[Annotated[str, StringConstraints(max_length=1000)]]] = Field(default=None, max_length=MAX_LAYERS)
-    module_names: Optional[list[Annotated[str, StringConstraints(max_length=1000)]]] = Field(default=None, max_length=MAX_LAYERS)
-    bn_names: Optional[list[Annotated[str, StringConstraints(max_length=1000)]]] = Field(default=None, max_length=MAX_LAYERS)
+    param_names: Optional[list[LayerName]] = Field(default=None, max_length=MAX_LAYERS)
+    module_names: Optional[list[LayerName]] = Field(default=None, max_length=MAX_LAYERS)
+    bn_names: Optional[list[LayerName]] = Field(default=None, max_length=MAX_LAYERS)
     config: Optional[dict[str, Any]] = None
     host: Optional[str] = None
     pid: Optional[int] = None
     torch: Optional[str] = None
     started_at: Optional[float] = Field(default=None, allow_inf_nan=False)
+    # sharded runs (FSDP / DTensor): [index, count] per param_names entry, the piece of it this rank holds
+    param_shards: Optional[list[tuple[Annotated[int, Field(ge=0, le=1_000_000)],
+                                      Annotated[int, Field(ge=0, le=1_000_000)]]]] = Field(
+        default=None, max_length=MAX_LAYERS)
 
 
 class IngestBatchIn(BaseModel):
@@ -111,12 +127,28 @@ class IngestBatchIn(BaseModel):
     steps: list[StepIn] = Field(max_length=100_000)
     events: list[EventIn] = Field(default_factory=list, max_length=10_000)
     status: Optional[Literal["running", "finished", "crashed"]] = None
+    # the sending process's step numbering (docs/resume.md): a guessed one ("optimizer", "process") is
+    # continued after the run's stored steps when it would collide with them; "given" is stored as is
+    session: Optional[Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]] = None
+    step_origin: Optional[Literal["given", "optimizer", "process"]] = None
+    step_start: Optional[int] = Field(default=None, ge=0, le=2**62, strict=True)
+    # Alerts in the loop (docs/alerts-in-the-loop.md): the ``alerts_cursor`` of the previous reply, 0 in a
+    # process's first batch; absent: the reply carries no alerts (spool replays by `gradwatch sync`, old agents).
+    alerts_after: Optional[float] = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class IngestResult(BaseModel):
     run_id: int
     accepted: int
     duplicate: bool
+    # how far this batch's steps were moved to continue the run's stored ones (its session's shift)
+    step_shift: int = 0
+    # steps of the batch not written: steps of those numbers were stored already (never overwritten)
+    already_stored: int = 0
+    # Only when the batch asked (``alerts_after``): the run's alerts created or changed since then, newest
+    # first, and the cursor to send next (docs/alerts-in-the-loop.md, "On the wire").
+    alerts: Optional[list["AlertOut"]] = None
+    alerts_cursor: Optional[float] = None
 
 
 # --------------------------------------------------------------------------- responses
@@ -145,6 +177,7 @@ class RunDetailOut(RunOut):
     module_names: list[Any]
     bn_names: list[Any]
     config: dict[str, Any]
+    signals: list[str] = []       # every series the run can be read as: step signals, then custom:<key>
 
 
 class RunListOut(BaseModel):
@@ -202,6 +235,11 @@ class AlertOut(BaseModel):
     acknowledged: bool
     created_at: float
     updated_at: float
+    resolved_at: Optional[float] = None
+    suppressed_by: Optional[int] = None          # the alert inhibiting this one (not notified)
+    suppressed_by_rule: Optional[str] = None     # e.g. "A1 loss_nonfinite rank 2"
+    silenced_by: Optional[int] = None            # the silence covering it (not notified)
+    muted: Optional[str] = None                  # "warm-up": started in the project's warm-up window
 
 
 class AlertListOut(BaseModel):
@@ -220,3 +258,16 @@ class EventOut(BaseModel):
 
 class EventListOut(BaseModel):
     events: list[EventOut]
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    path: Optional[str]
+    rank: int
+    saved_at: Optional[float]
+    source: Optional[str]
+
+
+class CheckpointListOut(BaseModel):
+    run_id: int
+    checkpoints: list[CheckpointOut]

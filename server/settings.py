@@ -11,6 +11,7 @@ Environment:
 - ``GRADWATCH_WEBHOOK_URLS``  comma-separated server-wide webhook URLs
 - ``GRADWATCH_PUBLIC_URL``    base URL used in webhook links
 - ``GRADWATCH_AUTH``          ``on`` to require project tokens
+- ``GRADWATCH_ROUTING``       routing file: receivers, routes, grouping, inhibitions (docs/webhooks.md)
 - ``GRADWATCH_STALL_SECONDS`` seconds without data before a running run reads as stalled
 - ``GRADWATCH_MAX_BODY_BYTES`` / ``GRADWATCH_MAX_DECODED_BYTES`` ingest size limits (413 above)
 """
@@ -22,8 +23,9 @@ from typing import Mapping, Optional
 
 from pydantic import BaseModel, Field, field_validator
 
+from .ports import DEFAULT_PORT  # one definition, read by the standard-library-only CLI too
+
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8470
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -51,14 +53,18 @@ class Settings(BaseModel):
     host: str = DEFAULT_HOST
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
     webhook_urls: tuple[str, ...] = ()
+    # hosts, addresses or networks (CIDR) that project webhooks may target although internal
+    webhook_allow: tuple[str, ...] = ()
     public_url: str = ""
     rules_file: Optional[Path] = None
+    # receivers, routes, group timers, inhibitions (server/routing/config.py); None: every alert to every endpoint
+    routing_file: Optional[Path] = None
     auth: bool = False
     stall_seconds: float = Field(default=300.0, gt=0)
     migrate: bool = False
     # Ingest limits: compressed body and decompressed body, in bytes.
     max_body_bytes: int = 32 * 1024 * 1024
-    max_decoded_bytes: int = 256 * 1024 * 1024
+    max_decoded_bytes: int = 64 * 1024 * 1024
     max_steps_per_batch: int = 100_000
     # batches of one process inside their write transaction at once (server/write_gate.py);
     # 0: the database's default (1 on SQLite, 2 on PostgreSQL)
@@ -75,6 +81,13 @@ class Settings(BaseModel):
         return "sqlite" if self.database_url.startswith("sqlite") else "postgresql"
 
     @property
+    def checks_webhook_targets(self) -> bool:
+        """Whether webhook endpoints added through the API or the dashboard are checked
+        (server/webhooks/targets.py): always with auth on; with auth off, unless the server listens on
+        loopback only, where whoever can reach it already runs on this machine."""
+        return self.auth or self.host not in ("127.0.0.1", "localhost", "::1")
+
+    @property
     def dashboard_base(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
@@ -88,6 +101,7 @@ class Settings(BaseModel):
         port: Optional[int] = None,
         webhooks: Optional[list[str]] = None,
         rules_file: Optional[str] = None,
+        routing_file: Optional[str] = None,
         migrate: bool = False,
         auth: Optional[bool] = None,
     ) -> "Settings":
@@ -111,13 +125,16 @@ class Settings(BaseModel):
             host=host,
             port=port,
             webhook_urls=tuple(dict.fromkeys(hooks)),
+            webhook_allow=tuple(a.strip() for a in env.get("GRADWATCH_WEBHOOK_ALLOW", "").split(",") if a.strip()),
             public_url=env.get("GRADWATCH_PUBLIC_URL", "").rstrip("/"),
             rules_file=Path(rules_file) if rules_file else (Path(env["GRADWATCH_RULES"]) if env.get("GRADWATCH_RULES") else None),
+            routing_file=Path(routing_file or env["GRADWATCH_ROUTING"])
+            if (routing_file or env.get("GRADWATCH_ROUTING")) else None,
             auth=auth,
             stall_seconds=float(env.get("GRADWATCH_STALL_SECONDS", 300)),
             migrate=migrate,
             session_secret=env.get("GRADWATCH_SESSION_SECRET", ""),
             max_body_bytes=int(env.get("GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024)),
-            max_decoded_bytes=int(env.get("GRADWATCH_MAX_DECODED_BYTES", 256 * 1024 * 1024)),
+            max_decoded_bytes=int(env.get("GRADWATCH_MAX_DECODED_BYTES", 64 * 1024 * 1024)),
             write_concurrency=int(env.get("GRADWATCH_WRITE_CONCURRENCY", 0)),
         )

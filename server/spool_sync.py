@@ -41,8 +41,8 @@ def _eprint(*args) -> None:
 
 def run(args) -> int:
     try:
-        from agent.config import DEFAULT_SERVER, default_spool_dir
-        from agent.sync import sync_spool
+        from gradwatch.agent.config import DEFAULT_SERVER, default_spool_dir
+        from gradwatch.agent.sync import sync_spool
     except ImportError as e:
         _eprint(f"gradwatch sync: the agent package is missing ({e}); install gradwatch")
         return 1

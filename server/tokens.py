@@ -66,6 +66,13 @@ def lookup_token(session: Session, *, token: str, now: Optional[float] = None) -
     return TokenUse(row.id, row.name, row.last_used_at is None or now - row.last_used_at >= TOUCH_SECONDS)
 
 
+def token_project(session: Session, *, token_id: int) -> Optional[str]:
+    """The project of the token with this id, or None once it is deleted (a dashboard session made with
+    it ends then)."""
+    return session.scalar(select(Project.name).join(ApiToken, ApiToken.project_id == Project.id)
+                          .where(ApiToken.id == token_id))
+
+
 def touch_token(session: Session, *, token_id: int, now: Optional[float] = None) -> None:
     """Record a use of the token (``gradwatch token list`` shows it); the caller commits."""
     session.execute(update(ApiToken).where(ApiToken.id == token_id)

@@ -1,6 +1,6 @@
 """Shared fixtures: real servers, real databases, a real webhook receiver, a real browser.
 
-Nothing here is mocked. A server is a real ``python -m server serve`` process
+Nothing here is mocked. A server is a real ``python -m gradwatch.server serve`` process
 on 127.0.0.1; SQLite is a file under the test's tmp dir; PostgreSQL is the
 server on this machine with a fresh database per test; the browser is Debian's
 headless Chromium. PostgreSQL and Chromium tests skip on a machine without
@@ -166,7 +166,7 @@ class LiveServer:
 
     def migrate(self) -> None:
         subprocess.run(
-            [sys.executable, "-m", "server", "db", "upgrade", "--db", self.db_url],
+            [sys.executable, "-m", "gradwatch.server", "db", "upgrade", "--db", self.db_url],
             check=True, env=self._env(), cwd=REPO_ROOT, capture_output=True, timeout=120,
         )
 
@@ -174,7 +174,7 @@ class LiveServer:
         self.log_path = self.data_dir / f"server-{self.port}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--db", self.db_url,
+            [sys.executable, "-m", "gradwatch.server", "serve", "--db", self.db_url,
              "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=self._env(), cwd=REPO_ROOT,
         )
@@ -218,6 +218,16 @@ class LiveServer:
         return http_json("POST", self.url + path, body, **kw)
 
 
+def create_token(db_url: str, project: str, data_dir) -> str:
+    """A project API token, made as an operator makes one: ``gradwatch token create``."""
+    env = dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir))
+    out = subprocess.run([sys.executable, "-m", "gradwatch.server", "token", "create", "--project", project, "--db", db_url],
+                         check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)
+    token = out.stdout.strip()
+    assert token.startswith("gw_") and len(token) > 30
+    return token
+
+
 def start_sqlite_server(data_dir: Path) -> LiveServer:
     """A migrated, started server on a SQLite file in ``data_dir`` (for wider-scoped fixtures)."""
     srv = LiveServer(db_url=f"sqlite:///{data_dir / 'gradwatch.db'}", data_dir=data_dir, port=free_port())
@@ -226,9 +236,12 @@ def start_sqlite_server(data_dir: Path) -> LiveServer:
 
 
 @pytest.fixture
-def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
-    """Start real servers: ``server_factory(db_url, extra_args=[...], env={...})``."""
+def server_factory(tmp_path: Path, request) -> Iterator[Callable[..., LiveServer]]:
+    """Start real servers: ``server_factory(db_url, extra_args=[...], env={...})``. A failing test's
+    report ends with each server's log tail (``pytest_runtest_makereport``): a race seen once in a
+    full run is gone from tmp by the time anyone reads the CI output."""
     started: list[LiveServer] = []
+    request.node._gradwatch_servers = started
 
     def make(db_url: str, extra_args: Optional[list[str]] = None, env: Optional[dict] = None,
              port: Optional[int] = None, migrate: bool = True) -> LiveServer:
@@ -244,6 +257,20 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     yield make
     for srv in started:
         srv.stop()
+
+
+SERVER_LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for i, srv in enumerate(getattr(item, "_gradwatch_servers", ())):
+        tail = "\n".join(srv.log().splitlines()[-SERVER_LOG_TAIL_LINES:])
+        report.sections.append((f"server {i} log (last {SERVER_LOG_TAIL_LINES} lines)", tail or "(empty)"))
 
 
 @pytest.fixture
@@ -269,13 +296,15 @@ class WebhookReceiver:
     """A real HTTP server on 127.0.0.1 that records every POST.
 
     ``status`` can be set to make it answer errors (a receiver that is down
-    for a while is ``stop()`` then ``start()`` again on the same port).
+    for a while is ``stop()`` then ``start()`` again on the same port); ``reply_delay`` seconds make
+    it a slow one (it records the request on arrival, then waits before answering).
     """
 
     def __init__(self, port: Optional[int] = None):
         self.port = port or free_port()
         self.received: list[Received] = []
         self.status = 200
+        self.reply_delay = 0.0
         self._lock = threading.Lock()
         self._server: Optional[http.server.ThreadingHTTPServer] = None
 
@@ -296,6 +325,8 @@ class WebhookReceiver:
                         receiver.received.append(
                             Received(time.time(), self.path, {k: v for k, v in self.headers.items()}, body)
                         )
+                if receiver.reply_delay:
+                    time.sleep(receiver.reply_delay)
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()

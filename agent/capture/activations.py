@@ -5,6 +5,8 @@ from typing import Any, Optional
 
 import torch
 
+from gradwatch.agent.capture.shards import local_tensor
+
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential, torch.nn.ParameterList,
               torch.nn.ParameterDict)
 
@@ -25,7 +27,7 @@ def first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 def activation_stats(out: torch.Tensor) -> torch.Tensor:
     """[mean, std, abs-max, non-finite count] of one output, float32, on its device."""
-    x = out.detach()
+    x = local_tensor(out.detach())   # a DTensor output (tensor parallel): this rank's shard, no collective
     if x.dtype != torch.float32:
         x = x.float()
     std, mean = torch.std_mean(x, correction=0)

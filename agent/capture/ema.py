@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from agent.capture.norms import tensor_norms
+from gradwatch.agent.capture.shards import local_tensors
+from gradwatch.agent.capture.norms import tensor_norms
 
 
 def ema_tensors(ema: Any) -> Optional[dict[str, torch.Tensor]]:
@@ -63,6 +64,8 @@ def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor
 
 
 def _divergence(shadows: list, live: list, cast: bool):
+    # sharded (DTensor) weights and EMA: this rank's pieces, never a collective (a rank's own ratio)
+    shadows, live = local_tensors(shadows), local_tensors(live)
     if cast:
         shadows = [s.to(q.dtype) for s, q in zip(shadows, live)]
     diffs = torch._foreach_sub(shadows, live)

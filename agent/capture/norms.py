@@ -6,21 +6,23 @@ from typing import Optional, Sequence
 import torch
 
 
-def grad_norms(params: Sequence[torch.Tensor], all_index: Optional[list[int]] = None
-               ) -> Optional[tuple[torch.Tensor, list[int], torch.Tensor]]:
+def grad_norms(params: Sequence[torch.Tensor], all_index: Optional[list[int]] = None,
+               grads: Optional[list] = None) -> Optional[tuple[torch.Tensor, list[int], torch.Tensor]]:
     """Per-parameter L2 grad norms, which parameters had a grad, and the global norm.
 
     The global norm is computed exactly as ``clip_grad_norm_`` does it (the norm
     of the stacked per-tensor norms), so it equals the value clipping sees.
     ``all_index`` (``list(range(len(params)))``, kept by the caller and never
-    modified) is returned as the index when every parameter has a grad.
+    modified) is returned as the index when every parameter has a grad. ``grads`` (the parameters'
+    grads, e.g. the local shards of DTensor grads) replaces ``p.grad`` when given.
 
     >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.full((2,), 3.0)
     >>> per, index, total = grad_norms([w, torch.nn.Parameter(torch.ones(1))])
     >>> index, round(float(total), 4)
     ([0], 4.2426)
     """
-    grads = [p.grad for p in params]   # one pass over the parameters (this runs every step)
+    if grads is None:
+        grads = [p.grad for p in params]   # one pass over the parameters (this runs every step)
     if not grads:
         return None
     try:   # the usual case, every parameter has a grad: no second pass over the list

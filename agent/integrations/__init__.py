@@ -4,8 +4,9 @@
 * :mod:`agent.integrations.lightning` — ``GradwatchCallback`` for Lightning's ``Trainer``
 
 This package imports neither framework: each submodule imports its own
-framework when it is imported, so ``import agent`` stays torch + standard
-library only. The shared bookkeeping below is framework-free.
+framework when it is imported, so ``from gradwatch import agent`` stays torch + standard
+library only. The shared bookkeeping below, and the callbacks' common base
+(:mod:`agent.integrations.callback`), are framework-free.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Add the callback; nothing else in the training script changes::
 
-    from agent.integrations.hf import GradwatchCallback
+    from gradwatch.agent.integrations.hf import GradwatchCallback
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[GradwatchCallback(project="nlp", run="bert-ft-3")])
@@ -39,40 +39,30 @@ trainer whose callback list holds it); ``watch(trainer)`` or
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-import agent
-
-from . import StepLoss, close_monitor, log, report_loss
+from . import log
+from .callback import GradwatchCallbackBase
 
 __all__ = ["GradwatchCallback", "watch"]
 
 
-class GradwatchCallback(TrainerCallback):
+class GradwatchCallback(GradwatchCallbackBase, TrainerCallback):
     """Streams a ``transformers.Trainer`` run to gradwatch.
 
-    Args:
-        ema: the EMA to compare against (as for ``agent.attach``), if any.
-        project, run, server: as for ``agent.attach``; ``run`` defaults to
-            ``TrainingArguments.run_name`` when that is set.
-        **config: any other ``agent.attach`` setting (``token=``,
-            ``activations_every=``, …).
+    Takes the arguments of :class:`~agent.integrations.callback.GradwatchCallbackBase`
+    (``ema=``, ``project=``, ``run=``, ``server=`` and any other ``agent.attach`` setting);
+    ``run`` defaults to ``TrainingArguments.run_name`` when that is set.
     """
 
-    def __init__(self, *, ema: Any = None, project: Optional[str] = None, run: Optional[str] = None,
-                 server: Optional[str] = None, **config: Any) -> None:
-        self.ema = ema
-        self.project = project
-        self.run = run
-        self.server = server
-        self.config = config
-        self.monitor: Any = None
-        self.scaler: Any = None
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
         self._trainer: Optional[Trainer] = None
-        self._step_loss = StepLoss()
         self._wrapped_training_step = False
 
     # ------------------------------------------------------------------ public
@@ -90,20 +80,13 @@ class GradwatchCallback(TrainerCallback):
         trainer = self._trainer or _find_trainer(self)
         self._trainer = trainer
         accelerator = getattr(trainer, "accelerator", None)
-        self.scaler = getattr(optimizer, "scaler", None) or getattr(accelerator, "scaler", None)
+        scaler = getattr(optimizer, "scaler", None) or getattr(accelerator, "scaler", None)
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)
         if model is None and trainer is not None:
             model = trainer.model
-        run = self.run or _explicit_run_name(args)
-        try:
-            self.monitor = agent.attach(model, self.scaler, optimizer=torch_optimizer, ema=self.ema,
-                                        project=self.project, run=run, server=self.server, **self.config)
-        except ValueError:
-            raise  # bad configuration: say so before training starts
-        except Exception:  # noqa: BLE001 - never hurt the host process
-            log.exception("gradwatch: attach failed; training continues unmonitored")
+        if not self._attach(model, scaler, torch_optimizer, run=self.run or _explicit_run_name(args),
+                            global_step=state.global_step):
             return
-        _continue_at(self.monitor, state.global_step)
         if self.scaler is None:
             if trainer is None:
                 log.warning("gradwatch: could not find the Trainer this callback belongs to; the loss is not "
@@ -115,7 +98,20 @@ class GradwatchCallback(TrainerCallback):
         # Before optimizer.step(): the loss belongs to the step being taken.
         if self.monitor is None:
             return
-        report_loss(self.monitor, self._step_loss.take())
+        self._report_step_loss()
+
+    def on_save(self, args, state, control, **kwargs):
+        # The Trainer has just written output_dir/checkpoint-<global_step> (its _save_checkpoint);
+        # resuming from it continues with step global_step, the checkpoint's step.
+        if self.monitor is None:
+            return
+        path = os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self._record_checkpoint(path, state.global_step, "transformers")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # stop_on: the Trainer ends the run after this step (its own save / log at the end still happen)
+        if self._stop_requested():
+            control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         self._finish()
@@ -149,9 +145,7 @@ class GradwatchCallback(TrainerCallback):
 
     def _finish(self, *, crashed: bool = False) -> None:
         self._unwrap_training_step()
-        monitor, self.monitor = self.monitor, None
-        self._step_loss.take()
-        close_monitor(monitor, crashed=crashed)
+        super()._finish(crashed=crashed)
 
 
 def watch(trainer: Trainer, **attach_kwargs: Any) -> GradwatchCallback:
@@ -159,12 +153,6 @@ def watch(trainer: Trainer, **attach_kwargs: Any) -> GradwatchCallback:
     callback = GradwatchCallback(**attach_kwargs).bind(trainer)
     trainer.add_callback(callback)
     return callback
-
-
-def _continue_at(monitor: Any, global_step: int) -> None:
-    """Number gradwatch's steps like the Trainer's: a run resumed from a checkpoint continues at its step."""
-    if global_step and hasattr(monitor, "step"):
-        monitor.step = int(global_step)
 
 
 def _explicit_run_name(args) -> Optional[str]:

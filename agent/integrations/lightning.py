@@ -2,7 +2,7 @@
 
 Add the callback; nothing else in the training script changes::
 
-    from agent.integrations.lightning import GradwatchCallback
+    from gradwatch.agent.integrations.lightning import GradwatchCallback
 
     trainer = L.Trainer(max_epochs=3, accumulate_grad_batches=4, gradient_clip_val=1.0,
                         callbacks=[GradwatchCallback(project="vision", run="resnet-7")])
@@ -27,63 +27,38 @@ step — the step's mean loss — never one per micro-batch.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
 try:  # the unified package first, then the standalone one
     from lightning.pytorch import Callback
 except ImportError:  # pragma: no cover - depends on what is installed
     from pytorch_lightning import Callback  # type: ignore[no-redef]
 
-import agent
-
-from . import StepLoss, close_monitor, log, report_loss
+from . import log
+from .callback import GradwatchCallbackBase
 
 __all__ = ["GradwatchCallback"]
 
 
-class GradwatchCallback(Callback):
+class GradwatchCallback(GradwatchCallbackBase, Callback):
     """Streams a Lightning ``Trainer.fit`` run to gradwatch.
 
-    Args:
-        ema: the EMA to compare against (as for ``agent.attach``), if any.
-        project, run, server: as for ``agent.attach``.
-        **config: any other ``agent.attach`` setting (``token=``,
-            ``activations_every=``, …).
+    Takes the arguments of :class:`~agent.integrations.callback.GradwatchCallbackBase`
+    (``ema=``, ``project=``, ``run=``, ``server=`` and any other ``agent.attach`` setting).
     """
 
-    def __init__(self, *, ema: Any = None, project: Optional[str] = None, run: Optional[str] = None,
-                 server: Optional[str] = None, **config: Any) -> None:
-        super().__init__()
-        self.ema = ema
-        self.project = project
-        self.run = run
-        self.server = server
-        self.config = config
-        self.monitor: Any = None
-        self.scaler: Any = None
-        self._step_loss = StepLoss()
+    def __init__(self, **settings) -> None:
+        super().__init__(**settings)
+        self._checkpoints_pending: list[int] = []   # steps of checkpoints being saved, path not known yet
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.monitor is not None:
             return
-        self.scaler = getattr(trainer.precision_plugin, "scaler", None)
         optimizers = list(trainer.optimizers)
         if len(optimizers) > 1:
             log.warning("gradwatch: %d optimizers; monitoring the first (learning rate, steps)", len(optimizers))
-        optimizer = optimizers[0] if optimizers else None
-        try:
-            self.monitor = agent.attach(pl_module, self.scaler, optimizer=optimizer, ema=self.ema,
-                                        project=self.project, run=self.run, server=self.server, **self.config)
-        except ValueError:
-            raise  # bad configuration: say so before training starts
-        except Exception:  # noqa: BLE001 - never hurt the host process
-            log.exception("gradwatch: attach failed; training continues unmonitored")
-            return
-        if trainer.global_step and hasattr(self.monitor, "step"):
-            # resumed from a checkpoint: continue the run's step numbers instead of writing over them
-            self.monitor.step = int(trainer.global_step)
+        self._attach(pl_module, getattr(trainer.precision_plugin, "scaler", None),
+                     optimizers[0] if optimizers else None, run=self.run, global_step=trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # The agent closes a step's record at the model's next forward call, but
@@ -92,7 +67,9 @@ class GradwatchCallback(Callback):
         # of every micro-batch, so that no step waits for a forward that never comes.
         if self.monitor is None:
             return
-        _agent_call(self.monitor, "_seal_open")
+        if self._checkpoints_pending:
+            self._record_saved_checkpoints(trainer)
+        self._call("seal_step")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # With a scaler this tensor is already scaled, and the agent sees the
@@ -110,31 +87,47 @@ class GradwatchCallback(Callback):
             # runs before the closure's backward. Measure them again now, after
             # backward and before clipping (which Lightning does right after
             # this hook).
-            if hasattr(self.monitor, "_grads"):
-                self.monitor._grads = None
-            _agent_call(self.monitor, "_compute_grads")
-        report_loss(self.monitor, self._step_loss.take())
+            self._call("remeasure_grads")
+        self._report_step_loss()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # Called while the checkpoint dict is built, before the file is written, and Lightning
+        # tells no callback the file's path: note the step and name the path at the next hook,
+        # once the ModelCheckpoint that saved it has recorded it (_record_saved_checkpoints).
+        if self.monitor is not None:
+            self._checkpoints_pending.append(int(trainer.global_step))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # stop_on: Lightning ends the fit after this batch (checkpoint callbacks still run at its end)
+        if self._stop_requested():
+            trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._record_saved_checkpoints(trainer)
         self._finish()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._record_saved_checkpoints(trainer)
         self._finish(crashed=not isinstance(exception, KeyboardInterrupt))
 
     # ------------------------------------------------------------------ helpers
 
-    def _finish(self, *, crashed: bool = False) -> None:
-        monitor, self.monitor = self.monitor, None
-        self._step_loss.take()
-        close_monitor(monitor, crashed=crashed)
+    def _record_saved_checkpoints(self, trainer) -> None:
+        """Record the checkpoints noted by on_save_checkpoint, with the path each ModelCheckpoint wrote.
 
-
-def _agent_call(monitor: Any, name: str) -> None:
-    """Call one of the agent's step-boundary methods when it has it; never raise into training."""
-    method = getattr(monitor, name, None)
-    if method is None:
-        return
-    try:
-        method()
-    except Exception:  # noqa: BLE001
-        log.exception("gradwatch: %s failed", name)
+        ModelCheckpoint keeps the file it wrote last and its step only in private attributes
+        (``_last_checkpoint_saved``, ``_last_global_step_saved``, Lightning 2.x); read with
+        getattr, so a Lightning without them, or a user's own ``trainer.save_checkpoint(path)``,
+        records the checkpoint's step with no path."""
+        pending, self._checkpoints_pending = self._checkpoints_pending, []
+        for step in dict.fromkeys(pending):
+            paths = []
+            try:
+                for cb in getattr(trainer, "checkpoint_callbacks", None) or ():
+                    saved = getattr(cb, "_last_checkpoint_saved", None)
+                    if saved and getattr(cb, "_last_global_step_saved", None) == step and saved not in paths:
+                        paths.append(str(saved))
+            except Exception:  # noqa: BLE001 - a path is a nicety; the step is recorded anyway
+                paths = []
+            for path in paths or [None]:
+                self._record_checkpoint(path, step, "lightning")

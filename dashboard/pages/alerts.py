@@ -1,12 +1,15 @@
-"""Alerts page (``/alerts``): alerts across runs, filtered by severity, rule and status; live."""
+"""Alerts page (``/alerts``): alerts across runs, filtered by severity, rule and status; live.
+Below them, the silences (server/routing/silences.py): add one by matchers and duration, expire one."""
 from __future__ import annotations
+
+import shlex
 
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
-from dashboard import figures, gateway
-from dashboard.alert_cards import alert_list
-from dashboard.ticks import pause_while_running
+from gradwatch.dashboard import figures, gateway
+from gradwatch.dashboard.alert_cards import alert_list, format_time
+from gradwatch.dashboard.ticks import pause_while_running
 
 REFRESH_MS = 1000
 SEVERITIES = ("critical", "warning", "info")
@@ -26,6 +29,21 @@ def layout(**_query):
             html.Span(id="alerts-count", className="gw-muted"),
         ], className="gw-page-head"),
         html.Div(id="alerts-list", className="gw-alerts-grid"),
+        html.Div([
+            html.H2("Silences", className="gw-subtitle"),
+            html.Div([
+                dcc.Input(id="alerts-silence-matchers", type="text", className="gw-input", debounce=False,
+                          placeholder='matchers, e.g. run=exp-42 rule=~"C.*"'),
+                dcc.Input(id="alerts-silence-project", type="text", className="gw-input",
+                          placeholder="project (empty: every project)"),
+                dcc.Input(id="alerts-silence-duration", type="text", value="2h", className="gw-input"),
+                dcc.Input(id="alerts-silence-comment", type="text", className="gw-input", placeholder="comment"),
+                html.Button("Add silence", id="alerts-silence-add", n_clicks=0, className="gw-button"),
+            ], className="gw-filters"),
+            html.Div(id="alerts-silence-message", className="gw-muted"),
+            html.Div(id="alerts-silence-list"),
+            dcc.Store(id="alerts-silence-sig"),
+        ], className="gw-silences"),
         dcc.Store(id="alerts-sig"),
         dcc.Store(id="alerts-ack-done", data=0),
         dcc.Interval(id="alerts-interval", interval=REFRESH_MS),
@@ -71,6 +89,61 @@ def acknowledge(_clicks, done):
         return no_update
     gateway.acknowledge_alert(int(ctx.triggered_id["index"]))
     return (done or 0) + 1
+
+
+def silence_rows(silences: list[dict]) -> list:
+    """One line per silence not yet ended, with its expire button."""
+    if not silences:
+        return [html.Div("No active silences.", className="gw-empty")]
+    rows = []
+    for s in silences:
+        rows.append(html.Div([
+            html.Span(f"silence {s['id']}", className="gw-alert-rule"),
+            html.Span(s["state"], className="gw-badge"),
+            html.Span(s.get("project") or "every project", className="gw-muted"),
+            html.Code(" ".join(s["matchers"])),
+            html.Span(f"until {format_time(s['ends_at'])}", className="gw-muted"),
+            html.Span(f"by {s['created_by']}" if s.get("created_by") else "", className="gw-muted"),
+            html.Span(s.get("comment") or "", className="gw-muted"),
+            html.Button("Expire", id={"type": "alerts-silence-expire", "index": s["id"]}, n_clicks=0,
+                        className="gw-button"),
+        ], className="gw-silence", id=f"alerts-silence-{s['id']}"))
+    return rows
+
+
+@callback(
+    Output("alerts-silence-list", "children"),
+    Output("alerts-silence-message", "children"),
+    Output("alerts-silence-sig", "data"),
+    Input("alerts-interval", "n_intervals"),
+    Input("alerts-silence-add", "n_clicks"),
+    Input({"type": "alerts-silence-expire", "index": ALL}, "n_clicks"),
+    State("alerts-silence-matchers", "value"),
+    State("alerts-silence-project", "value"),
+    State("alerts-silence-duration", "value"),
+    State("alerts-silence-comment", "value"),
+    State("alerts-silence-sig", "data"),
+)
+def silences(_tick, _add, _expire, matchers, project, duration, comment, previous_sig):
+    message = no_update
+    trigger = ctx.triggered_id
+    try:
+        if trigger == "alerts-silence-add" and _add:
+            made = gateway.create_silence(project=(project or "").strip() or None,
+                                          matchers=shlex.split(matchers or ""), duration=duration or "2h",
+                                          comment=comment or "")
+            message = f"silence {made['id']} added: {' '.join(made['matchers'])}"
+        elif isinstance(trigger, dict) and ctx.triggered and ctx.triggered[0].get("value"):
+            gateway.expire_silence(int(trigger["index"]))
+            message = f"silence {trigger['index']} expired"
+    except (ValueError, LookupError) as e:
+        message = str(e)
+    shown = gateway.list_silences()
+    # re-render only on a change: new expire buttons would otherwise trigger this callback again
+    sig = [[s["id"], s["state"], s["ends_at"]] for s in shown]
+    if sig == previous_sig:
+        return no_update, message, no_update
+    return silence_rows(shown), message, sig
 
 
 dash.register_page(__name__, path="/alerts", name="Alerts", title="gradwatch · alerts", order=3, layout=layout)

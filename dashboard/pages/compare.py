@@ -8,9 +8,9 @@ from __future__ import annotations
 import dash
 from dash import ClientsideFunction, Input, Output, State, callback, clientside_callback, dcc, html, no_update
 
-from dashboard import figures, gateway
-from dashboard.figures import COMPARE_PANELS
-from dashboard.ticks import pause_while_running
+from gradwatch.dashboard import figures, gateway
+from gradwatch.dashboard.figures import COMPARE_PANELS
+from gradwatch.dashboard.ticks import pause_while_running
 
 GRAPH_IDS = [f"compare-graph-{signal}" for signal, _, _ in COMPARE_PANELS]
 MAX_POINTS = 1000

@@ -22,16 +22,17 @@ Data flow (all ids start with ``run-``):
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import dash
 from dash import ALL, ClientsideFunction, Input, Output, Patch, State, callback, clientside_callback, ctx, dcc, html, \
     no_update
 
-from dashboard import figures, gateway
-from dashboard.alert_cards import alert_list, format_ago, format_time, health_badge, status_badge
-from dashboard.figures import HEATMAPS, PANELS, SERIES_SIGNALS, format_number
-from dashboard.ticks import pause_while_running
+from gradwatch.dashboard import figures, gateway
+from gradwatch.dashboard.alert_cards import alert_list, format_ago, format_time, health_badge, status_badge
+from gradwatch.dashboard.figures import ALL_RANKS, HEADLINE, HEATMAPS, PANELS, RANK_CHARTS, SERIES_SIGNALS, \
+    format_number
+from gradwatch.dashboard.ticks import pause_while_running
 
 LIVE_MS = 500
 SUMMARY_MS = 1000
@@ -42,14 +43,16 @@ HEATMAP_STEPS = 300
 HEATMAP_LAYERS = 48
 
 # Drawn first (docs/dashboard.md, "Big runs": the page is usable once these are drawn).
-HEADLINE = ("loss", "grad_norm", "loss_scale")
 HEAD_PANELS = tuple(p for p in PANELS if p.key in HEADLINE)
 REST_PANELS = tuple(p for p in PANELS if p.key not in HEADLINE)
 HEAD_IDS = [f"run-graph-{p.key}" for p in HEAD_PANELS]
 REST_IDS = [f"run-graph-{p.key}" for p in REST_PANELS]
 PANEL_IDS = [f"run-graph-{p.key}" for p in PANELS]
 HEATMAP_IDS = [f"run-heatmap-{stat}" for stat, _ in HEATMAPS]
-ALL_GRAPH_IDS = PANEL_IDS + ["run-graph-update_ratio"] + HEATMAP_IDS
+RANK_GRAPH_IDS = [f"run-rank-graph-{sig}" for sig, _, _ in RANK_CHARTS]
+RANK_HEATMAP_IDS = [f"run-rank-heatmap-{sig}" for sig, _, _ in RANK_CHARTS]
+ALL_GRAPH_IDS = PANEL_IDS + ["run-graph-update_ratio"] + HEATMAP_IDS + RANK_GRAPH_IDS + RANK_HEATMAP_IDS
+RANK_STEPS = 300           # columns of the rank × step heatmaps (the overlays are drawn from the same read)
 # Drag to zoom, double-click to reset: the mode bar would only cover the legends.
 GRAPH_CONFIG = {"displayModeBar": False, "responsive": True}
 
@@ -73,8 +76,11 @@ def layout(run_id=None, **_query):
     if rid is None or gateway.get_run(rid) is None:
         return html.Div([html.H1("Run not found", className="gw-title"),
                          dcc.Link("back to runs", href="/")], className="gw-card")
+    ranks = gateway.get_rank_meta(rid) or {"world_size": 1, "combined": False, "ranks": []}
+    multi = ranks["world_size"] > 1
     return html.Div([
         dcc.Store(id="run-id", data=rid),
+        dcc.Store(id="run-rank-info", data={"world_size": ranks["world_size"], "combined": ranks["combined"]}),
         dcc.Store(id="run-range", data=None),
         dcc.Store(id="run-head", data=None),
         dcc.Store(id="run-live", data=None),
@@ -85,6 +91,9 @@ def layout(run_id=None, **_query):
         dcc.Interval(id="run-interval", interval=LIVE_MS),
         dcc.Interval(id="run-summary-interval", interval=SUMMARY_MS),
         dcc.Interval(id="run-layers-interval", interval=LAYERS_MS),
+        # max_intervals=0: a one-rank run's never ticks (pause_while_running re-enables it after each call)
+        dcc.Interval(id="run-ranks-interval", interval=LAYERS_MS, max_intervals=-1 if multi else 0),
+        dcc.Store(id="run-ranks-sig", data=None),
         html.Div(id="run-header", className="gw-run-header"),
         html.Div(id="run-notices"),
         html.Div([
@@ -94,12 +103,20 @@ def layout(run_id=None, **_query):
                     html.Div(dcc.Slider(id="run-smoothing", min=0, max=0.99, step=0.01, value=0.6,
                                         marks={0: "off", 0.5: "0.5", 0.9: "0.9"},
                                         tooltip={"placement": "bottom"}), className="gw-slider"),
+                    html.Div(dcc.Dropdown(id="run-rank", options=_rank_options(ranks), value=ALL_RANKS,
+                                          clearable=False, searchable=len(ranks["ranks"]) > 8),
+                             className="gw-rank-picker", style={"minWidth": "13rem"} if multi else {"display": "none"}),
                     html.Button("Whole run", id="run-reset", n_clicks=0, className="gw-button"),
                     html.Span("drag on any chart to zoom every chart; double-click to reset",
                               className="gw-muted gw-hint"),
                 ], className="gw-toolbar"),
                 html.Div([_graph(gid) for gid in PANEL_IDS] + [_graph("run-graph-update_ratio")],
                          className="gw-chart-grid"),
+                html.Div([
+                    html.H2("Ranks", className="gw-subtitle"),
+                    html.Div([_graph(gid) for gid in RANK_GRAPH_IDS], className="gw-chart-grid"),
+                    html.Div([_graph(gid, wide=True) for gid in RANK_HEATMAP_IDS], className="gw-chart-grid"),
+                ], id="run-ranks-section", style={} if multi else {"display": "none"}),
                 html.H2("Per-layer statistics", className="gw-subtitle"),
                 html.Div([_graph(gid, wide=True) for gid in HEATMAP_IDS], className="gw-chart-grid"),
             ], className="gw-run-charts"),
@@ -109,6 +126,18 @@ def layout(run_id=None, **_query):
     ])
 
 
+def _rank_options(ranks: dict) -> list[dict]:
+    """The rank picker: all ranks (rank 0, a sharded run's grad norms from its combined row), each rank with
+    where it runs, and a sharded run's combined row itself."""
+    opts = [{"label": "All ranks", "value": ALL_RANKS}]
+    for r in ranks.get("ranks") or []:
+        where = " ".join(str(x) for x in (r.get("host"), r.get("device")) if x)
+        opts.append({"label": f"rank {r['rank']}" + (f" · {where}" if where else ""), "value": str(r["rank"])})
+    if ranks.get("combined"):
+        opts.append({"label": "combined (rank -1)", "value": "-1"})
+    return opts
+
+
 # --------------------------------------------------------------------------- charts
 
 def _first_step(series: dict) -> Optional[int]:
@@ -116,34 +145,47 @@ def _first_step(series: dict) -> Optional[int]:
     return min(firsts) if firsts else None
 
 
-def _panel_figures(panels, series: dict, alerts: list, smoothing: float, shown) -> tuple[list, dict]:
+def _panel_figures(panels, series: dict, alerts: list, smoothing: float, shown,
+                   checkpoints: list = ()) -> tuple[list, dict]:
     figs, smooth_states = [], {}
     for panel in panels:
-        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown)
+        fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown,
+                                           checkpoints=checkpoints)
         figs.append(fig)
         smooth_states[panel.key] = state
     return figs, smooth_states
 
 
-def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list, panels=PANELS) -> tuple[list, dict]:
+def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list, panels=PANELS,
+                   source: Optional[dict] = None) -> tuple[list, dict]:
     start, end = (x_range or (None, None))
     # The run's last step, read before the series: a downsampled series ends with a
     # bucket's first step, and live appends must continue after the bucket's end.
     last = (gateway.get_run(run_id) or {}).get("last_step")
-    series = gateway.get_series(run_id, figures.panel_signals(panels), start=start, end=end, max_points=MAX_POINTS)
+    source = source or {"sources": {}, "rank": 0, "layer_rank": 0, "picked": ALL_RANKS}
+    series = gateway.get_series(run_id, figures.panel_signals(panels), start=start, end=end, max_points=MAX_POINTS,
+                                rank=source["rank"], sources=source["sources"])
     cursor = figures.last_step(series)
     if cursor is not None and last is not None:
         cursor = max(cursor, last)
     first = _first_step(series)
+    checkpoints = gateway.list_checkpoints(run_id)
     # The whole run: every chart gets the same explicit step range (autorange
     # would pad charts with markers differently and break the shared axis).
     shown = x_range if x_range is not None else ([first, max(cursor, first + 1)] if cursor is not None else None)
-    figs, smooth_states = _panel_figures(panels, series, alerts, smoothing, shown)
+    figs, smooth_states = _panel_figures(panels, series, alerts, smoothing, shown, checkpoints)
     if x_range is not None and last is not None:
         cursor = last  # a zoomed view ends inside the run; live appends continue from the run's end
     live = {"cursor": cursor, "first": first, "states": smooth_states, "appended": 0,
-            "alerts": figures.alerts_signature(alerts), "range": x_range, "shown": shown}
+            "alerts": figures.alerts_signature(alerts), "range": x_range, "shown": shown, "source": source,
+            "checkpoints": figures.checkpoints_signature(checkpoints)}
     return figs, live
+
+
+def _source(picked, info: Optional[dict]) -> dict:
+    """Which rank each chart reads, from the picker (``figures.rank_sources``); kept in the live state."""
+    sources, rank, layer_rank = figures.rank_sources(picked, bool((info or {}).get("combined")))
+    return {"sources": sources, "rank": rank, "layer_rank": layer_rank, "picked": picked or ALL_RANKS}
 
 
 @callback(
@@ -153,12 +195,14 @@ def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list, panels=
     Output("run-live", "data"),
     Input("run-range", "data"),
     Input("run-smoothing", "value"),
+    Input("run-rank", "value"),
     State("run-id", "data"),
+    State("run-rank-info", "data"),
     running=pause_while_running("run-interval"),
 )
-def load_headline(x_range, smoothing, run_id):
+def load_headline(x_range, smoothing, picked, run_id, rank_info):
     alerts = gateway.list_alerts(run_id=run_id)
-    figs, head = _chart_figures(run_id, x_range, smoothing, alerts, HEAD_PANELS)
+    figs, head = _chart_figures(run_id, x_range, smoothing, alerts, HEAD_PANELS, _source(picked, rank_info))
     return *figs, head, None
 
 
@@ -180,11 +224,14 @@ def load_charts(head, run_id, smoothing):
     x_range = head.get("range")
     # The whole run: read up to the headline's cursor, where live appends will continue from.
     start, end = x_range if x_range is not None else (None, head.get("cursor"))
-    series = gateway.get_series(run_id, figures.panel_signals(REST_PANELS), start=start, end=end, max_points=MAX_POINTS)
-    figs, states = _panel_figures(REST_PANELS, series, alerts, smoothing, head.get("shown"))
+    source = head.get("source") or _source(None, None)
+    series = gateway.get_series(run_id, figures.panel_signals(REST_PANELS), start=start, end=end, max_points=MAX_POINTS,
+                                rank=source["rank"], sources=source["sources"])
+    figs, states = _panel_figures(REST_PANELS, series, alerts, smoothing, head.get("shown"),
+                                  gateway.list_checkpoints(run_id))
     live = dict(head, states={**(head.get("states") or {}), **states})
     # The heatmaps (below the fold) load once the charts are drawn, not in competition with them.
-    return *figs, live, {"range": x_range}
+    return *figs, live, {"range": x_range, "source": source}
 
 
 @callback(
@@ -204,7 +251,10 @@ def append_live(_tick, run_id, live, smoothing):
     cursor = live.get("cursor")
     alerts = gateway.list_alerts(run_id=run_id)
     sig = figures.alerts_signature(alerts)
-    alerts_changed = sig != live.get("alerts")
+    checkpoints = gateway.list_checkpoints(run_id)
+    ckpt_sig = figures.checkpoints_signature(checkpoints)
+    # a new checkpoint redraws the step-axis marks as a new or changed alert does
+    alerts_changed = sig != live.get("alerts") or ckpt_sig != live.get("checkpoints")
     # One cheap query says whether there is anything new; most ticks stop here.
     last = (gateway.get_run(run_id) or {}).get("last_step")
     fresh_steps = last is not None and (cursor is None or last > cursor)
@@ -213,18 +263,20 @@ def append_live(_tick, run_id, live, smoothing):
     behind = 0 if not fresh_steps else last - (cursor if cursor is not None else -1)
     if live.get("range") is None and live.get("appended", 0) + behind > MAX_APPENDED:
         # Far behind (a fast run, a tab left in the background): redraw downsampled instead.
-        figs, fresh = _chart_figures(run_id, None, smoothing, alerts)
+        figs, fresh = _chart_figures(run_id, None, smoothing, alerts, source=live.get("source"))
         return *figs, fresh
+    source = live.get("source") or _source(None, None)
     new = (gateway.get_series(run_id, SERIES_SIGNALS, since=-1 if cursor is None else cursor,
-                              max_points=MAX_APPENDED) if fresh_steps else {})
+                              max_points=MAX_APPENDED, rank=source["rank"], sources=source["sources"])
+           if fresh_steps else {})
     new_cursor = figures.last_step(new)
     appended = live.get("appended", 0) + max((len(s.get("steps", [])) for s in new.values() if s), default=0)
-    live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended)
+    live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended, checkpoints=ckpt_sig)
     if new_cursor is not None:
         live["cursor"] = new_cursor if cursor is None else max(new_cursor, cursor)
         if live.get("first") is None:
             live["first"] = _first_step(new)
-    shapes = figures.alert_shapes(alerts) if alerts_changed else None
+    shapes = figures.alert_shapes(alerts) + figures.checkpoint_shapes(checkpoints) if alerts_changed else None
     # Viewing the whole run: the shared step range grows with the run.
     grow = ([live["first"], max(live["cursor"], live["first"] + 1)]
             if live.get("range") is None and new_cursor is not None and live.get("first") is not None else None)
@@ -285,8 +337,10 @@ def load_layers(layers_range, _tick, run_id, previous_sig):
         return [no_update] * (len(HEATMAP_IDS) + 2)
     x_range = layers_range.get("range")
     start, end = (x_range or (None, None))
+    source = layers_range.get("source") or _source(None, None)
     matrices = {stat: gateway.get_layer_matrix(run_id, stat, start=start, end=end, max_steps=HEATMAP_STEPS,
-                                               max_layers=HEATMAP_LAYERS)
+                                               max_layers=HEATMAP_LAYERS,
+                                               rank=figures.layer_rank(stat, source["layer_rank"], source["picked"]))
                 for stat in [s for s, _ in HEATMAPS] + ["update_ratio"]}
     alerts = gateway.list_alerts(run_id=run_id)
     origin = _nan_origin(run_id)
@@ -297,7 +351,7 @@ def load_layers(layers_range, _tick, run_id, previous_sig):
         last = (gateway.get_run(run_id) or {}).get("last_step")
         if firsts and last is not None:
             shown = [min(firsts), max(last, min(firsts) + 1)]
-    sig = [x_range, shown, figures.alerts_signature(alerts), origin and origin.get("step"),
+    sig = [x_range, shown, source["picked"], figures.alerts_signature(alerts), origin and origin.get("step"),
            {k: [len(m.get("steps") or []), (m.get("steps") or [None])[-1]] for k, m in matrices.items()}]
     if ctx.triggered_id == "run-layers-interval" and sig == previous_sig:
         return [no_update] * (len(HEATMAP_IDS) + 2)
@@ -308,9 +362,84 @@ def load_layers(layers_range, _tick, run_id, previous_sig):
     return *heatmaps, ratio, sig
 
 
+# --------------------------------------------------------------------------- ranks side by side
+
+@callback(
+    [Output(gid, "figure") for gid in RANK_GRAPH_IDS + RANK_HEATMAP_IDS],
+    Output("run-ranks-sig", "data"),
+    Input("run-layers-range", "data"),
+    Input("run-ranks-interval", "n_intervals"),
+    State("run-id", "data"),
+    State("run-rank-info", "data"),
+    State("run-ranks-sig", "data"),
+    prevent_initial_call=True,
+    running=pause_while_running("run-ranks-interval"),
+)
+def load_ranks(layers_range, _tick, run_id, rank_info, previous_sig):
+    """Every rank overlaid on loss / grad norm / step time, and their rank × step heatmaps: one read of
+    every rank's series (queries.get_rank_matrix), after the charts above are drawn."""
+    nothing = [no_update] * (len(RANK_GRAPH_IDS) + len(RANK_HEATMAP_IDS) + 1)
+    if layers_range is None or (rank_info or {}).get("world_size", 1) <= 1:
+        return nothing
+    x_range = layers_range.get("range")
+    source = layers_range.get("source") or _source(None, None)
+    start, end = (x_range or (None, None))
+    sharded = bool((rank_info or {}).get("combined"))
+    read = {sig: figures.SHARDED_PER_RANK.get(sig, sig) if sharded else sig for sig, _, _ in RANK_CHARTS}
+    got = gateway.get_rank_matrix(run_id, list(read.values()), start=start, end=end, max_steps=RANK_STEPS)
+    matrices = {sig: got.get(src) or {} for sig, src in read.items()}
+    alerts = gateway.list_alerts(run_id=run_id)
+    shown = x_range
+    if x_range is None:
+        firsts = [m["steps"][0] for m in matrices.values() if m.get("steps")]
+        last = (gateway.get_run(run_id) or {}).get("last_step")
+        if firsts and last is not None:
+            shown = [min(firsts), max(last, min(firsts) + 1)]
+    sig = [x_range, shown, source["picked"], figures.alerts_signature(alerts),
+           {k: [len(m.get("steps") or []), (m.get("steps") or [None])[-1]] for k, m in matrices.items()}]
+    if ctx.triggered_id == "run-ranks-interval" and sig == previous_sig:
+        return nothing
+    picked = source["picked"]
+    named = figures.alert_rank(alerts)
+    overlays, heatmaps = [], []
+    for signal, title, log_y in RANK_CHARTS:
+        m = matrices.get(signal)
+        if read[signal] != signal:
+            title = f"{title} (each rank's shard)"
+        # the rank picked, else the one a cross-rank alert names, else the one furthest from the median
+        if picked not in (None, ALL_RANKS) and int(picked) >= 0:
+            highlight, why = int(picked), "picked"
+        elif named is not None:
+            highlight, why = named, "named by an alert"
+        else:
+            highlight, why = figures.odd_rank(m), "furthest from the median"
+        overlays.append(figures.rank_overlay_figure(title, m, highlight=highlight, why=why, log_y=log_y,
+                                                    alerts=alerts, x_range=shown))
+        heatmaps.append(figures.rank_heatmap_figure(title, m, log=log_y, highlight=highlight, x_range=shown))
+    return *overlays, *heatmaps, sig
+
+
 # --------------------------------------------------------------------------- header, notices, alerts
 
-def _header(run: dict, alerts: list) -> list:
+def _rank_hosts(ranks: list[dict]) -> Optional[html.Details]:
+    """Where each rank runs (host, local rank, device), from its agent's meta: open for a few ranks."""
+    rows = [r for r in ranks if r.get("host") or r.get("device") or r.get("local_rank") is not None]
+    if not rows:
+        return None
+    hosts = sorted({r.get("host") for r in rows if r.get("host")})
+    cell = html.Td
+    table = html.Table([html.Thead(html.Tr([html.Th(h) for h in ("rank", "host", "local rank", "device")]))] + [
+        html.Tbody([html.Tr([cell(str(r["rank"])), cell(r.get("host") or "—"),
+                             cell("—" if r.get("local_rank") is None else str(r["local_rank"])),
+                             cell(r.get("device") or "—")]) for r in rows])], className="gw-rank-table")
+    summary = f"{len(rows)} ranks on {len(hosts)} host{'s' if len(hosts) != 1 else ''}: " + ", ".join(hosts[:6]) + \
+        (f" … (+{len(hosts) - 6})" if len(hosts) > 6 else "")
+    return html.Details([html.Summary(summary), table], open=len(rows) <= 8, id="run-rank-hosts",
+                        className="gw-rank-hosts")
+
+
+
+def _header(run: dict, alerts: list, ranks: Sequence[dict] = ()) -> list:
     now = time.time()
     cfg = run.get("config") or {}
     open_alerts = [a for a in alerts if a.get("status") == "firing"]
@@ -334,6 +463,7 @@ def _header(run: dict, alerts: list) -> list:
         ], className="gw-run-title"),
         html.Div([html.Div([html.Span(k, className="gw-fact-key"), html.Span(v, className="gw-fact-value")],
                            className="gw-fact") for k, v in facts], className="gw-facts"),
+        *([hosts] if (hosts := _rank_hosts(ranks)) is not None else []),
     ]
 
 
@@ -386,7 +516,9 @@ def refresh_summary(_tick, _acked, run_id, previous):
            "notices": [origin and origin.get("step"), run.get("last_step") if run.get("status") == "running" else 0],
            "alerts": figures.alerts_signature(alerts)}
     previous = previous or {}
-    header = _header(run, alerts) if sig["header"] != previous.get("header") else no_update
+    ranks = (gateway.get_rank_meta(run_id) or {}).get("ranks") or [] if (run.get("world_size") or 1) > 1 else []
+    sig["header"].append([[r.get("host"), r.get("device"), r.get("local_rank")] for r in ranks])
+    header = _header(run, alerts, ranks) if sig["header"] != previous.get("header") else no_update
     notices = _notices(run_id, origin) if sig["notices"] != previous.get("notices") else no_update
     panel = (alert_list(alerts, ack_type="run-ack", empty="No alerts for this run.")
              if sig["alerts"] != previous.get("alerts") else no_update)

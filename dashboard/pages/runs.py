@@ -6,10 +6,10 @@ import time
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from dashboard import gateway
-from dashboard.ticks import pause_while_running
-from dashboard.alert_cards import format_ago, format_time, health_badge, status_badge
-from dashboard.figures import format_number
+from gradwatch.dashboard import gateway
+from gradwatch.dashboard.ticks import pause_while_running
+from gradwatch.dashboard.alert_cards import format_ago, format_time, health_badge, status_badge
+from gradwatch.dashboard.figures import format_number
 
 STATUSES = ("running", "finished", "crashed", "stalled")
 REFRESH_MS = 1000

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
-from dashboard import gateway
-from dashboard.alert_cards import format_time
-from dashboard.ticks import pause_while_running
+from gradwatch.dashboard import gateway
+from gradwatch.dashboard.alert_cards import format_time
+from gradwatch.dashboard.ticks import pause_while_running
 
 REFRESH_MS = 1000
 FORMATS = ("json", "slack", "discord")
@@ -197,7 +197,7 @@ def _field(rule: str, key: str, value) -> html.Div:
 
 
 def rules_table(config: dict) -> html.Table:
-    from server.rules.catalogue import RULES, describe  # the static catalogue: text only, no database
+    from gradwatch.server.rules.catalogue import RULES, describe  # the static catalogue: text only, no database
 
     specs = {spec.id: spec for spec in RULES}
     head = html.Thead(html.Tr([html.Th(h) for h in ("Rule", "Fires when", "Settings", "")]))

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Optional
 from fastapi import APIRouter, Body, HTTPException, Query, Request
 
 from .. import queries
-from ..rules.alerts import acknowledge_alert, alert_to_dict
+from ..rules.alerts import acknowledge_alert
 from ..rules.catalogue import RULES_BY_ID, describe
 from ..rules.config import RuleConfigError, get_rule_config, set_rule_override
 from ..schemas import AlertListOut, AlertOut
@@ -33,20 +33,35 @@ def list_alerts(session: SessionDep, scope: ReadScopeDep,
 
 @router.post("/api/v1/alerts/{alert_id}/ack")
 def ack_alert(alert_id: int, request: Request, scope: ReadScopeDep,
-              body: Annotated[Optional[dict[str, Any]], Body()] = None) -> dict[str, Any]:
+              body: Annotated[Optional[dict[str, Any]], Body()] = None) -> AlertOut:
     """Acknowledge an alert (``{"acknowledged": false}`` takes it back)."""
     value = True if not body else body.get("acknowledged", True)
     if not isinstance(value, bool):
         raise HTTPException(422, "acknowledged: expected true or false")
     with request.app.state.database.write_sessionmaker() as session:
-        if scope is not None:
-            _check_scope(scope, queries.run_project(session, run_id=_alert_run(session, alert_id)))
+        if scope is not None and queries.run_project(session, run_id=_alert_run(session, alert_id)) != scope:
+            raise HTTPException(404, f"no alert {alert_id}")    # another project's: not told whose
         alert = acknowledge_alert(session, alert_id=alert_id, acknowledged=value)
         if alert is None:
             raise HTTPException(404, f"no alert {alert_id}")
-        out = alert_to_dict(alert)
         session.commit()
-    return out
+        return AlertOut(**vars(queries.get_alert(session, alert_id=alert_id)))
+
+
+@router.get("/api/v1/alerts/{alert_id}/incident")
+def alert_incident(alert_id: int, session: SessionDep, scope: ReadScopeDep) -> dict[str, Any]:
+    """The alert's incident (docs/incidents.md): the precursor timeline, the incident's other alerts,
+    the checkpoints and the one to roll back to; what ``/incidents/<alert_id>`` shows."""
+    from gradwatch.agent.nonfinite import encode_json
+
+    from ..forensics.incident import get_incident
+
+    found = get_incident(session, alert_id=alert_id)
+    if found is None or (scope is not None and (found["run"] or {}).get("project") != scope):
+        raise HTTPException(404, f"no alert {alert_id}")
+    run = found["run"] or {}
+    found["run"] = {k: run.get(k) for k in ("id", "project", "name", "status", "world_size")}
+    return encode_json(found)
 
 
 def _alert_run(session, alert_id: int) -> int:

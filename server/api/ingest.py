@@ -1,7 +1,6 @@
 """``POST /api/v1/ingest``: one batch, one transaction (docs/wire-format.md)."""
 from __future__ import annotations
 
-import gzip
 import json
 import time
 import zlib
@@ -10,10 +9,12 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
-from ..schemas import IngestBatchIn, IngestResult
+from ..models import Alert
+from ..schemas import AlertOut, IngestBatchIn, IngestResult
 from .deps import SettingsDep, get_read_scope
 
 try:  # 3-5x faster JSON parsing when installed (server extra)
@@ -22,6 +23,8 @@ except ImportError:  # pragma: no cover
     _orjson = None
 
 router = APIRouter(tags=["ingest"])
+
+MAX_JSON_VALUES = 2_000_000     # array elements + object members in one body (~65-130 MB parsed at most)
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -57,15 +60,11 @@ def decode_body(raw: bytes, encoding: str, *, limit: int) -> Any:
     """gzip / identity -> JSON (NaN / Infinity tokens accepted). Raises HTTPException."""
     encoding = encoding.strip().lower()
     if encoding in ("gzip", "x-gzip"):
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        try:
-            raw = d.decompress(raw, limit + 1)
-        except zlib.error as e:
-            raise HTTPException(400, f"body is not valid gzip: {e}") from None
-        if len(raw) > limit or d.unconsumed_tail:
-            raise HTTPException(413, f"decompressed body exceeds the limit of {limit} bytes")
+        raw = _gunzip(raw, limit)
     elif encoding not in ("", "identity"):
         raise HTTPException(415, f"unsupported Content-Encoding {encoding!r}: use gzip or none")
+    elif raw.count(b",") > MAX_JSON_VALUES:
+        raise _too_many_values()
     if _orjson is not None:
         try:
             return _orjson.loads(raw)
@@ -73,8 +72,49 @@ def decode_body(raw: bytes, encoding: str, *, limit: int) -> Any:
             pass  # maybe the bare NaN / Infinity tokens Python's json writes: the stdlib parser takes them
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise HTTPException(400, "body is not valid JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise HTTPException(400, f"body is not valid JSON: {e}") from None
+
+
+# Parsed objects take 10-30x the bytes of their text (a list of numbers: ~32 bytes per `0.5,`), so the
+# number of values is bounded before parsing: every array element and object member after the first of
+# its container follows a comma. An agent's batch (layer arrays as "f32:" strings) holds a few thousand.
+_GUNZIP_CHUNK = 1 << 20
+
+
+def _too_many_values() -> HTTPException:
+    return HTTPException(413, f"body holds more than {MAX_JSON_VALUES:,} JSON values; send smaller batches "
+                              f"(layer arrays as \"f32:\" strings, docs/wire-format.md)")
+
+
+def _gunzip(raw: bytes, limit: int) -> bytes:
+    """Decompress in 1 MiB pieces, counting JSON values as they come: a gzip bomb of numbers is refused
+    after a few MiB of work, not after the whole decompressed limit (each piece is a C-level scan)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out: list[bytes] = []
+    size = values = 0
+    data = raw
+    try:
+        while True:
+            piece = d.decompress(data, _GUNZIP_CHUNK)
+            size += len(piece)
+            values += piece.count(b",")
+            if size > limit:
+                raise HTTPException(413, f"decompressed body exceeds the limit of {limit} bytes")
+            if values > MAX_JSON_VALUES:
+                raise _too_many_values()
+            out.append(piece)
+            data = d.unconsumed_tail
+            if d.eof or (not data and not piece):     # the end, or no input left and nothing more came
+                break
+    except zlib.error as e:
+        raise HTTPException(400, f"body is not valid gzip: {e}") from None
+    if not d.eof or d.unused_data:
+        raise HTTPException(400, "body is not valid gzip: " + ("it is cut short" if not d.eof
+                                                                else "bytes follow the end of the gzip stream"))
+    return b"".join(out)
 
 
 _BATCH_SCHEMA_REF = {"$ref": "#/components/schemas/IngestBatchIn"}
@@ -118,15 +158,21 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
 
     metrics = app.state.metrics
     try:
-        outcome = await run_in_threadpool(work)
+        outcome, news = await run_in_threadpool(work)
     except HTTPException:
         metrics.observe_batch(seconds=time.perf_counter() - started, rejected=True)
         raise
-    if outcome.alerts_enqueued:
+    if outcome.alerts_enqueued or outcome.alerts_routed:
+        # outbox rows to send now, or a group that comes due after its group_wait: the worker's next
+        # round reads the earliest due time and sleeps until exactly then, not for its whole poll interval
         app.state.delivery_worker.wake()
     metrics.observe_batch(seconds=time.perf_counter() - started, steps=outcome.accepted,
                           values=outcome.values_written, rows=outcome.rows_written, duplicate=outcome.duplicate)
-    return IngestResult(run_id=outcome.run_id, accepted=outcome.accepted, duplicate=outcome.duplicate)
+    result = IngestResult(run_id=outcome.run_id, accepted=outcome.accepted, duplicate=outcome.duplicate,
+                          step_shift=outcome.step_shift, already_stored=outcome.already_stored)
+    if news is not None:
+        result.alerts, result.alerts_cursor = news
+    return result
 
 
 def _write(app, batch: IngestBatchIn, settings):
@@ -134,16 +180,21 @@ def _write(app, batch: IngestBatchIn, settings):
     for attempt in range(5):
         with database.write_sessionmaker() as session:
             try:
-                outcome = ingest_batch(session, batch=batch, settings=settings, now=time.time())
+                now = time.time()
+                outcome = ingest_batch(session, batch=batch, settings=settings, now=now)
+                # read in the batch's own transaction (one indexed query): it sees the alerts this
+                # batch just opened or changed, before the commit makes them visible to anyone else
+                news = (None if batch.alerts_after is None else
+                        _loop_alerts(session, run_id=outcome.run_id, after=batch.alerts_after, now=now))
                 if outcome.duplicate:
                     session.rollback()
                 else:
                     session.commit()
-                return outcome
+                return outcome, news
             except DataError as e:
                 session.rollback()
                 raise HTTPException(422, f"a value cannot be stored: {str(e.orig).splitlines()[0]}") from None
-            except (IntegrityError, OperationalError) as e:
+            except (IntegrityError, OperationalError):
                 # A concurrent replica won a race (new project / run) or PostgreSQL
                 # broke a deadlock: the transaction is rolled back whole; retry it.
                 session.rollback()
@@ -151,3 +202,40 @@ def _write(app, batch: IngestBatchIn, settings):
                     raise
                 time.sleep(0.01 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------- alerts in the loop
+
+# How far back of the agent's cursor a reply looks again. The cursor is a batch's clock reading (`now`), and
+# an alert's updated_at is the clock reading of the transaction that wrote it, which may commit after a
+# later-started batch was answered: another rank's batch of the run waiting on the run's row lock, a timer
+# rule of the delivery worker, an acknowledgement. Anything committed within this many seconds of its clock
+# reading still reaches the agent; the agent drops what it has already seen (by id and updated_at).
+ALERTS_LOOKBACK_S = 10.0
+# the most alerts one reply carries (a run with more news than this gets the newest; the rest are on the
+# dashboard): a reply stays small however noisy the run
+ALERTS_PER_REPLY = 50
+
+# Core columns, not ORM objects: no identity-map bookkeeping per row, and the reply's models built without
+# re-validating what the database holds (bench/loop_alerts.py; docs/performance.md, "Alerts in the ingest reply").
+_ALERT_COLUMNS = tuple(c for c in Alert.__table__.c)
+_RUN_ALERTS_SINCE = (select(*_ALERT_COLUMNS)
+                     .where(Alert.run_id == bindparam("run_id"), Alert.updated_at >= bindparam("since"))
+                     .order_by(Alert.updated_at.desc(), Alert.id.desc()).limit(ALERTS_PER_REPLY))
+
+
+def _loop_alerts(session, *, run_id: int, after: float, now: float) -> tuple[list[AlertOut], float]:
+    """The run's alerts created or changed since ``after`` (a previous reply's cursor), and the next cursor.
+
+    ``after == 0`` (a process's first batch) starts at this batch: a run resumed under its name does not
+    hear its earlier processes' alerts as news (they are on the dashboard), only what happens from now on.
+    Uses the ``run_id`` index; a run has tens of alerts, not thousands. The session autoflushes first, so
+    the alerts this batch changed are read as changed (they are flushed at the commit anyway)."""
+    since = now if after == 0 else min(after, now) - ALERTS_LOOKBACK_S
+    out = []
+    for row in session.execute(_RUN_ALERTS_SINCE, {"run_id": run_id, "since": since}):
+        a = row._asdict()
+        a.update(step=a["first_step"], acknowledged=bool(a["acknowledged"]), actions=list(a["actions"] or []),
+                 evidence=dict(a["evidence"] or {}))
+        out.append(AlertOut.model_construct(**a))
+    return out, now

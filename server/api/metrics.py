@@ -14,8 +14,23 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(request: Request, session: SessionDep, settings: SettingsDep) -> PlainTextResponse:
     """Ingest rate (counters), batch latency, rows written, open alerts, webhook delivery failures;
-    per-run health (server/health_metrics.py)."""
+    per-run health (server/health_metrics.py).
+
+    The counts are open to any scraper (a load balancer, Prometheus). The per-run families name runs and
+    their losses: with auth on they are served only to a scrape that sends a project token
+    (``Authorization: Bearer``), for that project's runs."""
     lines = list(request.app.state.metrics.lines())
     lines += database_lines(session)
-    body = "\n".join(lines) + "\n" + render_run_health(session, stall_seconds=settings.stall_seconds)
+    body = "\n".join(lines) + "\n"
+    auth = request.app.state.auth
+    if auth is None:
+        body += render_run_health(session, stall_seconds=settings.stall_seconds)
+    else:
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        project = auth.project_for(token) if token else None
+        if project is None:
+            body += "# per-run families (gradwatch_run_*) are served to a scrape with a project token\n"
+        else:
+            body += render_run_health(session, stall_seconds=settings.stall_seconds, project=project)
     return PlainTextResponse(body, media_type="text/plain; version=0.0.4")

@@ -1,4 +1,4 @@
-"""Runs and their data: ``/api/v1/runs``, series, layer matrix, events, multi-run series."""
+"""Runs and their data: ``/api/v1/runs``, series, layer matrix, events, checkpoints, multi-run series."""
 from __future__ import annotations
 
 from typing import Annotated, Optional
@@ -7,9 +7,9 @@ from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi.responses import JSONResponse as _StdJSONResponse
 
 from .. import queries
-from ..numbers import to_wire
+from ..numbers import encode_float
 from ..schemas import (
-    EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
+    CheckpointListOut, CheckpointOut, EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
 )
 from .deps import ReadScopeDep, SessionDep, SettingsDep
 
@@ -28,20 +28,21 @@ class JSONResponse(_StdJSONResponse):
         return orjson.dumps(content)
 
 StepParam = Annotated[Optional[int], Query(ge=0, le=2**62)]
-RankParam = Annotated[int, Query(ge=0, le=1_000_000)]
+# -1: a sharded run's combined row (server/ranks.py): the full parameters' norms and the global grad norm
+RankParam = Annotated[int, Query(ge=-1, le=1_000_000)]
 RunId = Annotated[int, Path(ge=0, le=2**62)]
 
 
 def _run_out(r: queries.RunSummary, cls=RunOut, **extra):
     return cls(id=r.id, project=r.project, name=r.name, status=r.status, last_step=r.last_step,
-               last_loss=to_wire(r.last_loss), started_at=r.started_at, last_seen=r.last_seen,
+               last_loss=encode_float(r.last_loss), started_at=r.started_at, last_seen=r.last_seen,
                open_alerts=r.open_alerts, health=r.health, world_size=r.world_size, **extra)
 
 
 def _series_out(s: queries.Series) -> dict:
     """SeriesOut as a plain dict: thousands of points skip per-item model validation."""
     return {"run_id": s.run_id, "signal": s.signal, "rank": s.rank, "bucket_size": s.bucket_size,
-            "steps": [{"step": p.step, "min": to_wire(p.min), "max": to_wire(p.max), "last": to_wire(p.last),
+            "steps": [{"step": p.step, "min": encode_float(p.min), "max": encode_float(p.max), "last": encode_float(p.last),
                        "count": p.count, "nonfinite": p.nonfinite} for p in s.points]}
 
 
@@ -70,7 +71,51 @@ def get_run(run_id: RunId, session: SessionDep, settings: SettingsDep, scope: Re
     if r is None:
         raise HTTPException(404, f"run {run_id} not found")
     return _run_out(r, RunDetailOut, param_names=r.param_names, module_names=r.module_names,
-                    bn_names=r.bn_names, config=r.config)
+                    bn_names=r.bn_names, config=r.config, signals=queries.list_signals(session, run_id=run_id))
+
+
+@router.get("/api/v1/runs/{run_id}/ranks", responses={404: {"description": "no such run"}})
+def get_ranks(run_id: RunId, session: SessionDep, scope: ReadScopeDep, start: StepParam = None, end: StepParam = None,
+              limit: Annotated[int, Query(ge=1, le=100_000)] = 1000) -> JSONResponse:
+    """Which ranks sent which steps; a sharded run's steps still missing a rank (no combined values yet)."""
+    _check_run(session, scope, run_id)
+    c = queries.rank_coverage(session, run_id=run_id, start=start, end=end, limit=limit)
+    if c is None:
+        raise HTTPException(404, f"run {run_id} not found")
+    meta = {m["rank"]: m for m in (queries.rank_meta(session, run_id=run_id) or {}).get("ranks", [])}
+    # where each rank runs (host, local rank, device), as its agent's meta said
+    ranks = [{**vars(r), **{k: v for k, v in meta.get(r.rank, {}).items() if k != "rank"}} for r in c.ranks]
+    return JSONResponse({"run_id": c.run_id, "world_size": c.world_size, "combined": c.combined,
+                         "ranks": ranks, "incomplete": c.incomplete})
+
+
+@router.get("/api/v1/runs/{run_id}/rank-matrix",
+            responses={404: {"description": "no such run"},
+                       422: {"description": "unknown signal, or the answer would be too large"}})
+def get_rank_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
+                    signals: Annotated[list[str], Query(min_length=1, max_length=20)],
+                    start: StepParam = None, end: StepParam = None,
+                    max_steps: Annotated[int, Query(ge=1, le=10_000)] = 300,
+                    ranks: Annotated[Optional[list[Annotated[int, Query(ge=-1, le=1_000_000)]]],
+                                     Query(max_length=10_000)] = None) -> JSONResponse:
+    """Rank × step matrices of step signals (``?signals=loss&signals=step_time``), one shared step axis:
+    per cell the bucket's min, max, last value and non-finite count; rows are ``ranks`` (default every rank)."""
+    _check_run(session, scope, run_id)
+    try:
+        out = queries.get_rank_matrix(session, run_id=run_id, signals=signals, start=start, end=end,
+                                      max_steps=max_steps, ranks=ranks)
+    except queries.UnknownSignal as e:
+        raise HTTPException(422, f"signals: {e}") from None
+    except queries.RequestTooLarge as e:
+        raise HTTPException(422, str(e)) from None
+    if out is None:
+        raise HTTPException(404, f"run {run_id} not found")
+
+    def grid(rows):
+        return [[encode_float(v) for v in row] for row in rows]
+    return JSONResponse({"run_id": run_id, "matrices": [
+        {"signal": m.signal, "bucket_size": m.bucket_size, "steps": m.steps, "ranks": m.ranks, "min": grid(m.min),
+         "max": grid(m.max), "last": grid(m.last), "nonfinite": m.nonfinite} for m in out]})
 
 
 @router.get("/api/v1/runs/{run_id}/series", response_model=SeriesOut,
@@ -91,7 +136,8 @@ def get_series(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
 
 
 @router.get("/api/v1/series", response_model=SeriesMultiOut,
-            responses={404: {"description": "no such run"}, 422: {"description": "unknown signal"}})
+            responses={404: {"description": "no such run"},
+                       422: {"description": "unknown signal, a run or signal named twice, or too many points"}})
 def get_series_multi(session: SessionDep, scope: ReadScopeDep,
                      runs: Annotated[list[Annotated[int, Query(ge=0, le=2**62)]], Query(min_length=1, max_length=50)],
                      signals: Annotated[list[str], Query(min_length=1, max_length=20)],
@@ -105,11 +151,13 @@ def get_series_multi(session: SessionDep, scope: ReadScopeDep,
                                        max_points=max_points, rank=rank)
     except queries.UnknownSignal as e:
         raise HTTPException(422, f"signals: {e}") from None
+    except queries.RequestTooLarge as e:
+        raise HTTPException(422, str(e)) from None
     return JSONResponse({"series": [_series_out(s) for s in out]})
 
 
 @router.get("/api/v1/runs/{run_id}/layers", response_model=LayerMatrixOut,
-            responses={404: {"description": "no such run"}})
+            responses={404: {"description": "no such run"}, 422: {"description": "the answer would be too large"}})
 def get_layer_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                      stat: Annotated[str, Query(pattern=r"^[A-Za-z0-9_.:/-]{1,32}$")] = "grad_norm",
                      start: StepParam = None, end: StepParam = None,
@@ -119,13 +167,16 @@ def get_layer_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                      agg: Annotated[str, Query(pattern="^(max|min|mean|last)$")] = "max") -> JSONResponse:
     """Layer × step matrix of one per-layer statistic, downsampled on both axes."""
     _check_run(session, scope, run_id)
-    m = queries.get_layer_matrix(session, run_id=run_id, stat=stat, start=start, end=end, max_steps=max_steps,
-                                 max_layers=max_layers, rank=rank, agg=agg)
+    try:
+        m = queries.get_layer_matrix(session, run_id=run_id, stat=stat, start=start, end=end, max_steps=max_steps,
+                                     max_layers=max_layers, rank=rank, agg=agg)
+    except queries.RequestTooLarge as e:
+        raise HTTPException(422, str(e)) from None
     if m is None:
         raise HTTPException(404, f"run {run_id} not found")
     return JSONResponse({"run_id": m.run_id, "stat": m.stat, "rank": m.rank, "agg": m.agg,
                          "bucket_size": m.bucket_size, "layer_group_size": m.layer_group_size, "steps": m.steps,
-                         "layers": m.layers, "values": [[to_wire(v) for v in row] for row in m.values]})
+                         "layers": m.layers, "values": [[encode_float(v) for v in row] for row in m.values]})
 
 
 @router.get("/api/v1/runs/{run_id}/events", response_model=EventListOut,
@@ -134,3 +185,12 @@ def list_events(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                 kind: Annotated[Optional[str], Query(max_length=64)] = None) -> EventListOut:
     _check_run(session, scope, run_id)
     return EventListOut(events=[EventOut(**vars(e)) for e in queries.list_events(session, run_id=run_id, kind=kind)])
+
+
+@router.get("/api/v1/runs/{run_id}/checkpoints", response_model=CheckpointListOut,
+            responses={404: {"description": "no such run"}})
+def list_checkpoints(run_id: RunId, session: SessionDep, scope: ReadScopeDep) -> CheckpointListOut:
+    """The run's checkpoints in step order (docs/checkpoints.md)."""
+    _check_run(session, scope, run_id)
+    return CheckpointListOut(run_id=run_id, checkpoints=[
+        CheckpointOut(**vars(c)) for c in queries.list_checkpoints(session, run_id=run_id)])

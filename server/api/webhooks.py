@@ -34,22 +34,32 @@ def _check_scope(scope: Optional[str], project: Optional[str]) -> None:
         raise HTTPException(403, f"this token is for project {scope!r}, not {project!r}")
 
 
+def _own_endpoint(session, scope: Optional[str], endpoint_id: int):
+    """The endpoint, or 404 when it does not exist or is not the token's project's: another project's
+    (or the operator's) endpoint is answered as missing, so its project's name is not told."""
+    ep = ep_data.get_endpoint(session, endpoint_id=endpoint_id)
+    if ep is None or (scope is not None and _project_name(session, ep.project_id) != scope):
+        raise HTTPException(404, f"no webhook endpoint {endpoint_id}")
+    return ep
+
+
 @router.get("/api/v1/webhooks")
 def list_endpoints(session: SessionDep, scope: ReadScopeDep,
                    project: Annotated[Optional[str], Query(max_length=200)] = None) -> dict[str, Any]:
-    """Endpoints of ``project`` plus the server-wide ones (all when no project is given)."""
+    """Endpoints of ``project`` plus the server-wide ones (all when no project is given); with a project
+    token, that project's only (server-wide endpoints are the operator's)."""
     project = scope or project
-    rows = ep_data.list_endpoints(session, project=project)
+    rows = ep_data.list_endpoints(session, project=project, server_wide=scope is None)
     return {"endpoints": [ep_data.endpoint_to_dict(e, _project_name(session, e.project_id)) for e in rows]}
 
 
 @router.post("/api/v1/webhooks", status_code=201)
-def create_endpoint(body: EndpointIn, request: Request, scope: ReadScopeDep) -> dict[str, Any]:
+def create_endpoint(body: EndpointIn, request: Request, settings: SettingsDep, scope: ReadScopeDep) -> dict[str, Any]:
     _check_scope(scope, body.project)
     with request.app.state.database.write_sessionmaker() as session:
         try:
             ep = ep_data.create_endpoint(session, project=body.project, url=body.url, format=body.format,
-                                         min_severity=body.min_severity, secret=body.secret)
+                                         min_severity=body.min_severity, secret=body.secret, settings=settings)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
         out = ep_data.endpoint_to_dict(ep, body.project)
@@ -60,10 +70,7 @@ def create_endpoint(body: EndpointIn, request: Request, scope: ReadScopeDep) -> 
 @router.delete("/api/v1/webhooks/{endpoint_id}")
 def delete_endpoint(endpoint_id: int, request: Request, scope: ReadScopeDep) -> dict[str, Any]:
     with request.app.state.database.write_sessionmaker() as session:
-        ep = ep_data.get_endpoint(session, endpoint_id=endpoint_id)
-        if ep is None:
-            raise HTTPException(404, f"no webhook endpoint {endpoint_id}")
-        _check_scope(scope, _project_name(session, ep.project_id))
+        _own_endpoint(session, scope, endpoint_id)
         ep_data.delete_endpoint(session, endpoint_id=endpoint_id)
         session.commit()
     return {"deleted": endpoint_id}
@@ -73,10 +80,7 @@ def delete_endpoint(endpoint_id: int, request: Request, scope: ReadScopeDep) -> 
 def send_test(endpoint_id: int, request: Request, settings: SettingsDep, scope: ReadScopeDep) -> dict[str, Any]:
     """Send a sample alert to this endpoint now (retried like any delivery); see the log for the outcome."""
     with request.app.state.database.write_sessionmaker() as session:
-        ep = ep_data.get_endpoint(session, endpoint_id=endpoint_id)
-        if ep is None:
-            raise HTTPException(404, f"no webhook endpoint {endpoint_id}")
-        _check_scope(scope, _project_name(session, ep.project_id))
+        _own_endpoint(session, scope, endpoint_id)
         d = ep_data.send_test(session, endpoint_id=endpoint_id, settings=settings, now=time.time())
         out = ep_data.delivery_to_dict(d)
         session.commit()
@@ -95,7 +99,6 @@ def list_deliveries(session: SessionDep, scope: ReadScopeDep,
     if scope is not None and endpoint_id is None:
         raise HTTPException(422, "endpoint_id: required with a project token")
     if scope is not None:
-        ep = ep_data.get_endpoint(session, endpoint_id=endpoint_id)
-        _check_scope(scope, _project_name(session, ep.project_id) if ep else None)
+        _own_endpoint(session, scope, endpoint_id)
     rows = ep_data.list_deliveries(session, endpoint_id=endpoint_id, limit=limit, status=status)
     return {"deliveries": [ep_data.delivery_to_dict(d) for d in rows]}

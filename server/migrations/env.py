@@ -4,7 +4,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from server.models import Base
+from gradwatch.server.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -7,6 +7,14 @@ alert (returned for the webhook outbox); later hits extend it; ``clear_steps``
 clear steps in a row resolve it; a new hit within ``cooldown_steps`` of the
 last one reopens the same alert without a new notification. An escalation
 (e.g. C3 warning → critical) is notified again.
+
+A rule declaring ``one_alert_across_ranks`` (A1, the F family) keeps one alert per incident, not
+per rank: a rank hitting the condition while another rank's alert of the rule is firing in the same
+run (within ``cooldown_steps``) joins it. The alert then lists the ranks (``evidence.ranks``, those
+still firing in ``evidence.firing_ranks``) and is led by the rank that went first (``alert.rank``,
+``first_step``, ``evidence.first_rank``), whatever order the ranks' batches arrive in: a rank whose
+batch arrives late with an earlier step takes the lead and the alert is notified again, so the
+notification names the right rank. It resolves when every rank has cleared.
 """
 from __future__ import annotations
 
@@ -17,20 +25,11 @@ from typing import Any, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.models import Alert
-from server.rules.catalogue import SEVERITY_RANK, RuleSpec
-from server.rules.stats import enc
+from gradwatch.server.models import Alert
+from gradwatch.server.rules.spec import SEVERITY_RANK, Hit, RuleSpec
+from gradwatch.server.rules.stats import enc
 
-
-@dataclass
-class Hit:
-    """The rule's condition holds at this step."""
-
-    evidence: dict[str, Any]
-    message: str
-    severity: Optional[str] = None          # None: the rule's configured severity
-    diagnosis: Optional[str] = None         # None: the catalogue's diagnosis
-    actions: Optional[list[str]] = None     # None: the catalogue's actions
+__all__ = ["Episode", "Hit", "acknowledge_alert"]
 
 
 @dataclass
@@ -60,6 +59,11 @@ class Episode:
     @property
     def firing(self) -> bool:
         return bool(self.state.get("firing"))
+
+    @property
+    def _shared(self) -> bool:
+        # the combined row (rank -1) is no rank of the incident: its alerts stay its own
+        return self.spec.one_alert_across_ranks and self.rank >= 0
 
     def feed(self, step: int, result: Any) -> None:
         if result is None:
@@ -100,9 +104,16 @@ class Episode:
             ev["hits"] = ev.get("hits", 1) + 1
             ev["reopened"] = ev.get("reopened", 0) + 1
             ev["last"] = enc(h.evidence)
+            if self._shared and "ranks" in ev:      # an alert of several ranks: this one fires again
+                ev["firing_ranks"] = sorted({*ev.get("firing_ranks", ()), self.rank})
             alert.evidence = ev
             self.state["firing"] = True
             return
+        if self._shared:
+            incident = self._open_incident(step, cooldown)
+            if incident is not None:
+                self._join(incident, step, h)
+                return
         alert = Alert(
             run_id=self.run_id, rule=self.spec.id, name=self.spec.name, severity=severity, status="firing",
             acknowledged=False, rank=self.rank, first_step=step, last_step=step, message=h.message,
@@ -115,10 +126,63 @@ class Episode:
         self.state.update(alert_id=alert.id, firing=True, clear=0)
         self.notify.append(alert)
 
+    def _open_incident(self, step: int, cooldown: int) -> Optional[Alert]:
+        """Another rank's alert of this rule in this run that ``step`` belongs to: within ``cooldown``
+        steps of it, firing or resolved (a rank's batch runs its whole lifecycle at once: the rank that
+        went first may have cleared and resolved the alert before a later rank's batch with the same
+        incident arrives; that reopens it, as a rank's own flare-up within the cooldown does). The
+        run's batches are serialised by its row lock, so two ranks cannot both open one."""
+        with self.session.no_autoflush:
+            return self.session.scalars(
+                select(Alert).where(Alert.run_id == self.run_id, Alert.rule == self.spec.id, Alert.rank >= 0,
+                                    Alert.first_step <= step + cooldown, Alert.last_step >= step - cooldown)
+                .order_by(Alert.first_step, Alert.id).limit(1)).first()
+
+    def _join(self, alert: Alert, step: int, h: Hit) -> None:
+        ev = dict(alert.evidence or {})
+        ev["ranks"] = sorted({*ev.get("ranks", [alert.rank]), self.rank})
+        ev["firing_ranks"] = sorted({*ev.get("firing_ranks", [alert.rank]), self.rank})
+        firsts = dict(ev.get("rank_first_steps") or {str(alert.rank): alert.first_step})
+        firsts[str(self.rank)] = min(step, firsts.get(str(self.rank), step))
+        ev["rank_first_steps"] = firsts
+        ev["hits"] = ev.get("hits", 1) + 1
+        ev.setdefault("lead_message", alert.message)
+        if alert.status != "firing":
+            alert.status, alert.resolved_at = "firing", None
+            ev["reopened"] = ev.get("reopened", 0) + 1
+            ev["firing_ranks"] = [self.rank]
+        if (step, self.rank) < (alert.first_step, alert.rank):
+            # this rank went first though its batch came later: it leads the alert, and the alert is
+            # notified again (the first notification named a rank that only followed)
+            ev.update(lead_message=h.message, first=enc(h.evidence))
+            alert.rank, alert.first_step = self.rank, step
+            alert.diagnosis = h.diagnosis or self.spec.diagnosis
+            alert.actions = list(h.actions or self.spec.actions)
+            self.notify.append(alert)
+        else:
+            ev["last"] = enc(h.evidence)
+        # the rank keys appear when a second rank joins: a one-rank alert's evidence stays as it was
+        ev["first_rank"], ev["first_step"] = alert.rank, alert.first_step
+        ranks = ev["ranks"]
+        alert.message = (f"{ev['lead_message']} (ranks {', '.join(map(str, ranks))}; rank {alert.rank} first, "
+                         f"at step {alert.first_step})")
+        alert.evidence = ev
+        alert.last_step = max(alert.last_step, step)
+        alert.updated_at = self.now
+        self._alert = alert
+        self.state.update(alert_id=alert.id, firing=True, clear=0)
+
     def resolve(self, step: int) -> None:
         alert = self._load()
         self.state["firing"] = False
         self.state["clear"] = 0
+        if alert is not None and alert.status != "resolved" and self._shared:
+            ev = dict(alert.evidence or {})
+            still = [r for r in ev.get("firing_ranks", [alert.rank]) if r != self.rank]
+            if still:      # the incident goes on on other ranks
+                alert.evidence = {**ev, "firing_ranks": still}
+                alert.updated_at = self.now
+                return
         if alert is not None and alert.status != "resolved":
             alert.status = "resolved"
             alert.resolved_at = self.now
@@ -146,36 +210,3 @@ def acknowledge_alert(session: Session, *, alert_id: int, acknowledged: bool = T
     alert.updated_at = time.time()
     session.flush()
     return alert
-
-
-def list_alerts(session: Session, *, run_id: Optional[int] = None, severity: Optional[str] = None,
-                rule: Optional[str] = None, status: Optional[str] = None, project_id: Optional[int] = None,
-                limit: int = 500) -> list[Alert]:
-    """Alerts, newest first, filtered by run / minimum-exact severity / rule / status / project."""
-    from server.models import Run
-
-    q = select(Alert)
-    if run_id is not None:
-        q = q.where(Alert.run_id == run_id)
-    if project_id is not None:
-        q = q.where(Alert.run_id.in_(select(Run.id).where(Run.project_id == project_id)))
-    if severity:
-        q = q.where(Alert.severity == severity)
-    if rule:
-        q = q.where((Alert.rule == rule.upper()) | (Alert.name == rule))
-    if status:
-        q = q.where(Alert.status == status)
-    q = q.order_by(Alert.id.desc()).limit(limit)
-    return list(session.scalars(q))
-
-
-def alert_to_dict(alert: Alert) -> dict[str, Any]:
-    """The API shape of an alert (docs/wire-format.md)."""
-    return {
-        "id": alert.id, "run_id": alert.run_id, "rule": alert.rule, "name": alert.name,
-        "severity": alert.severity, "status": alert.status, "step": alert.first_step,
-        "first_step": alert.first_step, "last_step": alert.last_step, "rank": alert.rank,
-        "message": alert.message, "diagnosis": alert.diagnosis, "actions": list(alert.actions or []),
-        "evidence": alert.evidence or {}, "acknowledged": bool(alert.acknowledged),
-        "created_at": alert.created_at, "updated_at": alert.updated_at, "resolved_at": alert.resolved_at,
-    }

@@ -4,6 +4,7 @@
     gradwatch rules --rules rules.toml --project vision
     gradwatch rules --db postgresql://… --project vision   # API overrides stored there too
     gradwatch rules --json
+    gradwatch rules --markdown                # the catalogue section of docs/rules.md
 
 A bad rules file exits with status 2 and a message naming the rule and the key.
 """
@@ -14,8 +15,8 @@ import os
 import sys
 from typing import Any
 
-from server.rules.catalogue import COMMON_PARAMS, RULES, RULES_BY_ID, describe
-from server.rules.config import RuleConfigError, effective_config, get_rule_config, load_rules_file
+from gradwatch.server.rules.catalogue import COMMON_PARAMS, RULES, RULES_BY_ID, describe
+from gradwatch.server.rules.config import RuleConfigError, effective_config, get_rule_config, load_rules_file
 
 
 def add_subparser(subparsers) -> None:
@@ -25,6 +26,7 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--project", default="default", help="project whose settings to show (default: default)")
     p.add_argument("--db", default=None, help="database URL: also apply the project's API overrides stored there")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="the catalogue as docs/rules.md lists it (defaults)")
     p.set_defaults(func=run)
 
 
@@ -34,14 +36,31 @@ class _FileSettings:
         self.stall_seconds = stall_seconds
 
 
+def catalogue_markdown() -> str:
+    """The catalogue section of docs/rules.md, from the registered rules' declarations (defaults)."""
+    out = []
+    for r in RULES:
+        c = r.defaults()
+        own = [f"`{k}` = {_fmt(v)}" for k, v in r.params.items() if k not in COMMON_PARAMS]
+        common = ", ".join(f"`{k}` = {c[k]}" for k in ("clear_steps", "cooldown_steps"))
+        out += [f"### {r.id} {r.name} — {r.severity} (checklist {r.checklist})", "",
+                f"**Fires when** {describe(r, c)}.", "",
+                f"**Settings** {', '.join(own) if own else 'none of its own'}; {common}.", "",
+                f"**Tells the user** {r.diagnosis}", "", *[f"- {a}" for a in r.actions], ""]
+    return "\n".join(out)
+
+
 def run(args) -> int:
+    if getattr(args, "markdown", False):
+        print(catalogue_markdown(), end="")
+        return 0
     try:
         load_rules_file(args.rules)
         settings = _FileSettings(args.rules, float(os.environ["GRADWATCH_STALL_SECONDS"])
                                  if os.environ.get("GRADWATCH_STALL_SECONDS") else None)
         if args.db:
-            from server.db import open_database
-            from server.settings import normalize_db_url
+            from gradwatch.server.db import open_database
+            from gradwatch.server.settings import normalize_db_url
 
             database = open_database(normalize_db_url(args.db))
             try:

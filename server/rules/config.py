@@ -14,6 +14,19 @@ The rules file is TOML::
     [projects.vision.rules.C2]
     enabled = false
 
+    # notification timing (server/routing/): any rule may take pending_steps / pending_seconds (it must keep
+    # firing that long before it is notified; resolved earlier: never notified)
+    [rules.C3]
+    pending_steps = 20
+
+    # a warm-up mute window: no notifications for alerts that start in a run's first N steps / seconds
+    [warmup]
+    steps = 200
+
+    [projects.vision.warmup]
+    steps = 500
+    seconds = 120
+
 API overrides (``set_rule_override``) are stored per project in the
 ``rule_overrides`` table, so every replica sees them. A bad key or value
 raises ``RuleConfigError`` naming the rule and the key.
@@ -21,7 +34,6 @@ raises ``RuleConfigError`` naming the rule and the key.
 from __future__ import annotations
 
 import os
-import time
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -29,14 +41,11 @@ from typing import Any, Optional
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from server.models import Project, RuleOverride
-from server.rules.catalogue import RULES, SEVERITIES, find_rule
-
-# integer-valued settings (a float there is a mistake worth reporting)
-_INT_KEYS = {"window", "history", "steps", "consecutive", "halvings", "min_history", "clear_steps", "cooldown_steps",
-             "critical_consecutive", "warmup_steps", "min_samples", "max_names"}
-# settings that may be 0
-_MAY_BE_ZERO = {"cooldown_steps", "warmup_steps", "min_improvement", "min_rise", "converged_drop", "converged_fraction", "low", "min_history", "fraction"}
+from gradwatch.server.models import Project, RuleOverride
+from gradwatch.server.config_files import read_when_changed
+from gradwatch.server.projects import project_row
+from gradwatch.server.rules.catalogue import RULES, SEVERITIES, find_rule
+from gradwatch.server.rules.spec import RuleSpec
 
 
 class RuleConfigError(ValueError):
@@ -49,46 +58,70 @@ class RuleConfigError(ValueError):
         super().__init__(f"{where}{what}: {message}")
 
 
+# Settings every rule takes, read by the notification routing rather than by the rule itself.
+PENDING_KEYS = {"pending_steps": int, "pending_seconds": float}
+# The warm-up mute window: a project's, not a rule's; stored as the pseudo-rule "warmup" in rule_overrides.
+WARMUP = "warmup"
+WARMUP_KEYS = {"steps": int, "seconds": float}
+
+
+def _non_negative(kind: type, value: Any) -> tuple[Any, Optional[str]]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+            or (kind is int and value != int(value)):
+        what = "a whole number ≥ 0" if kind is int else "a number of seconds ≥ 0"
+        return value, f"must be {what}, got {value!r}"
+    return kind(value), None
+
+
+def validate_warmup(values: Any, *, source: str = "") -> dict[str, Any]:
+    """Check a warm-up table (``steps``, ``seconds``); returns the cleaned values (None: remove)."""
+    if not isinstance(values, dict):
+        raise RuleConfigError(WARMUP, None, f"expected a table with steps and/or seconds, got {values!r}", source)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in WARMUP_KEYS:
+            raise RuleConfigError(WARMUP, key, "not a warm-up setting; settings: seconds, steps", source)
+        if value is None:
+            out[key] = None
+            continue
+        value, problem = _non_negative(WARMUP_KEYS[key], value)
+        if problem:
+            raise RuleConfigError(WARMUP, key, problem, source)
+        out[key] = value
+    return out
+
+
 def validate_values(rule_key: str, values: dict[str, Any], *, source: str = "") -> tuple[str, dict[str, Any]]:
-    """Check ``values`` for one rule; returns (rule id, cleaned values)."""
+    """Check ``values`` for one rule against its declared settings; returns (rule id, cleaned values)."""
+    if rule_key == WARMUP:
+        return WARMUP, validate_warmup(values, source=source)
     try:
         spec = find_rule(str(rule_key))
     except ValueError as e:
         raise RuleConfigError(str(rule_key), None, str(e), source) from None
     if not isinstance(values, dict):
         raise RuleConfigError(spec.id, None, f"expected a table of settings, got {values!r}", source)
-    defaults = spec.defaults()
+    declared = spec.settings()
     label = f"{spec.id} ({spec.name})"
     out: dict[str, Any] = {}
     for key, value in values.items():
-        if key not in defaults:
-            raise RuleConfigError(label, key, f"not a setting of this rule; settings: {', '.join(sorted(defaults))}",
-                                  source)
+        if key not in declared and key != "severity" and key not in PENDING_KEYS:
+            raise RuleConfigError(label, key, f"not a setting of this rule; settings: "
+                                  f"{', '.join(sorted([*declared, 'severity', *PENDING_KEYS]))}", source)
         if value is None:
             out[key] = None           # "remove this override"
             continue
-        if key == "enabled":
-            if not isinstance(value, bool):
-                raise RuleConfigError(label, key, f"must be true or false, got {value!r}", source)
+        if key in PENDING_KEYS:
+            value, problem = _non_negative(PENDING_KEYS[key], value)
+            if problem:
+                raise RuleConfigError(label, key, problem, source)
         elif key == "severity":
             if value not in SEVERITIES:
                 raise RuleConfigError(label, key, f"must be one of {', '.join(SEVERITIES)}, got {value!r}", source)
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RuleConfigError(label, key, f"must be a number, got {value!r}", source)
-            if value != value or value in (float("inf"), float("-inf")):
-                raise RuleConfigError(label, key, f"must be finite, got {value!r}", source)
-            if key in _INT_KEYS:
-                if float(value) != int(value):
-                    raise RuleConfigError(label, key, f"must be a whole number, got {value!r}", source)
-                value = int(value)
-            else:
-                value = float(value)
-            if value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
-                raise RuleConfigError(label, key, f"must be {'>= 0' if key in _MAY_BE_ZERO else '> 0'}, got {value!r}",
-                                      source)
-            if key == "fraction" and value > 1:
-                raise RuleConfigError(label, key, f"is a fraction between 0 and 1, got {value!r}", source)
+            value, problem = declared[key].check(value)
+            if problem:
+                raise RuleConfigError(label, key, problem, source)
         out[key] = value
     return spec.id, out
 
@@ -98,6 +131,8 @@ class RulesFile:
     path: str
     every_project: dict[str, dict[str, Any]] = field(default_factory=dict)
     projects: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    warmup: dict[str, Any] = field(default_factory=dict)                 # [warmup]
+    project_warmup: dict[str, dict[str, Any]] = field(default_factory=dict)   # [projects.<p>.warmup]
 
 
 def parse_rules_toml(text: str, *, source: str = "rules file") -> RulesFile:
@@ -105,17 +140,21 @@ def parse_rules_toml(text: str, *, source: str = "rules file") -> RulesFile:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RuleConfigError("-", None, f"not valid TOML: {e}", source) from None
-    unknown = set(doc) - {"rules", "projects"}
+    unknown = set(doc) - {"rules", "projects", WARMUP}
     if unknown:
-        raise RuleConfigError("-", sorted(unknown)[0], "unknown top-level table; use [rules.<id>] or "
+        raise RuleConfigError("-", sorted(unknown)[0], "unknown top-level table; use [rules.<id>], [warmup] or "
                               "[projects.<project>.rules.<id>]", source)
     rf = RulesFile(path=source)
+    rf.warmup = validate_warmup(doc.get(WARMUP, {}), source=source)
     for rule_key, values in (doc.get("rules") or {}).items():
         rid, clean = validate_values(rule_key, values, source=source)
         rf.every_project.setdefault(rid, {}).update(clean)
     for project, table in (doc.get("projects") or {}).items():
-        if not isinstance(table, dict) or set(table) - {"rules"}:
-            raise RuleConfigError("-", project, "a project's table holds only [projects.<project>.rules.<id>]", source)
+        if not isinstance(table, dict) or set(table) - {"rules", WARMUP}:
+            raise RuleConfigError("-", project, "a project's table holds only [projects.<project>.rules.<id>] "
+                                  "and [projects.<project>.warmup]", source)
+        if WARMUP in table:
+            rf.project_warmup[project] = validate_warmup(table[WARMUP], source=f"{source} [projects.{project}]")
         for rule_key, values in (table.get("rules") or {}).items():
             rid, clean = validate_values(rule_key, values, source=f"{source} [projects.{project}]")
             rf.projects.setdefault(project, {}).setdefault(rid, {}).update(clean)
@@ -129,18 +168,8 @@ def load_rules_file(path: Optional[str]) -> Optional[RulesFile]:
     """Parse (and cache by modification time) the rules file; None when no file is configured."""
     if not path:
         return None
-    path = os.fspath(path)
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError as e:
-        raise RuleConfigError("-", None, f"cannot read rules file: {e}", path) from None
-    cached = _file_cache.get(path)
-    if cached and cached[0] == mtime:
-        return cached[1]
-    with open(path, encoding="utf-8") as f:
-        rf = parse_rules_toml(f.read(), source=path)
-    _file_cache[path] = (mtime, rf)
-    return rf
+    return read_when_changed(path, _file_cache, lambda text, where: parse_rules_toml(text, source=where),
+                             lambda e: RuleConfigError("-", None, f"cannot read rules file: {e}", os.fspath(path)))
 
 
 def rules_file_of(settings: Any) -> Optional[RulesFile]:
@@ -150,12 +179,7 @@ def rules_file_of(settings: Any) -> Optional[RulesFile]:
 def _project_row(session: Session, project: Any, *, create: bool) -> Optional[Project]:
     if isinstance(project, Project):
         return project
-    row = session.scalar(select(Project).where(Project.name == str(project)))
-    if row is None and create:
-        row = Project(name=str(project), created_at=time.time())
-        session.add(row)
-        session.flush()
-    return row
+    return project_row(session, str(project), create=create)
 
 
 def effective_config(session: Session, *, project_id: Optional[int], project_name: Optional[str],
@@ -172,20 +196,20 @@ def _override_rows(session: Session, project_id: Optional[int]) -> tuple:
 
 
 def _merged_config(project_name: Optional[str], settings: Any, overrides: tuple) -> dict[str, dict[str, Any]]:
-    """Defaults, then the stall setting, the rules file and the override rows, merged.
+    """Defaults, then the server settings a rule's parameters name, the rules file and the override rows, merged.
 
     The merge is cached on everything it depends on (the override rows as read now, the rules
-    file as loaded, the stall setting), so a changed override or rules file applies to the very
+    file as loaded, those server settings), so a changed override or rules file applies to the very
     next batch; the caller gets its own copy.
     """
-    stall = getattr(settings, "stall_seconds", None) if settings is not None else None
+    from_settings = _settings_defaults(settings)
     rf = rules_file_of(settings)
-    key = (project_name, stall, id(rf), repr(overrides))
+    key = (project_name, repr(from_settings), id(rf), repr(overrides))
     cached = _config_cache.get(key)
     if cached is None or cached[0] is not rf:
         cfg = {spec.id: spec.defaults() for spec in RULES}
-        if stall:
-            cfg["F2"]["timeout_s"] = float(stall)      # GRADWATCH_STALL_SECONDS sets F2's default
+        for rid, values in from_settings.items():
+            cfg[rid].update(values)
         if rf is not None:
             for rid, values in rf.every_project.items():
                 cfg[rid].update(values)
@@ -193,18 +217,68 @@ def _merged_config(project_name: Optional[str], settings: Any, overrides: tuple)
                 cfg[rid].update(values)
         for rule, config in overrides:
             if rule in cfg:
-                cfg[rule].update({k: v for k, v in (config or {}).items() if k in cfg[rule]})
+                cfg[rule].update({k: v for k, v in (config or {}).items() if k in cfg[rule] or k in PENDING_KEYS})
         if len(_config_cache) > 1000:
             _config_cache.clear()
         cached = _config_cache[key] = (rf, cfg)
     return {rid: dict(values) for rid, values in cached[1].items()}
 
 
+def _settings_defaults(settings: Any) -> dict[str, dict[str, Any]]:
+    """rule id -> {key: value} for the parameters whose declared server setting is set
+    (``Param(setting="stall_seconds")``: GRADWATCH_STALL_SECONDS sets F2's timeout)."""
+    out: dict[str, dict[str, Any]] = {}
+    if settings is None:
+        return out
+    for spec in RULES:
+        for key, param in spec.param_specs.items():
+            value = getattr(settings, param.setting, None) if param.setting else None
+            if value:
+                out.setdefault(spec.id, {})[key] = param.type(value)
+    return out
+
+
+def smallest_setting(spec: RuleSpec, key: str, settings: Any, session: Optional[Session] = None) -> float:
+    """The smallest value of one rule's setting that any project may have: the default (or the server
+    setting that replaces it), every table of the rules file, and (given a session) every stored API
+    override. The timer scan bounds its query by it, and the webhook worker times its scan by it."""
+    values = [float(_settings_defaults(settings).get(spec.id, {}).get(key, spec.param_specs[key].default))]
+    try:
+        rf = rules_file_of(settings)
+    except RuleConfigError:      # reported where the rules file is loaded for real
+        rf = None
+    if rf is not None:
+        for table in [rf.every_project, *rf.projects.values()]:
+            if table.get(spec.id, {}).get(key):
+                values.append(float(table[spec.id][key]))
+    if session is not None:
+        for config in session.scalars(select(RuleOverride.config).where(RuleOverride.rule == spec.id)):
+            if (config or {}).get(key):
+                values.append(float(config[key]))
+    return min(values)
+
+
 _OVERRIDES_OF_PROJECT = (select(RuleOverride.rule, RuleOverride.config)
                          .where(RuleOverride.project_id == bindparam("project_id")).order_by(RuleOverride.rule))
-# (project, stall, rules file, overrides) -> (rules file object, merged config); the file object is kept
+# (project, settings-backed defaults, rules file, overrides) -> (rules file object, merged config); the file object is kept
 # so its id() cannot be reused by another one while the entry lives
 _config_cache: dict[tuple, tuple[Any, dict[str, dict[str, Any]]]] = {}
+
+
+def warmup_config(session: Session, *, project_id: Optional[int], project_name: Optional[str],
+                  settings: Any = None) -> dict[str, Any]:
+    """The warm-up mute window in force for a project: ``{"steps": int, "seconds": float}`` (0: none);
+    the rules file's [warmup], then its [projects.<p>.warmup], then the API override."""
+    out: dict[str, Any] = {"steps": 0, "seconds": 0.0}
+    rf = rules_file_of(settings)
+    if rf is not None:
+        out.update(rf.warmup)
+        out.update(rf.project_warmup.get(project_name or "", {}))
+    if project_id is not None:
+        row = session.get(RuleOverride, (project_id, WARMUP))
+        if row is not None:
+            out.update({k: v for k, v in (row.config or {}).items() if k in WARMUP_KEYS})
+    return out
 
 
 def get_rule_config(session: Session, *, project: Any, settings: Any = None) -> dict[str, dict[str, Any]]:
@@ -234,6 +308,8 @@ def set_rule_override(session: Session, *, project: Any, rule: str, settings: An
     rule's settings now in force.
     """
     rid, clean = validate_values(rule, values)
+    if rid == WARMUP and not clean:
+        raise RuleConfigError(WARMUP, None, "give steps and/or seconds")
     row = _project_row(session, project, create=True)
     override = session.get(RuleOverride, (row.id, rid))
     current = dict(override.config or {}) if override is not None else {}
@@ -248,4 +324,7 @@ def set_rule_override(session: Session, *, project: Any, rule: str, settings: An
     else:
         override.config = current
     session.flush()
+    if rid == WARMUP:
+        return {"id": WARMUP, **warmup_config(session, project_id=row.id, project_name=row.name, settings=settings),
+                "overridden": sorted(current)}
     return get_rule_config(session, project=row, settings=settings)[rid]

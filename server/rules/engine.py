@@ -1,12 +1,13 @@
-"""Rule engine: evaluates the catalogue on each ingested batch, and F2 on a timer.
+"""Rule engine: evaluates the registered rules on each ingested batch, and the timer rules on a clock.
 
-``evaluate_batch`` is called by ingest inside the batch's transaction after
-the steps are written. Per batch it reads the project's rule settings (one
-query), the run's rule states for this rank (one query) and, for runs with
-several ranks, the other ranks' losses for the same steps (one query); then
-each enabled rule walks the batch's steps once. Everything a rule remembers
-lives in ``rule_states`` — a restarted server or another replica continues
-where this one left off.
+``evaluate_batch`` is called by ingest inside the batch's transaction after the steps are written.
+Per batch it reads the project's rule settings (one query) and the run's rule states for this rank
+(one query); every enabled *batch* rule evaluates the whole batch at once; for runs with several
+ranks every *cross-rank* rule gets the other ranks' values of the keys it needs at the same steps
+(one query). ``scan_timer_rules`` runs the *timer* rules (called periodically by the webhook
+worker). The engine dispatches on a rule's ``kind`` and knows no rule by its id: what a rule is
+lives in its class (``server/rules/catalog/``). Everything a rule remembers lives in
+``rule_states``: a restarted server or another replica continues where this one left off.
 """
 from __future__ import annotations
 
@@ -16,22 +17,24 @@ import math
 import time
 from typing import Any, Optional
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.db import json_dumps, json_loads
-from server.models import STEP_SIGNALS, Alert, Project, Run, RuleOverride, RuleState, Step
-from server.rules.alerts import Episode, Hit
-from server.rules.catalogue import RULES_BY_ID
-from server.rules.checks import RULE_CLASSES, Context, keys_present
-from server.rules.config import effective_config, rules_file_of
-from server.rules.stats import enc, fmt, median, num
+from gradwatch.server.db import json_dumps, json_loads
+from gradwatch.agent.signals import step_signal
+from gradwatch.server.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
+from gradwatch.server.ranks import rank_hosts
+from gradwatch.server.rules.alerts import Episode
+from gradwatch.server.rules.batch import Batch, Context, keys_present
+from gradwatch.server.rules.config import effective_config, smallest_setting
+from gradwatch.server.rules.registry import rule_classes
+from gradwatch.server.rules.rule import Outcome
+from gradwatch.server.rules.stats import enc
 
 log = logging.getLogger("gradwatch.rules")
 
-_LOSS_NAN_BIT = 1 << STEP_SIGNALS.index("loss")
-
-# rule_states key for run-level memory of the engine itself (NaN origin seen, …)
+# rule_states key for run-level memory of the engine itself (the events rules asked it to keep)
 _ENGINE = "_"
 
 
@@ -87,14 +90,21 @@ def _clone(state: Optional[dict]) -> dict:
     return json.loads(json.dumps(state)) if state else {}
 
 
-def _own(row) -> dict:
-    """The row's state, to be changed in place by one rule.
-
-    A state loaded for this batch belongs to this batch only, so it needs no copy; ``_discard``
-    throws the changes away if the rule fails half-way."""
+def _own(row, cls) -> dict:
+    """The row's state, to be changed in place by one rule (a state loaded for this batch belongs to
+    this batch only; ``_discard`` throws the changes away if the rule fails half-way). A state written
+    under another ``state_version`` of the rule is started afresh; the alert lifecycle is kept."""
     if not isinstance(row.state, dict):
         row.state = {}
-    return row.state
+    state = row.state
+    version = state.get("v", 1)
+    if version != cls.state_version:
+        log.info("rule %s: state version %s, expected %s; starting its memory afresh", cls.id, version,
+                 cls.state_version)
+        state = row.state = {"lc": state.get("lc") or {}}
+        if cls.state_version != 1:
+            state["v"] = cls.state_version
+    return state
 
 
 def _discard(row: _StateRow) -> None:
@@ -112,6 +122,28 @@ def _events_by_kind(events: list[dict]) -> dict[str, dict[int, dict[str, Any]]]:
     return out
 
 
+def _feed(episode: Episode, batch: Batch, out: Outcome) -> None:
+    """The verdicts into the alert lifecycle, in step order. Nothing firing and no hit: nothing to do."""
+    for step, hit in out.before:
+        episode.feed(step, hit)
+    if not out.hits and not episode.firing:
+        return
+    marks = out.clear.copy()
+    if out.hits:
+        marks[list(out.hits)] = True
+    steps = batch.step
+    for i in np.flatnonzero(marks).tolist():
+        hit = out.hits.get(i)
+        if hit is None:
+            if not episode.firing:
+                if not any(k > i for k in out.hits):
+                    return
+                continue
+            episode.feed(int(steps[i]), False)
+        else:
+            episode.feed(int(steps[i]), hit)
+
+
 def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], events: list[dict],
                    settings: Any, now: float, present: Optional[frozenset] = None) -> list[Alert]:
     """Evaluate every enabled rule on this batch; returns the alerts to notify (new or escalated).
@@ -126,167 +158,177 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
                            settings=settings)
     rows = _load_states(session, run.id, rank)
 
-    def state_row(rule: str, for_rank: int = rank):
-        """This rank's rows: a ``_StateRow``; another rank's (F1): the ORM row."""
-        if for_rank == rank:
-            row = rows.get(rule)
-            if row is None:
-                row = rows[rule] = _StateRow(rule, {}, None)
-            return row
-        row = session.get(RuleState, (run.id, for_rank, rule))
+    def state_row(rule: str) -> _StateRow:
+        row = rows.get(rule)
         if row is None:
-            row = RuleState(run_id=run.id, rank=for_rank, rule=rule, state={})
-            session.add(row)
+            row = rows[rule] = _StateRow(rule, {}, None)
         return row
 
     ctx = Context(run_id=run.id, rank=rank, world_size=run.world_size or 1,
                   param_names=list(run.param_names or []), module_names=list(run.module_names or []),
                   bn_names=list(run.bn_names or []), events=_events_by_kind(events),
+                  # the run's meta (the last rank's word) and every rank's host (F3, F4 name it)
+                  run_meta={**((run.config or {}).get("_meta") or {}), "rank_hosts": rank_hosts(run.config)},
                   present=keys_present(steps) if present is None else present)
+    ctx.remembered = _remember_events(ctx, rows, state_row)
     notify: list[Alert] = []
-    episodes: dict[str, Episode] = {}
 
-    # run-level memory: the latest NaN origin, attached to A1 / A2 alerts as evidence
-    origins = ctx.events.get("nan_origin", {})
-    tops = ctx.events.get("top_grad_norms", {})
-    engine_row = None
-    if origins:
-        engine_row = state_row(_ENGINE)
-        first = min(origins)
-        engine_state = _clone(engine_row.state)
-        engine_state["nan_origin"] = enc({"step": first, **origins[first]})
-        engine_row.state = engine_state
-    nan_origin = (engine_row.state if engine_row is not None else
-                  (rows[_ENGINE].state if _ENGINE in rows else {})).get("nan_origin")
-
-    # data arrived: a stalled run is alive again (F2 lives on rank 0's state)
     if steps:
-        if run.status == "stalled":
-            run.status = "running"
-        if rank == 0:
-            _resolve_stall(session, rows.get("F2"), now)
-        elif run.status == "stalled":
-            _resolve_stall(session, session.get(RuleState, (run.id, 0, "F2")), now)
+        for cls in rule_classes("timer"):
+            if cfg[cls.id].get("enabled", True):
+                _revive(session, cls, run, rank, rows, cfg[cls.id], now)
 
-    for cls in RULE_CLASSES:
+    batch = Batch(steps, ctx)
+    for cls in rule_classes("batch"):
+        rcfg = cfg[cls.id]
         rule = cls()
-        rcfg = cfg[rule.id]
-        if not rcfg.get("enabled", True) or not rule.applies(steps, ctx):
+        if not rcfg.get("enabled", True) or not rule.applies(ctx):
             continue
-        row = state_row(rule.id)
-        state = _own(row)
+        row = state_row(cls.id)
+        state = _own(row, cls)
         lc = state.setdefault("lc", {})
-        if nan_origin and rule.id in ("A1", "A2"):
-            state["nan_origin"] = nan_origin
-        episode = Episode(session, run.id, rank, rule.spec, rcfg, lc, now)
+        episode = Episode(session, run.id, rank, cls.spec, rcfg, lc, now)
         try:
-            rule.begin(ctx, state, rcfg)
-            for ev_step, hit in rule.event_hits(ctx, state, rcfg):
-                episode.feed(ev_step, hit)
-            if episode.firing or not rule.fast(ctx, state, rcfg, steps):
-                # feed() ignores None, and False while nothing is firing: skip the call for those
-                observe, feed, firing = rule.observe, episode.feed, episode.firing
-                for st in steps:
-                    verdict = observe(ctx, state, rcfg, st)
-                    if verdict is None or (verdict is False and not firing):
-                        continue
-                    feed(int(st["step"]), verdict)
-                    firing = episode.firing
-            rule.end(ctx, state, rcfg)
+            try:
+                out = rule.evaluate(batch, state, rcfg)
+            except Exception:   # noqa: BLE001 - perhaps a state it cannot read: once more from a fresh one
+                if set(state) <= {"lc", "v"}:
+                    raise
+                log.warning("rule %s could not read its state on run %s rank %s; starting its memory afresh",
+                            cls.id, run.id, rank, exc_info=True)
+                state = row.state = {"lc": lc, **({"v": cls.state_version} if cls.state_version != 1 else {})}
+                out = rule.evaluate(batch, state, rcfg)
+            _feed(episode, batch, out)
         except Exception:   # noqa: BLE001 - one broken rule must not lose the batch
-            log.exception("rule %s failed on run %s rank %s; skipped for this batch", rule.id, run.id, rank)
+            log.exception("rule %s failed on run %s rank %s; skipped for this batch", cls.id, run.id, rank)
             _discard(row)
             continue
-        if rule.id in ("A1", "A2") and (origins or tops):
-            extra = {}
-            if origins:
-                extra["nan_origin"] = nan_origin
-            if tops:
-                s = max(tops)
-                extra["top_grad_norms"] = [[str(p[0]), enc(num(p[1]))] for p in (tops[s].get("params") or [])[:5]]
-            episode.add_evidence(**extra)
-        state.pop("nan_origin", None)
+        if cls.evidence_events and any(ctx.events.get(k) for k in cls.evidence_events):
+            extra = rule.late_evidence(ctx)
+            if extra:
+                episode.add_evidence(**extra)
         notify.extend(episode.notify)
-        episodes[rule.id] = episode
 
-    if ctx.world_size > 1 and steps and cfg["F1"].get("enabled", True):
-        try:
-            with session.begin_nested():      # a failure here must not take the batch with it
-                notify.extend(_rank_divergence(session, run, rank, steps, cfg["F1"], state_row, now))
-        except Exception:  # noqa: BLE001
-            log.exception("rule F1 failed on run %s rank %s; skipped for this batch", run.id, rank)
+    if ctx.world_size > 1 and steps and rank >= 0:   # the combined row (rank -1) is no rank to compare
+        for cls in rule_classes("cross_rank"):
+            if not cfg[cls.id].get("enabled", True) or not cls().applies(ctx):
+                continue
+            try:
+                with session.begin_nested():      # a failure here must not take the batch with it
+                    notify.extend(_cross_rank(session, cls, run, rank, batch, cfg[cls.id], state_row, now))
+            except Exception:  # noqa: BLE001
+                log.exception("rule %s failed on run %s rank %s; skipped for this batch", cls.id, run.id, rank)
     _save_states(session, run.id, rank, rows)
     return notify
 
 
-# --------------------------------------------------------------------------- F1
+def _remember_events(ctx: Context, rows: dict, state_row) -> dict[str, Any]:
+    """The run's latest event of each kind a rule asked to keep (the NaN origin, …): updated from this
+    batch's events (its first of each kind) and kept in the engine's own state row."""
+    kinds = {k for cls in rule_classes() for k in cls.evidence_events}
+    stored = rows[_ENGINE].state if _ENGINE in rows and isinstance(rows[_ENGINE].state, dict) else {}
+    remembered = dict(stored.get("events") or {})
+    if "nan_origin" in stored and "events" not in stored:      # the layout before rules were plug-ins
+        remembered["nan_origin"] = stored["nan_origin"]
+    fresh = {k: ctx.events[k] for k in kinds if ctx.events.get(k)}
+    if fresh:
+        for kind, by_step in fresh.items():
+            first = min(by_step)
+            remembered[kind] = enc({"step": first, **by_step[first]})
+        row = state_row(_ENGINE)
+        row.state = {"events": remembered}
+    return remembered
 
-def _rank_divergence(session: Session, run: Run, rank: int, steps: list[dict], cfg: dict, state_row,
-                     now: float) -> list[Alert]:
-    """Compare this rank's losses with the other ranks' at the same steps (whichever arrives second)."""
-    mine = {int(st["step"]): num(st.get("loss")) for st in steps if num(st.get("loss")) is not None}
-    if not mine:
+
+def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: dict, state_row,
+                now: float) -> list[Alert]:
+    """Hand a cross-rank rule this rank's and the other ranks' values of its keys at the batch's steps."""
+    # the step signals with a column of their own (agent/signals.py); F1 reads loss and grad_norm
+    keys = [k for k in cls.needs if k in STEP_COLUMNS]
+    have = np.zeros(batch.n, dtype=bool)
+    for k in keys:
+        have |= batch.measured(k)
+    idx = np.flatnonzero(have)
+    if not len(idx):
         return []
-    lo, hi = min(mine), max(mine)
-    others: dict[int, dict[int, float]] = {}
-    for r, s, loss, nan_mask in session.execute(
-            select(Step.rank, Step.step, Step.loss, Step.nan_mask).where(
-                Step.run_id == run.id, Step.rank != rank, Step.step >= lo, Step.step <= hi)):
-        if loss is None and (nan_mask or 0) & _LOSS_NAN_BIT:
-            loss = math.nan          # SQLite keeps NaN as NULL + a bit in nan_mask
-        if loss is not None:
-            others.setdefault(s, {})[r] = loss
+    steps = batch.step[idx]
+    lo, hi = int(steps.min()), int(steps.max())
+    position = {int(s): j for j, s in enumerate(steps.tolist())}
+    others: dict[int, dict[str, np.ndarray]] = {}
+    columns = [getattr(Step, k) for k in keys]
+    for r, s, nan_mask, *values in session.execute(
+            select(Step.rank, Step.step, Step.nan_mask, *columns).where(
+                Step.run_id == run.id, Step.rank != rank, Step.rank >= 0, Step.step >= lo, Step.step <= hi)):
+        j = position.get(s)
+        if j is None:
+            continue
+        cols = others.get(r)
+        if cols is None:
+            cols = others[r] = {}
+            for k in keys:
+                cols[k] = np.full(len(steps), np.nan)
+                cols[k + ".measured"] = np.zeros(len(steps), dtype=bool)
+        for k, v in zip(keys, values):
+            if v is None and (nan_mask or 0) & (1 << step_signal(k).id):
+                v = math.nan          # SQLite keeps NaN as NULL + a bit in nan_mask
+            if v is not None:
+                cols[k][j] = v
+                cols[k + ".measured"][j] = True
     if not others:
         return []
-    spec = RULES_BY_ID["F1"]
+    mine: dict[str, Any] = {"rank": rank, "world_size": run.world_size or 1, "run_meta": batch.ctx.run_meta}
+    for k in keys:
+        mine[k] = batch.values(k)[idx]
+        mine[k + ".measured"] = batch.measured(k)[idx]
+
+    held: dict[int, tuple[Any, dict, Episode]] = {}
+
+    def holder(r: int):
+        if r not in held:
+            if r == rank:
+                row = state_row(cls.id)
+                state = _clone(row.state)
+            else:
+                row = session.get(RuleState, (run.id, r, cls.id))
+                if row is None:
+                    row = RuleState(run_id=run.id, rank=r, rule=cls.id, state={})
+                    session.add(row)
+                state = _clone(row.state)
+            held[r] = (row, state, Episode(session, run.id, r, cls.spec, cfg, state.setdefault("lc", {}), now))
+        return held[r]
+
+    verdicts = cls().evaluate(steps, mine, others, lambda r: holder(r)[1], cfg)
+    for r, step, verdict in verdicts:
+        holder(r)[2].feed(step, verdict)
     notify: list[Alert] = []
-    episodes: dict[int, tuple[Episode, RuleState, dict]] = {}
-
-    def episode_for(r: int) -> Episode:
-        if r not in episodes:
-            row = state_row("F1", r)
-            state = _clone(row.state)
-            episodes[r] = (Episode(session, run.id, r, spec, cfg, state.setdefault("lc", {}), now), row, state)
-        return episodes[r][0]
-
-    for step in sorted(mine):
-        if step not in others:
-            continue
-        losses = {**others[step], rank: mine[step]}
-        if len(losses) < 2:
-            continue
-        for r, x in losses.items():
-            rest = [v for q, v in losses.items() if q != r]
-            finite_rest = [v for v in rest if math.isfinite(v)]
-            ep = episode_for(r)
-            st = episodes[r][2]
-            if not math.isfinite(x) and finite_rest:
-                st["streak"] = st.get("streak", 0) + 1
-                ep.feed(step, Hit({"rank": r, "loss": enc(x), "others_median": median(finite_rest)},
-                                  f"Rank {r} has loss {fmt(x)} at step {step} while the other ranks' median is "
-                                  f"{fmt(median(finite_rest))}"))
-                continue
-            if math.isfinite(x) and len(finite_rest) == len(rest):
-                med = median(finite_rest)
-                if med > 0 and x > cfg["factor"] * med:
-                    st["streak"] = st.get("streak", 0) + 1
-                    if st["streak"] >= cfg["consecutive"]:
-                        ep.feed(step, Hit({"rank": r, "loss": x, "others_median": med, "ratio": x / med,
-                                           "steps": st["streak"]},
-                                          f"Rank {r}'s loss {fmt(x)} is {x / med:.1f}x the other ranks' median "
-                                          f"{fmt(med)} for {st['streak']} steps"))
-                    continue
-                st["streak"] = 0
-                ep.feed(step, False)
-    for r, (ep, row, state) in episodes.items():
+    for r, (row, state, episode) in held.items():
         row.state = dict(state)
-        notify.extend(ep.notify)
+        notify.extend(episode.notify)
     return notify
 
 
-# --------------------------------------------------------------------------- F2
+# --------------------------------------------------------------------------- timer rules
 
-def _resolve_stall(session: Session, row: Optional[RuleState], now: float) -> None:
+def _revive(session: Session, cls, run: Run, rank: int, rows: dict, cfg: dict, now: float) -> None:
+    """Data arrived from ``rank``: whether a timer rule's open alert (its lifecycle kept on rank 0's
+    state) resolves is the rule's to say (``TimerRule.revive``); the state is read only if it asks."""
+    loaded: list = []
+
+    def row():
+        if not loaded:
+            loaded.append(rows.get(cls.id) if rank == 0 else session.get(RuleState, (run.id, 0, cls.id)))
+        return loaded[0]
+
+    def lifecycle() -> dict:
+        r = row()
+        state = r.state if r is not None and isinstance(r.state, dict) else {}
+        return dict(state.get("lc") or {})
+
+    if cls().revive(session, run, rank, lifecycle, cfg, now):
+        _resolve(session, row(), now)
+
+
+def _resolve(session: Session, row, now: float) -> None:
     if row is None:
         return
     state = _clone(row.state)
@@ -301,57 +343,48 @@ def _resolve_stall(session: Session, row: Optional[RuleState], now: float) -> No
     row.state = state
 
 
-def check_stalled_runs(session: Session, *, settings: Any, now: Optional[float] = None) -> list[Alert]:
-    """F2: runs still marked running that sent nothing for ``timeout_s``. Called periodically.
+def timer_scan_interval(settings: Any) -> float:
+    """How often ``scan_timer_rules`` should run: the shortest period any timer rule asks for, given
+    the smallest timeout the settings and the rules file give it (API overrides are read per scan)."""
+    periods = [cls().period([smallest_setting(cls.spec, cls.timeout_param, settings)])
+               for cls in rule_classes("timer")]
+    return min(periods) if periods else 5.0
 
-    The alert goes on rank 0's state; the run is marked ``stalled``. Data arriving
-    again resolves it (see ``evaluate_batch``) and ingest marks the run running.
-    """
+
+def scan_timer_rules(session: Session, *, settings: Any, now: Optional[float] = None) -> list[Alert]:
+    """Evaluate every timer rule: the runs each one names as candidates, checked against their project's
+    settings. The alert's lifecycle goes on rank 0's state; data arriving again resolves it when the rule
+    says so (``TimerRule.revive``, called by ``evaluate_batch``)."""
     now = time.time() if now is None else now
-    default_timeout = RULES_BY_ID["F2"].params["timeout_s"]
-    # the smallest timeout any project may have bounds the query; each project's own setting decides
-    timeouts = [float(getattr(settings, "stall_seconds", None) or default_timeout)]
-    rf = rules_file_of(settings)
-    if rf is not None:
-        for table in [rf.every_project, *rf.projects.values()]:
-            if table.get("F2", {}).get("timeout_s"):
-                timeouts.append(float(table["F2"]["timeout_s"]))
-    for cfg_row in session.scalars(select(RuleOverride.config).where(RuleOverride.rule == "F2")):
-        if (cfg_row or {}).get("timeout_s"):
-            timeouts.append(float(cfg_row["timeout_s"]))
-    q = (select(Run, Project.name).join(Project, Project.id == Run.project_id)
-         .where(Run.status == "running", Run.last_seen < now - min(timeouts)))
-    if session.bind.dialect.name == "postgresql":
-        # two replicas checking at once: the second skips the runs the first is handling
-        q = q.with_for_update(skip_locked=True, of=Run)
-    candidates = session.execute(q).all()
-    if not candidates:
-        return []
     notify: list[Alert] = []
-    cfg_cache: dict[int, dict] = {}
-    for run, project_name in candidates:
-        if run.project_id not in cfg_cache:
-            cfg_cache[run.project_id] = effective_config(session, project_id=run.project_id,
-                                                         project_name=project_name, settings=settings)["F2"]
-        cfg = cfg_cache[run.project_id]
-        timeout = cfg.get("timeout_s", default_timeout)
-        if not cfg.get("enabled", True) or run.last_seen is None or now - run.last_seen < timeout:
-            continue
-        row = session.get(RuleState, (run.id, 0, "F2"))
-        if row is None:
-            row = RuleState(run_id=run.id, rank=0, rule="F2", state={})
-            session.add(row)
-        state = _clone(row.state)
-        lc = state.setdefault("lc", {})
-        if lc.get("firing"):
-            continue
-        step = int(run.last_step) if run.last_step is not None else 0
-        silent = now - run.last_seen
-        ep = Episode(session, run.id, 0, RULES_BY_ID["F2"], {**cfg, "cooldown_steps": 0}, lc, now)
-        ep.hit(step, Hit({"last_seen": run.last_seen, "silent_s": round(silent, 1), "timeout_s": timeout,
-                          "last_step": run.last_step},
-                         f"No data from run {run.name!r} for {silent:.0f} s (last step {run.last_step})"))
-        row.state = state
-        run.status = "stalled"
-        notify.extend(ep.notify)
+    for cls in rule_classes("timer"):
+        rule = cls()
+        smallest = smallest_setting(cls.spec, cls.timeout_param, settings, session=session)
+        candidates = rule.candidates(session, now=now, smallest_timeout=smallest)
+        cfg_cache: dict[int, dict] = {}
+        for run, project_name in candidates:
+            if run.project_id not in cfg_cache:
+                cfg_cache[run.project_id] = effective_config(session, project_id=run.project_id,
+                                                             project_name=project_name, settings=settings)[cls.id]
+            cfg = cfg_cache[run.project_id]
+            if not cfg.get("enabled", True):
+                continue
+            found = rule.check(session, run, cfg, now)
+            if found is None:
+                continue
+            row = session.get(RuleState, (run.id, 0, cls.id))
+            if row is None:
+                row = RuleState(run_id=run.id, rank=0, rule=cls.id, state={})
+                session.add(row)
+            state = _clone(row.state)
+            lc = state.setdefault("lc", {})
+            if lc.get("firing"):
+                continue
+            step, hit = found
+            # the alert names the rank the rule names (F4: the silent one); its lifecycle stays on rank 0
+            ep = Episode(session, run.id, rule.alert_rank(hit), cls.spec, {**cfg, "cooldown_steps": 0}, lc, now)
+            ep.hit(step, hit)
+            row.state = state
+            rule.fired(run)
+            notify.extend(ep.notify)
     return notify

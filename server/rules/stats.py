@@ -1,4 +1,4 @@
-"""Small robust-statistics helpers for the rules (leaf module, standard library only).
+"""Small robust-statistics helpers for the rules (leaf module: the standard library and the wire codec).
 
 Windows hold finite values only; callers leave out non-finite values and the
 values they flagged as spikes before pushing.
@@ -8,21 +8,17 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Optional
 
+from gradwatch.agent.nonfinite import decode_float_or_none, encode_json
+
 MAD_TO_SIGMA = 1.4826   # MAD of a normal distribution × this = its standard deviation
 
 
 def num(value: Any) -> Optional[float]:
-    """A wire value as a float (``"NaN"`` / ``"Infinity"`` strings included); None when absent."""
-    if value is None or isinstance(value, bool):
+    """A wire value as a float (``"NaN"`` / ``"Infinity"`` strings included, through the one decoder of
+    agent/nonfinite.py; a bool reads as 0 / 1); None when absent or not a number."""
+    if value is None or isinstance(value, (bool, int, float)):
         return None if value is None else float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    return decode_float_or_none(value)
 
 
 def finite(x: Optional[float]) -> bool:
@@ -44,19 +40,8 @@ def median_mad(values: list[float]) -> tuple[float, float]:
     return m, MAD_TO_SIGMA * median(abs(v - m) for v in values)
 
 
-def enc(x: Any) -> Any:
-    """A value safe for JSON columns and bodies: non-finite floats become the wire strings."""
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "Infinity" if x > 0 else "-Infinity"
-        return x
-    if isinstance(x, dict):
-        return {k: enc(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [enc(v) for v in x]
-    return x
+# A value safe for JSON columns and bodies (rule states, evidence): the one encoder, agent/nonfinite.py.
+enc = encode_json
 
 
 def fmt(x: Optional[float]) -> str:

@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from server.webhooks.formats import FORMATS
+from gradwatch.server.webhooks.formats import FORMATS
 
 
 def add_subparser(subparsers) -> None:
@@ -46,9 +46,9 @@ def add_subparser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from server.db import open_database
-    from server.settings import Settings
-    from server.webhooks import endpoints as ep
+    from gradwatch.server.db import open_database
+    from gradwatch.server.settings import Settings
+    from gradwatch.server.webhooks import endpoints as ep
 
     settings = Settings.from_env(db=args.db)
     database = open_database(settings.database_url)

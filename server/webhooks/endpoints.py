@@ -14,19 +14,14 @@ from urllib.parse import urlparse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.models import Project, WebhookDelivery, WebhookEndpoint
-from server.rules.catalogue import RULES_BY_ID, SEVERITIES
-from server.webhooks.formats import FORMATS, alert_payload
-from server.webhooks.outbox import dashboard_url, new_delivery
+from gradwatch.server.models import Project, WebhookDelivery, WebhookEndpoint
+from gradwatch.server.projects import project_row
+from gradwatch.server.rules.catalogue import RULES_BY_ID, SEVERITIES
+from gradwatch.server.webhooks.formats import FORMATS, alert_payload
+from gradwatch.server.webhooks.outbox import dashboard_url, new_delivery
+from gradwatch.server.webhooks.targets import check_target
 
 
-def _project(session: Session, name: str, *, create: bool) -> Optional[Project]:
-    row = session.scalar(select(Project).where(Project.name == name))
-    if row is None and create:
-        row = Project(name=name, created_at=time.time())
-        session.add(row)
-        session.flush()
-    return row
 
 
 def validate_endpoint(*, url: str, format: str, min_severity: str, secret: Optional[str]) -> None:
@@ -44,14 +39,20 @@ def validate_endpoint(*, url: str, format: str, min_severity: str, secret: Optio
 
 
 def create_endpoint(session: Session, *, project: str, url: str, format: str = "json", min_severity: str = "info",
-                    secret: Optional[str] = None) -> WebhookEndpoint:
+                    secret: Optional[str] = None, settings: Any = None) -> WebhookEndpoint:
     """Add a webhook endpoint for ``project`` (created if it does not exist yet).
+
+    ``settings``: the server's, for an endpoint a project token holder or dashboard user adds; its target
+    is then checked (server/webhooks/targets.py) when ``settings.checks_webhook_targets``. The operator's
+    CLI passes none: its endpoints are trusted as given.
 
     Example: ``create_endpoint(s, project="vision", url="https://hooks.slack.com/services/…", format="slack",
     min_severity="warning", secret="s3cret")``.
     """
     validate_endpoint(url=url, format=format, min_severity=min_severity, secret=secret)
-    proj = _project(session, project, create=True)
+    if settings is not None and settings.checks_webhook_targets:
+        check_target(url, allow=settings.webhook_allow)
+    proj = project_row(session, project, create=True)
     ep = WebhookEndpoint(project_id=proj.id, url=url, format=format, min_severity=min_severity, secret=secret,
                          enabled=True, created_at=time.time())
     session.add(ep)
@@ -59,15 +60,17 @@ def create_endpoint(session: Session, *, project: str, url: str, format: str = "
     return ep
 
 
-def list_endpoints(session: Session, *, project: Optional[str] = None) -> list[WebhookEndpoint]:
-    """Endpoints of ``project`` plus the server-wide ones; all endpoints when ``project`` is None."""
+def list_endpoints(session: Session, *, project: Optional[str] = None, server_wide: bool = True) -> list[WebhookEndpoint]:
+    """Endpoints of ``project`` plus, with ``server_wide``, the server-wide ones; all endpoints when
+    ``project`` is None. A project token holder gets ``server_wide=False``: the operator's URLs (for
+    Slack and Discord, credentials) are the operator's alone."""
     q = select(WebhookEndpoint).order_by(WebhookEndpoint.id)
     if project is not None:
-        proj = _project(session, project, create=False)
-        cond = WebhookEndpoint.project_id.is_(None)
-        if proj is not None:
-            cond = cond | (WebhookEndpoint.project_id == proj.id)
-        q = q.where(cond)
+        proj = project_row(session, project, create=False)
+        own = WebhookEndpoint.project_id == (proj.id if proj is not None else -1)
+        q = q.where(own | WebhookEndpoint.project_id.is_(None) if server_wide else own)
+    elif not server_wide:
+        q = q.where(WebhookEndpoint.project_id.is_not(None))
     return list(session.scalars(q))
 
 

@@ -5,7 +5,7 @@ Leaf-ish: works on plain dicts (``alert_payload`` builds the generic one).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 FORMATS = ("json", "slack", "discord")
 _COLOURS = {"info": 0x3B82F6, "warning": 0xF59E0B, "critical": 0xDC2626}
@@ -21,8 +21,10 @@ def guess_format(url: str) -> str:
     return "json"
 
 
-def alert_payload(alert, *, run_name: str, project_name: str, dashboard_url: str, test: bool = False) -> dict[str, Any]:
-    """The generic JSON body: everything a receiver needs to act."""
+def alert_payload(alert, *, run_name: str, project_name: str, dashboard_url: str, test: bool = False,
+                  incident_url: Optional[str] = None) -> dict[str, Any]:
+    """The generic JSON body: everything a receiver needs to act. ``incident_url``: the alert's incident
+    page (``outbox.incident_url``; None for a test delivery, whose sample alert has no page)."""
     return {
         "event": "alert.test" if test else "alert",
         "alert_id": alert.id,
@@ -42,6 +44,7 @@ def alert_payload(alert, *, run_name: str, project_name: str, dashboard_url: str
         "actions": list(alert.actions or []),
         "evidence": alert.evidence or {},
         "dashboard_url": dashboard_url,
+        "incident_url": incident_url,
         "created_at": alert.created_at,
     }
 
@@ -62,16 +65,46 @@ def _title(p: dict[str, Any]) -> str:
     return f"{test}{p['severity'].upper()} {p['rule']} {p['name']}: {p['project']}/{p['run']} step {p['step']}"
 
 
+def _slack_text(text: Any) -> str:
+    """Slack's own escaping: run, project and layer names come from the training script, and `<!channel>`,
+    `<@U123>` or `<http://x|label>` in one would ping a channel or forge a link."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def group_summary(p: dict[str, Any]) -> str:
+    """The other alerts of a grouped notification (server/routing/), one line each; "" for a lone alert."""
+    g = p.get("group") or {}
+    if len(g.get("alerts") or ()) <= 1 and not g.get("held_back") and len(g.get("ranks") or ()) <= 1:
+        return ""
+    lines = [f"{g.get('count', 0)} alert(s) on ranks {', '.join(map(str, g.get('ranks') or []))}:"]
+    first = g.get("first")
+    if first and len(g.get("ranks") or ()) > 1:
+        lines.insert(0, f"First: rank {first['rank']} at step {first['step']} ({first['rule']})")
+    lines += [f"{a['severity']} {a['rule']} {a['name']} rank {a['rank']} step {a['first_step']}"
+              for a in (g.get("alerts") or [])[:20]]
+    if g.get("held_back"):
+        lines.append(f"{g['held_back']} more held back (suppressed, silenced, muted or pending)")
+    return "\n".join(lines)
+
+
+def _links(p: dict[str, Any]) -> str:
+    """Slack's context line: the incident page (timeline, charts around it, rollback point) and the run."""
+    run = f"<{p['dashboard_url']}|Open the run>"
+    return f"<{p['incident_url']}|Open the incident> · {run}" if p.get("incident_url") else run
+
+
 def _slack(p: dict[str, Any]) -> dict[str, Any]:
-    actions = "\n".join(f"• {a}" for a in p["actions"])
-    text = f"{_EMOJI.get(p['severity'], '')} {_title(p)}"
+    actions = "\n".join(f"• {_slack_text(a)}" for a in p["actions"])
+    text = f"{_EMOJI.get(p['severity'], '')} {_slack_text(_title(p))}"
+    summary = group_summary(p)
+    grouped = [{"type": "section", "text": {"type": "mrkdwn", "text": _slack_text(summary)[:2900]}}] if summary else []
     return {
         "text": text,
-        "blocks": [
-            {"type": "section", "text": {"type": "mrkdwn", "text": f"*{text}*\n{p['message']}"}},
-            {"type": "section", "text": {"type": "mrkdwn", "text": f"*Diagnosis:* {p['diagnosis']}"}},
+        "blocks": [*grouped,
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"*{text}*\n{_slack_text(p['message'])}"}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"*Diagnosis:* {_slack_text(p['diagnosis'])}"}},
             {"type": "section", "text": {"type": "mrkdwn", "text": f"*What to do:*\n{actions}"[:2900]}},
-            {"type": "context", "elements": [{"type": "mrkdwn", "text": f"<{p['dashboard_url']}|Open the run>"}]},
+            {"type": "context", "elements": [{"type": "mrkdwn", "text": _links(p)}]},
         ],
     }
 
@@ -79,14 +112,19 @@ def _slack(p: dict[str, Any]) -> dict[str, Any]:
 def _discord(p: dict[str, Any]) -> dict[str, Any]:
     actions = "\n".join(f"• {a}" for a in p["actions"])
     return {
+        # names come from the training script: `@everyone` or `<@id>` in one must not ping anyone
+        "allowed_mentions": {"parse": []},
         "content": _title(p)[:2000],
         "embeds": [{
             "title": f"{p['rule']} {p['name']}"[:256],
             "description": f"{p['message']}\n\n**Diagnosis:** {p['diagnosis']}"[:4000],
-            "url": p["dashboard_url"],
+            "url": p.get("incident_url") or p["dashboard_url"],
             "color": _COLOURS.get(p["severity"], 0),
             "fields": [{"name": "What to do", "value": actions[:1024] or "-"},
+                       *([{"name": "Incident", "value": group_summary(p)[:1024]}] if group_summary(p) else []),
                        {"name": "Run", "value": f"{p['project']}/{p['run']} rank {p['rank']}", "inline": True},
+                       *([{"name": "Incident", "value": f"[open the incident]({p['incident_url']})", "inline": True}]
+                         if p.get("incident_url") else []),
                        {"name": "Step", "value": str(p["step"]), "inline": True}],
         }],
     }

@@ -18,9 +18,9 @@ from typing import Any, Optional
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from server.models import Alert, Project, Run, WebhookDelivery, WebhookEndpoint
-from server.rules.catalogue import SEVERITY_RANK
-from server.webhooks.formats import alert_payload, guess_format, render
+from gradwatch.server.models import Alert, Project, Run, WebhookDelivery, WebhookEndpoint
+from gradwatch.server.rules.catalogue import SEVERITY_RANK
+from gradwatch.server.webhooks.formats import alert_payload, guess_format, render
 
 # Retry policy: exponential backoff from BACKOFF_BASE_S, capped, until TTL_S after enqueueing.
 BACKOFF_BASE_S = 0.5
@@ -39,6 +39,14 @@ def backoff_s(attempts: int) -> float:
 def dashboard_url(settings: Any, run_id: int) -> str:
     base = getattr(settings, "dashboard_base", None) or (getattr(settings, "public_url", "") or "").rstrip("/")
     return f"{base}/runs/{run_id}"
+
+
+def incident_url(settings: Any, alert_id: Optional[int]) -> Optional[str]:
+    """The alert's incident page (dashboard/pages/incident.py), or None for an alert without an id."""
+    if alert_id is None:
+        return None
+    base = getattr(settings, "dashboard_base", None) or (getattr(settings, "public_url", "") or "").rstrip("/")
+    return f"{base}/incidents/{alert_id}"
 
 
 _synced: set[tuple[str, tuple[str, ...]]] = set()
@@ -71,6 +79,14 @@ def sync_server_endpoints(session: Session, settings: Any) -> None:
     _synced.add((str(getattr(settings, "database_url", "")), urls))
 
 
+def ensure_server_endpoints(session: Session, settings: Any) -> None:
+    """``sync_server_endpoints`` once per (database, configured URLs) in this process."""
+    key = (str(getattr(settings, "database_url", "")), tuple(getattr(settings, "webhook_urls", ()) or ()))
+    if key not in _synced:
+        sync_server_endpoints(session, settings)
+        _synced.add(key)
+
+
 def matching_endpoints(session: Session, *, project_id: int, severity: str) -> list[WebhookEndpoint]:
     rows = session.scalars(select(WebhookEndpoint).where(
         WebhookEndpoint.enabled.is_(True),
@@ -80,8 +96,8 @@ def matching_endpoints(session: Session, *, project_id: int, severity: str) -> l
 
 
 def new_delivery(endpoint: WebhookEndpoint, payload: dict[str, Any], *, alert_id: Optional[int],
-                 now: float) -> WebhookDelivery:
-    return WebhookDelivery(endpoint_id=endpoint.id, alert_id=alert_id, url=endpoint.url,
+                 now: float, group_id: Optional[int] = None) -> WebhookDelivery:
+    return WebhookDelivery(endpoint_id=endpoint.id, alert_id=alert_id, group_id=group_id, url=endpoint.url,
                            body=render(endpoint.format, payload), status="pending", attempts=0,
                            next_attempt_at=now, expires_at=now + TTL_S, created_at=now)
 
@@ -91,17 +107,15 @@ def enqueue_alerts(session: Session, alerts: list[Alert], *, run: Run, project: 
     """One delivery row per (alert, enabled endpoint of the project or server-wide, severity ≥ its minimum)."""
     if not alerts:
         return 0
-    key = (str(getattr(settings, "database_url", "")), tuple(getattr(settings, "webhook_urls", ()) or ()))
-    if key not in _synced:
-        sync_server_endpoints(session, settings)
-        _synced.add(key)
+    ensure_server_endpoints(session, settings)
     count = 0
     url = dashboard_url(settings, run.id)
     for alert in alerts:
         endpoints = matching_endpoints(session, project_id=project.id, severity=alert.severity)
         if not endpoints:
             continue
-        payload = alert_payload(alert, run_name=run.name, project_name=project.name, dashboard_url=url)
+        payload = alert_payload(alert, run_name=run.name, project_name=project.name, dashboard_url=url,
+                                incident_url=incident_url(settings, alert.id))
         for ep in endpoints:
             session.add(new_delivery(ep, payload, alert_id=alert.id, now=now))
             count += 1
@@ -120,7 +134,9 @@ class Claimed:
     body: str
     attempts: int
     expires_at: float
+    group_id: Optional[int] = None      # the notification group it tells, if routed
     secret: Optional[str] = None
+    project_endpoint: bool = False      # a project's endpoint (checked target), not the operator's
 
 
 def claim_due(session: Session, *, now: float, limit: int = CLAIM_LIMIT) -> list[Claimed]:
@@ -134,16 +150,18 @@ def claim_due(session: Session, *, now: float, limit: int = CLAIM_LIMIT) -> list
         update(WebhookDelivery).where(WebhookDelivery.id.in_(due.scalar_subquery()))
         .values(next_attempt_at=now + LEASE_S)
         .returning(WebhookDelivery.id, WebhookDelivery.endpoint_id, WebhookDelivery.url, WebhookDelivery.body,
-                   WebhookDelivery.attempts, WebhookDelivery.expires_at)
+                   WebhookDelivery.attempts, WebhookDelivery.expires_at, WebhookDelivery.group_id)
         .execution_options(synchronize_session=False)
     ).all()
     claimed = [Claimed(*r) for r in rows]
     ids = {c.endpoint_id for c in claimed if c.endpoint_id is not None}
     if ids:
-        secrets = dict(session.execute(select(WebhookEndpoint.id, WebhookEndpoint.secret)
-                                       .where(WebhookEndpoint.id.in_(ids))).all())
+        found = {i: (secret, project_id) for i, secret, project_id in session.execute(
+            select(WebhookEndpoint.id, WebhookEndpoint.secret, WebhookEndpoint.project_id)
+            .where(WebhookEndpoint.id.in_(ids))).all()}
         for c in claimed:
-            c.secret = secrets.get(c.endpoint_id)
+            secret, project_id = found.get(c.endpoint_id, (None, None))
+            c.secret, c.project_endpoint = secret, project_id is not None
     return claimed
 
 

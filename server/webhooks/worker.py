@@ -12,16 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional
+from typing import Awaitable, Callable, Mapping, Optional
 
 import httpx
 from sqlalchemy.orm import sessionmaker as SessionMaker
 
-from server.models import Project, Run
-from server.rules.config import rules_file_of
-from server.rules.engine import check_stalled_runs
-from server.webhooks import outbox
-from server.webhooks.signing import sign_headers
+from gradwatch.server.models import Project, Run
+from gradwatch.server.rules.config import rules_file_of
+from gradwatch.server.rules.engine import scan_timer_rules, timer_scan_interval
+from gradwatch.server.webhooks import outbox
+from gradwatch.server.webhooks.signing import sign_headers
+from gradwatch.server.webhooks.targets import TargetRefused, check_target
 
 log = logging.getLogger("gradwatch.webhooks")
 
@@ -30,19 +31,30 @@ USER_AGENT = "gradwatch-webhooks/0.1"
 
 class DeliveryWorker:
     def __init__(self, sessionmaker, settings, *, poll_interval: float = 1.0,
-                 stall_interval: Optional[float] = None, request_timeout: float = 5.0):
+                 stall_interval: Optional[float] = None, request_timeout: float = 5.0,
+                 route: Optional[Callable] = None, flush: Optional[Callable] = None,
+                 flush_due_at: Optional[Callable] = None, delivered: Optional[Callable] = None,
+                 senders: Optional[Mapping[str, Callable[[str, str], Awaitable]]] = None):
+        """``route(session, alerts, settings=, now=)`` hands the timer rules' alerts on (default: straight
+        into the outbox); ``flush(session, settings=, now=)`` → (rows written, next due time) runs in a
+        round where ``flush_due_at(session)`` (a read) says something is due (the notification groups);
+        ``delivered(session, group_ids, now=)`` is told, in the transaction that records them, the
+        notification groups of the rows just delivered (a group's intervals count from then);
+        ``senders``: URL scheme → ``await send(url, body)`` → (status, error) for outbox rows that are
+        not HTTP (``mailto`` for email)."""
         self.sessionmaker = sessionmaker
         self.settings = settings
+        self.route = route or _enqueue_directly
+        self.flush = flush
+        self.flush_due_at = flush_due_at
+        self.delivered = delivered
+        self.senders = dict(senders or {})
         self.poll_interval = poll_interval
-        stall = float(getattr(settings, "stall_seconds", 300.0) or 300.0)
-        try:  # a rules file may give some project a smaller F2 timeout
-            rf = rules_file_of(settings)
-            for table in ([rf.every_project] + list(rf.projects.values())) if rf else []:
-                stall = min(stall, float(table.get("F2", {}).get("timeout_s") or stall))
+        try:  # the timer rules' smallest timeouts (a rules file may give some project a smaller one)
+            interval = timer_scan_interval(settings)
         except Exception:  # noqa: BLE001 - reported by start()
-            pass
-        # check several times per timeout, at most every 5 s
-        self.stall_interval = stall_interval if stall_interval is not None else max(0.2, min(5.0, stall / 4))
+            interval = 5.0
+        self.stall_interval = stall_interval if stall_interval is not None else interval
         self.request_timeout = request_timeout
         engine = sessionmaker.kw.get("bind")
         if engine is not None and engine.dialect.name == "sqlite":
@@ -116,8 +128,11 @@ class DeliveryWorker:
     def _record(self, results: list[tuple[outbox.Claimed, Optional[int], Optional[str]]]) -> None:
         with self._write() as s:
             now = time.time()
-            for claimed, code, error in results:
-                outbox.record_attempt(s, claimed, now=now, status_code=code, error=error)
+            done = [claimed.group_id for claimed, code, error in results
+                    if outbox.record_attempt(s, claimed, now=now, status_code=code, error=error) == "delivered"]
+            done = [g for g in done if g is not None]
+            if done and self.delivered is not None:
+                self.delivered(s, done, now=now)
             s.commit()
 
     def _next_due(self) -> Optional[float]:
@@ -125,15 +140,42 @@ class DeliveryWorker:
             return outbox.next_due_at(s)
 
     async def _send(self, c: outbox.Claimed) -> tuple[outbox.Claimed, Optional[int], Optional[str]]:
+        scheme = c.url.split(":", 1)[0]
+        if scheme not in ("http", "https"):
+            sender = self.senders.get(scheme)
+            if sender is None:
+                return c, None, f"no sender for {scheme}: URLs on this server"
+            try:
+                code, error = await sender(c.url, c.body)
+            except Exception as e:  # noqa: BLE001 - a sender's bug is one failed attempt, retried
+                log.exception("delivery %s via %s failed", c.id, scheme)
+                code, error = None, f"{type(e).__name__}: {e}"
+            return c, code, error
         body = c.body.encode()
         headers = {"Content-Type": "application/json", "X-Gradwatch-Delivery": str(c.id),
                    **sign_headers(c.secret, body)}
+        # A project's endpoint is checked again before each delivery (its name may resolve elsewhere by
+        # now), and its log, which the project's token holders read, shows no reply body and does not
+        # tell a closed port from a silent one: the details go to the operator's server log.
+        guarded = c.project_endpoint and bool(getattr(self.settings, "checks_webhook_targets", False))
+        if guarded:
+            try:
+                await asyncio.to_thread(check_target, c.url, allow=getattr(self.settings, "webhook_allow", ()))
+            except TargetRefused as e:
+                return c, None, str(e)
         try:
             resp = await self._client.post(c.url, content=body, headers=headers)
         except httpx.HTTPError as e:
-            return c, None, f"{type(e).__name__}: {e}" or type(e).__name__
+            detail = f"{type(e).__name__}: {e}" or type(e).__name__
+            if guarded:
+                log.info("webhook delivery %s to %s failed: %s", c.id, c.url, detail)
+                return c, None, "could not deliver: no answer from the endpoint"
+            return c, None, detail
         if 200 <= resp.status_code < 300:
             return c, resp.status_code, None
+        if guarded:
+            log.info("webhook delivery %s to %s: HTTP %s %s", c.id, c.url, resp.status_code, resp.text[:200])
+            return c, resp.status_code, f"HTTP {resp.status_code}"
         return c, resp.status_code, f"HTTP {resp.status_code}: {resp.text[:200]}"
 
     async def deliver_due(self) -> int:
@@ -151,11 +193,27 @@ class DeliveryWorker:
                 break
         return attempted
 
+    def _flush(self) -> Optional[float]:
+        """The groups' timers: notifications that came due become outbox rows; returns the next due time."""
+        if self.flush_due_at is not None:
+            # a read first: SQLite's writer lock is taken only when a group is due, not every poll
+            with self.sessionmaker() as s:
+                due = self.flush_due_at(s)
+            if due is None or due > time.time():
+                return due
+        with self._write() as s:
+            _written, nxt = self.flush(s, settings=self.settings, now=time.time())
+            s.commit()
+        return nxt
+
     async def _deliver_loop(self) -> None:
         while not self._stopping:
             try:
+                group_due = await asyncio.to_thread(self._flush) if self.flush is not None else None
                 await self.deliver_due()
                 nxt = await asyncio.to_thread(self._next_due)
+                if group_due is not None:
+                    nxt = group_due if nxt is None else min(nxt, group_due)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep the worker alive; the rows stay pending
@@ -173,19 +231,15 @@ class DeliveryWorker:
     # ------------------------------------------------------------------ F2 run_stalled
 
     def check_stalls(self) -> int:
-        """Raise F2 for silent runs and enqueue their webhooks; returns the number of new alerts."""
+        """Raise the timer rules (F2 silent runs, F4 silent ranks) and enqueue their webhooks; returns the
+        number of new alerts."""
         with self._write() as s:
             now = time.time()
-            alerts = check_stalled_runs(s, settings=self.settings, now=now)
-            enqueued = 0
-            for alert in alerts:
-                run = s.get(Run, alert.run_id)
-                project = s.get(Project, run.project_id)
-                enqueued += outbox.enqueue_alerts(s, [alert], run=run, project=project, settings=self.settings,
-                                                  now=now)
+            alerts = scan_timer_rules(s, settings=self.settings, now=now)
+            enqueued = self.route(s, alerts, settings=self.settings, now=now) if alerts else 0
             s.commit()
         if alerts:
-            log.info("run_stalled: %d run(s) went silent", len(alerts))
+            log.info("timer rules (run_stalled, rank_silent): %d alert(s) raised", len(alerts))
         return enqueued
 
     async def _stall_loop(self) -> None:
@@ -198,3 +252,13 @@ class DeliveryWorker:
                 raise
             except Exception:  # noqa: BLE001
                 log.exception("stall check failed; retrying")
+
+
+def _enqueue_directly(session, alerts, *, settings, now: float) -> int:
+    """Without routing: one delivery per (alert, matching endpoint)."""
+    enqueued = 0
+    for alert in alerts:
+        run = session.get(Run, alert.run_id)
+        project = session.get(Project, run.project_id)
+        enqueued += outbox.enqueue_alerts(session, [alert], run=run, project=project, settings=settings, now=now)
+    return enqueued

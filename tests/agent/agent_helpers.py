@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from agent.transport import Delivery
+from gradwatch.agent.transport import Delivery
 
 
 class RecordingTransport:
@@ -52,7 +52,7 @@ class RecordingTransport:
 
 
 # The optional step fields of docs/wire-format.md: absent means null ("not measured").
-OPTIONAL_STEP_FIELDS = ("loss", "grad_norm", "clip_max_norm", "clipped", "loss_scale", "overflow",
+OPTIONAL_STEP_FIELDS = ("loss", "grad_norm", "clip_max_norm", "clipped", "loss_scale", "overflow", "grad_zero_fraction",
                         "overflow_count", "lr", "step_time", "samples_per_s", "tokens_per_s", "mem_peak",
                         "ema_divergence", "input_nonfinite")
 _WIRE_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

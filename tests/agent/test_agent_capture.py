@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import agent
+from gradwatch import agent
 from agent_helpers import ShadowEMA, TinyNet, batches, checklist_step, tiny_loop
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import agent
+from gradwatch import agent
 from agent_helpers import RecordingTransport, ShadowEMA, TinyNet, batches, checklist_step, tiny_loop
 
 
@@ -67,7 +67,10 @@ def test_nan_origin_names_the_first_module_that_produced_a_nonfinite_value(recor
     model = FaultyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu")
-    monitor = _attach(model, scaler, recorder, agent_settings, activations_every=0, flush_interval=0.02)
+    # the hunt over the following steps (the fallback when the failing step cannot be replayed;
+    # the replay of the step itself: tests/origin)
+    monitor = _attach(model, scaler, recorder, agent_settings, activations_every=0, flush_interval=0.02,
+                      nan_replay=False)
     for i, (x, y) in enumerate(batches(12)):
         model.faulty.broken = i >= 4
         checklist_step(model, opt, scaler, x, y)
@@ -290,3 +293,53 @@ def test_tokens_per_second_is_inferred_from_token_id_inputs(recorder, agent_sett
     monitor.close()
     for s in recorder.steps[1:]:
         assert s["samples_per_s"] > 0 and s["tokens_per_s"] == pytest.approx(6 * s["samples_per_s"])
+
+
+class EmbeddingNet(torch.nn.Module):
+    """Rows of the embedding that a batch does not use get exactly zero gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+        self.fc = torch.nn.Linear(8, 4)
+        self.unused = torch.nn.Linear(4, 4)      # never called: its parameters have no grad
+
+    def forward(self, tokens):
+        return self.fc(self.emb(tokens).mean(dim=1))
+
+
+def test_the_zero_gradient_share_equals_pytorchs_count_per_parameter_and_overall(recorder, agent_settings):
+    torch.manual_seed(0)
+    model = EmbeddingNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = _attach(model, scaler, recorder, agent_settings, weights_every=2)
+    expected = {}
+    for i in range(5):
+        tokens = torch.randint(0, 10 + 5 * i, (4, 6))            # a growing share of the rows is used
+        opt.zero_grad()
+        loss = model(tokens).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        grads = [p.grad for p in model.parameters()]
+        expected[i] = ([None if g is None else (g == 0).float().mean().item() for g in grads],
+                       sum(int((g == 0).sum()) for g in grads if g is not None) /
+                       sum(g.numel() for g in grads if g is not None))
+    monitor.close()
+    seen = 0
+    for s in recorder.steps:
+        layers = s.get("layers", {})
+        if s["step"] % 2:
+            assert "grad_zero_fraction" not in layers and s.get("grad_zero_fraction") is None
+            continue
+        per, overall = expected[s["step"]]
+        got = layers["grad_zero_fraction"]
+        assert [g is None for g in got] == [e is None for e in per]
+        assert [g for g in got if g is not None] == pytest.approx([e for e in per if e is not None], rel=1e-6)
+        assert s["grad_zero_fraction"] == pytest.approx(overall, rel=1e-6)
+        assert per[0] > 0.5 and per[-1] is None          # the embedding's unused rows; the unused layer
+        seen += 1
+    assert seen == 3

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-import agent
-from agent.config import AgentConfig
+from gradwatch import agent
+from gradwatch.agent.config import AgentConfig
 from agent_helpers import RecordingTransport, TinyNet, batches
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-import agent
-from agent.sync import sync_spool
+from gradwatch import agent
+from gradwatch.agent.sync import sync_spool
 from agent_helpers import (StubbornServer, TinyNet, batches, checklist_step, find_run, spooled_steps,
                            stored_counts, stored_events, tiny_loop)
 from tests.conftest import free_port, wait_until

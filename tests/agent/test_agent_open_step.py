@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import pytest
 import torch
 
-import agent
+from gradwatch import agent
 from agent_helpers import ShadowEMA, batches, checklist_step, find_run, stored_counts, tiny_loop
 from tests.conftest import wait_until
 
@@ -84,17 +85,51 @@ def test_post_step_ema_and_logged_values_stay_with_their_step(recorder, agent_se
     for s in steps:
         i = s["step"]
         assert s["custom"] == {"acc": float(i), "seen": 10.0 * i}, s
-        if i == 4:
-            continue   # sealed by the sender thread: EMA divergence is skipped (docs/agent.md)
-        # Measured after that step's EMA update, not the previous or the next one's.
+        # Measured after that step's EMA update, not the previous or the next one's; step 4, sealed
+        # by the sender thread, included.
         assert s["ema_divergence"] is not None and math.isclose(s["ema_divergence"], expected_div[i],
                                                                 rel_tol=1e-4), (i, s["ema_divergence"])
-    assert steps[4]["ema_divergence"] is None
+
+
+def _run_with_pause_after(pause_after: Optional[int], recorder, agent_settings, steps: int = 8) -> list[dict]:
+    """The checklist's loop (scaler, clipping, EMA every step, a logged scalar), seeded; after step
+    ``pause_after`` the loop pauses (an end-of-epoch validation or checkpoint, as timm's train.py
+    does) until the sender thread has sealed and sent that step."""
+    torch.manual_seed(0)
+    model, opt, scaler = tiny_loop()
+    ema = ShadowEMA(model, decay=0.9)
+    monitor = agent.attach(model, scaler, ema=ema, transport=recorder, ema_every=1, weights_every=1,
+                           **agent_settings)
+    for i, (x, y) in enumerate(batches(steps)):
+        checklist_step(model, opt, scaler, x, y, ema=ema)
+        monitor.log(acc=float(i))
+        if i == pause_after:
+            t0 = time.monotonic()
+            wait_until(lambda: any(s["step"] == i for s in recorder.steps), timeout=10, what=f"step {i} sent")
+            assert time.monotonic() - t0 > monitor.config.seal_grace   # sealed by the sender thread
+    monitor.close()
+    return recorder.steps
+
+
+def test_a_step_sealed_by_the_sender_thread_after_a_pause_keeps_its_ema_divergence(agent_settings):
+    """The hand-over loses nothing: the step before a pause longer than ``seal_grace`` (sealed and
+    sent by the sender thread while training waits) carries the EMA divergence, and every other
+    value, exactly as the same step of the same loop without the pause."""
+    from agent_helpers import RecordingTransport
+    paused = _run_with_pause_after(3, RecordingTransport(), agent_settings)
+    straight = _run_with_pause_after(None, RecordingTransport(), {**agent_settings, "run": "r2"})
+    assert [s["step"] for s in paused] == [s["step"] for s in straight] == list(range(8))
+    for p, q in zip(paused, straight):
+        assert p["ema_divergence"] is not None, p
+        assert math.isclose(p["ema_divergence"], q["ema_divergence"], rel_tol=1e-6), (p, q)
+        volatile = ("time", "step_time", "samples_per_s", "tokens_per_s")
+        assert {k: v for k, v in p.items() if k not in volatile} == \
+            {k: v for k, v in q.items() if k not in volatile}, p["step"]
 
 
 def test_seal_grace_is_validated():
     import pytest
-    from agent.config import AgentConfig
+    from gradwatch.agent.config import AgentConfig
     with pytest.raises(ValueError, match="seal_grace"):
         AgentConfig.from_sources({"seal_grace": -1}, env={})
     assert AgentConfig.from_sources({}, env={"GRADWATCH_SEAL_GRACE": "0.5"}).seal_grace == 0.5

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import agent
+from gradwatch import agent
 from agent_helpers import RecordingTransport, TinyNet, batches, checklist_step, find_run, stored_counts, tiny_loop
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +25,7 @@ SCRIPT_HEAD = f"""
 import sys, torch
 sys.path[:0] = [{str(REPO)!r}, {str(HERE)!r}]
 torch.set_num_threads(1)
-import agent
+from gradwatch import agent
 from agent_helpers import TinyNet, batches, checklist_step
 """
 

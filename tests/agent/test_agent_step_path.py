@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import agent
-from agent.capture.ema import EmaMatcher, ema_divergence
-from agent.capture.norms import grad_norms
-from agent.record import StepRecord
+from gradwatch import agent
+from gradwatch.agent.capture.ema import EmaMatcher, ema_divergence
+from gradwatch.agent.capture.norms import grad_norms
+from gradwatch.agent.record import StepRecord
 from agent_helpers import TinyNet, batches, checklist_step
 
 

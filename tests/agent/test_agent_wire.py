@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import agent
-from agent.transport import Delivery
+from gradwatch import agent
+from gradwatch.agent.transport import Delivery
 from agent_helpers import RecordingTransport, batches, checklist_step, decode_step
-from server.numbers import NULL_F32_BITS, null_mask, unpack_f32_b64, unpack_layer_values
+from gradwatch.server.numbers import NULL_F32_BITS, null_mask, unpack_f32_b64, unpack_layer_values
 
 
 class RawTransport(RecordingTransport):

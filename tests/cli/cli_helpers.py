@@ -13,13 +13,13 @@ from tests.conftest import REPO_ROOT, http_json
 
 def gradwatch(*args: str, env: Optional[dict] = None, data_dir: Optional[Path] = None, timeout: float = 120,
               cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
-    """``gradwatch ARGS`` (``python -m server`` runs the same ``server.cli:main``), output captured as text."""
+    """``gradwatch ARGS`` (``python -m gradwatch.server`` runs the same ``gradwatch.server.cli:main``), output captured as text."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
     full_env["PYTHONUNBUFFERED"] = "1"
     if data_dir is not None:
         full_env["GRADWATCH_DATA_DIR"] = str(data_dir)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "server", *args], cwd=cwd or REPO_ROOT, env=full_env,
+    return subprocess.run([sys.executable, "-m", "gradwatch.server", *args], cwd=cwd or REPO_ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 

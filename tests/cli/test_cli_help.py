@@ -10,13 +10,14 @@ from tests.cli.cli_helpers import gradwatch
 from tests.conftest import REPO_ROOT
 
 # The commands docs/cli.md documents (issue 7): each must exist.
-DOCUMENTED = [("serve",), ("demo",), ("db", "upgrade"), ("token", "create"), ("sync",), ("rules",), ("export",)]
+DOCUMENTED = [("serve",), ("demo",), ("db", "upgrade"), ("token", "create"), ("sync",), ("rules",), ("export",),
+              ("import", "tensorboard"), ("import", "wandb")]
 
 # Walks the command tree in one process (one interpreter start instead of one per command): each
 # `--help` goes through the real entry point, server.cli.main, exactly as the console script calls it.
 WALK = r"""
 import contextlib, io, json, re, sys
-from server.cli import main
+from gradwatch.server.cli import main
 
 def subcommands(text):
     m = re.search(r"positional arguments:\n\s+\{([a-z0-9_,-]+)\}", text)

@@ -14,7 +14,7 @@ def test_serve_on_the_embedded_default_database_and_stop_with_ctrl_c(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
     env.update(GRADWATCH_DATA_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(port)], cwd=REPO_ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "gradwatch.server", "serve", "--port", str(port)], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def healthy():
@@ -42,7 +42,8 @@ def test_db_upgrade_and_check_and_serve_refusing_an_old_schema(db_url, tmp_path)
     assert proc.returncode == 1
     assert "gradwatch db upgrade --db" in proc.stdout + proc.stderr
 
-    # a server on a database nobody migrated refuses to start, and says what to run
+    # a server on a database left at an older schema refuses to start, and says what to run
+    assert gradwatch("db", "upgrade", "--db", db_url, "--revision", "0003", data_dir=tmp_path).returncode == 0
     proc = gradwatch("serve", "--db", db_url, "--port", str(free_port()), data_dir=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "gradwatch db upgrade" in proc.stderr

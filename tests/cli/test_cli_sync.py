@@ -11,7 +11,8 @@ from tests.cli.cli_helpers import gradwatch
 from tests.conftest import REPO_ROOT
 
 TRAIN_OFFLINE = textwrap.dedent("""
-    import sys, torch, agent
+    import sys, torch
+    from gradwatch import agent
     spool, run = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

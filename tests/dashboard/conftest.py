@@ -1,6 +1,6 @@
 """Fixtures and browser helpers for the dashboard tests.
 
-Every test here drives the real thing: a ``python -m server serve`` process on
+Every test here drives the real thing: a ``python -m gradwatch.server serve`` process on
 a SQLite file (the dashboard is the same process, same port), runs fed through
 ``POST /api/v1/ingest``, and Debian's headless Chromium through Selenium.
 Waits are explicit conditions (``wait_until``), never sleeps.

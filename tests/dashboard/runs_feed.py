@@ -52,11 +52,13 @@ def make_steps(n: int, *, start: int = 0, seed: int = 0, overflow_every: int = 0
         if overflow:
             scale /= 2
         if layers_every and i % layers_every == 0:
+            step["grad_zero_fraction"] = 0.01 + 0.001 * (i % 7)
             step["layers"] = {
                 "grad_norm": [grad * (0.2 + 0.1 * k) for k in range(len(PARAM_NAMES))],
                 "weight_norm": [10.0 + k + i * 0.001 for k in range(len(PARAM_NAMES))],
                 "update_ratio": [1e-3 * (1 + 0.1 * k) for k in range(len(PARAM_NAMES))],
                 "act_std": [1.0 + 0.05 * k for k in range(len(MODULE_NAMES))],
+                "grad_zero_fraction": [0.005 * k for k in range(len(PARAM_NAMES))],
             }
         out.append(step)
     return out

@@ -28,7 +28,7 @@ def auth_server(tmp_path):
 
 
 def _token(srv: LiveServer, project: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "server", "token", "create", "--project", project, "--db", srv.db_url],
+    out = subprocess.run([sys.executable, "-m", "gradwatch.server", "token", "create", "--project", project, "--db", srv.db_url],
                          check=True, capture_output=True, text=True, cwd=REPO_ROOT, env=srv._env(), timeout=120)
     return out.stdout.strip().splitlines()[-1]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 
-from dashboard import figures
-from dashboard.figures import PANELS_BY_KEY
+from gradwatch.dashboard import figures
+from gradwatch.dashboard.figures import PANELS_BY_KEY
 
 
 def _b(step, lo, hi=None, last=None, count=1, nonfinite=0):

@@ -159,3 +159,28 @@ def test_settings_rule_threshold_override(shared_server, browser):
     wait_until(lambda: "overridden: factor" in " ".join(texts(browser, "#settings-rule-A2")), timeout=WAIT,
                what="A2 shows its override")
     assert severe_console_entries(browser) == []
+
+
+def test_html_in_run_and_layer_names_is_shown_as_text_never_rendered(shared_server, browser):
+    """A run or layer named with HTML (hostile-input report: `<a href>` became a clickable link in the
+    compare legend and the heatmap labels) is drawn as the characters it is."""
+    evil = '<a href="http://evil.example/">x</a>'
+    steps = make_steps(20, seed=3)
+    for s in steps:
+        s["layers"] = {"grad_norm": [0.5, 0.25]}
+    st, body = shared_server.post("/api/v1/ingest", {
+        "batch_id": "hostile-names", "project": "hostile", "run": evil, "steps": steps, "status": "finished",
+        "meta": {"param_names": [evil, "b.weight"]}})
+    assert st == 200, body
+    a = body["run_id"]
+    b = ingest(shared_server, project="hostile", run="plain", steps=make_steps(20, seed=4), status="finished")
+    read = ("return [Array.from(document.querySelectorAll(arguments[0] + ' .legendtext, ' + arguments[0] + ' .ytick'),"
+            " (t) => t.textContent), document.querySelectorAll(arguments[0] + ' a').length];")
+    browser.get(f"{shared_server.url}/compare?runs={a},{b}")
+    texts_, links = wait_until(lambda: (lambda r: r if any(evil in t for t in r[0]) else None)(
+        browser.execute_script(read, "#compare-graph-loss")), timeout=WAIT, what="the run's name in the legend")
+    assert links == 0
+    browser.get(f"{shared_server.url}/runs/{a}")
+    texts_, links = wait_until(lambda: (lambda r: r if evil in r[0] else None)(
+        browser.execute_script(read, "#run-heatmap-grad_norm")), timeout=WAIT, what="the layer's name on the heatmap")
+    assert links == 0

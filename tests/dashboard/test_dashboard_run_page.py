@@ -32,6 +32,12 @@ def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browse
     # ...and a marker on the NaN rug.
     assert trace(graph(browser, "run-graph-loss"), "NaN / Inf")["x"] == [120]
 
+    # each chart is drawn by its own callback: wait until every one holds its 300 steps
+    # before reading it (a chart read the moment the loss appeared can still be empty)
+    for graph_id, name in [("run-graph-grad_norm", "grad norm"), ("run-graph-loss_scale", "loss scale"),
+                           ("run-graph-lr", "lr"), ("run-graph-ema_divergence", "EMA divergence"),
+                           ("run-graph-memory", "peak allocated")]:
+        wait_trace(browser, graph_id, name, lambda t: len(t["x"]) == 300, what=f"{graph_id} drawn")
     grad = graph(browser, "run-graph-grad_norm")
     assert approx_list(trace(grad, "grad norm")["y"], [s["grad_norm"] for s in steps])
     assert set(trace(grad, "clip max_norm")["y"]) == {1.0}
@@ -52,6 +58,11 @@ def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browse
     assert approx_list(trace(ema, "EMA divergence")["y"], [s["ema_divergence"] for s in steps])
     mem = graph(browser, "run-graph-memory")
     assert approx_list(trace(mem, "peak allocated")["y"], [s["mem_peak"] / (1 << 30) for s in steps], rel=1e-5)
+    # a signal declared after the first 14 (stored in steps.extra): its panel comes from the signal table
+    zeros = wait_trace(browser, "run-graph-grad_zero_fraction", "zero grad elements", lambda t: t["x"],
+                       what="zero-gradient share drawn")
+    assert zeros["x"] == list(range(0, 300, 10))
+    assert approx_list(zeros["y"], [steps[i]["grad_zero_fraction"] for i in range(0, 300, 10)])
 
     # Per-layer heatmaps: layer names on y, one column per sampled step, log10 values.
     # a heatmap is first drawn empty (no traces) while its data loads: wait for the trace
@@ -71,7 +82,8 @@ def test_finished_run_page_draws_every_chart_with_its_data(shared_server, browse
                       timeout=WAIT, what="A1 alert card")[0]
     assert "loss_nonfinite" in card and "DIAGNOSIS" in card.upper() and "WHAT TO DO" in card.upper()
     # Every chart marks the alert's step.
-    assert 120 in [s["x0"] for s in graph(browser, "run-graph-lr")["shapes"]]
+    wait_until(lambda: 120 in [s["x0"] for s in (graph(browser, "run-graph-lr") or {}).get("shapes", [])],
+               timeout=WAIT, what="alert line on the lr chart")
 
     save_screenshot(browser, "run-page")
     assert severe_console_entries(browser) == []

@@ -6,7 +6,7 @@ conditions), each service's ``command`` and ``environment`` (with compose's
 Only what cannot exist outside containers is rewritten: service host names
 and container ports become 127.0.0.1 and free ports, the ``postgres`` service
 is a fresh database on the local PostgreSQL, and the image's ``gradwatch``
-console script is ``python -m server`` (the same ``server.cli:main``).
+console script is ``python -m gradwatch.server`` (the same ``gradwatch.server.cli:main``).
 """
 from __future__ import annotations
 
@@ -147,8 +147,8 @@ def console_script(argv: list[str]) -> list[str]:
     """``gradwatch …`` as the image runs it → this interpreter running the same entry point."""
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert argv and argv[0] in scripts, f"command {argv} does not start with a console script of this project"
-    assert scripts[argv[0]] == "server.cli:main", "python -m server runs server.cli:main"
-    return [sys.executable, "-m", "server", *argv[1:]]
+    assert scripts[argv[0]] == "gradwatch.server.cli:main", "python -m gradwatch.server runs gradwatch.server.cli:main"
+    return [sys.executable, "-m", "gradwatch.server", *argv[1:]]
 
 
 def rewrite_listen(argv: list[str], port: int) -> list[str]:

@@ -5,7 +5,9 @@ services are started in its own dependency order with its own commands,
 environment and replica count — only host names, ports and the database name
 are rewritten. Then the topology has to work: health checks answer, batches of
 one run sent through both replicas in interleaved order (with a project token,
-since the file turns auth on) are all stored exactly once.
+since the file turns auth on) are all stored exactly once. The health checks are the file's own command
+(server/healthcheck.py: the API and the dashboard), run with each replica's
+environment.
 """
 from __future__ import annotations
 
@@ -15,14 +17,16 @@ import shutil
 import subprocess
 import threading
 import uuid
+from urllib.parse import urlsplit
 
 import pytest
 
 from tests.conftest import REPO_ROOT, free_port, http_json, missing_part, wait_until
 from tests.deploy import compose_topology as ct
 
-# What a user exports before `docker compose up` (the file refuses to start without it).
-COMPOSE_ENV: dict[str, str] = {}   # a clean shell: nothing exported, the file's own defaults
+# What a user exports before `docker compose up` (the file refuses to start without it);
+# everything else keeps the file's own defaults.
+COMPOSE_ENV: dict[str, str] = {"GRADWATCH_DB_PASSWORD": "compose-test-password"}
 
 
 def _base_env(data_dir) -> dict[str, str]:
@@ -101,11 +105,13 @@ class ComposeProcesses:
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for _, port, _ in self.replicas]
 
-    def healthcheck(self, name: str, index: int) -> subprocess.CompletedProcess:
+    def healthcheck(self, name: str, index: int, **extra_env: str) -> subprocess.CompletedProcess:
+        """The service's health check command, in the replica's environment (as docker runs it)."""
         service = self.topology.services[name]
-        _, port, _ = self.replicas[index]
+        _, port, log = self.replicas[index]
         argv = ct.healthcheck_argv(service.healthcheck, service.container_port(), port)
-        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        env = {**self.service_env(name, log.parent), **extra_env}
+        return subprocess.run(argv, env=env, cwd=self.tmp_path, capture_output=True, text=True, timeout=30)
 
     def wait_healthy(self, name: str) -> None:
         for i, (proc, _, log) in enumerate(self.replicas):
@@ -151,12 +157,31 @@ def test_compose_file_describes_postgres_migrations_and_replicas():
     assert server.environment["GRADWATCH_AUTH"] == "on"
     assert ct.load(env={**COMPOSE_ENV, "GRADWATCH_AUTH": "off"}).services["server"].environment["GRADWATCH_AUTH"] \
         == "off"
-    # no secret to configure: replicas share the cookie key kept in the database (the topology
-    # test logs in through one replica and is recognised by the other)
+    # no cookie secret to configure: replicas share the key kept in the database (the topology
+    # test logs in through one replica and is recognised by the other); one can be set
     assert server.environment["GRADWATCH_SESSION_SECRET"] == ""
-    assert ct.load(env={"GRADWATCH_SESSION_SECRET": "s3cret"}).services["server"].environment[
+    assert ct.load(env={**COMPOSE_ENV, "GRADWATCH_SESSION_SECRET": "s3cret"}).services["server"].environment[
         "GRADWATCH_SESSION_SECRET"] == "s3cret"
+    # the health check covers the API and the dashboard (server/healthcheck.py), as the image's does
+    assert server.healthcheck[:4] == ["CMD", "python", "-m", "gradwatch.server.healthcheck"]
+    assert server.environment["GRADWATCH_HEALTHCHECK_TOKEN"] == ""
     assert "--migrate" not in server.command, "replicas must not migrate on their own; the migrate service does"
+
+
+def test_compose_database_password_comes_from_the_environment():
+    """No password in the file: PostgreSQL's and the servers' come from GRADWATCH_DB_PASSWORD, which is required."""
+    text = ct.COMPOSE_FILE.read_text()
+    assert "POSTGRES_PASSWORD: gradwatch" not in text and "gradwatch:gradwatch@" not in text
+    for password in ("compose-test-password", "0f3a9c"):
+        topo = ct.load(env={"GRADWATCH_DB_PASSWORD": password})
+        assert topo.services["postgres"].environment["POSTGRES_PASSWORD"] == password
+        for name in ("migrate", "server"):
+            url = topo.services[name].environment["GRADWATCH_DATABASE_URL"]
+            assert urlsplit(url).password == password, url
+    for unset in ({}, {"GRADWATCH_DB_PASSWORD": ""}):
+        with pytest.raises(ct.MissingVariable, match="GRADWATCH_DB_PASSWORD") as refused:
+            ct.load(env=unset)
+        assert "set GRADWATCH_DB_PASSWORD" in str(refused.value), "the message says what to do"
 
 
 @pytest.mark.postgres
@@ -165,7 +190,13 @@ def test_compose_topology_runs_without_docker(compose):
     order = topo.start_order()
     assert order.index("postgres") < order.index("migrate") < order.index("server")
 
-    # Before `migrate` has run, a replica refuses to start and says what to do (why depends_on matters).
+    # Before `migrate` has run on a database at an older schema (an upgrade of gradwatch), a replica
+    # refuses to start and says what to do: why depends_on matters. (An empty database it would
+    # simply give the schema, under PostgreSQL's advisory lock.)
+    old = subprocess.run(ct.console_script(["gradwatch", "db", "upgrade", "--revision", "0005"]),
+                         env=compose.service_env("migrate", compose.tmp_path), cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert old.returncode == 0, old.stderr
     proc = subprocess.run(
         ct.rewrite_listen(ct.console_script(topo.services["server"].command), free_port()),
         env=compose.service_env("server", compose.tmp_path), cwd=REPO_ROOT, capture_output=True, text=True,
@@ -183,6 +214,10 @@ def test_compose_topology_runs_without_docker(compose):
     assert len(compose.replicas) == topo.services["server"].replicas >= 2
     compose.wait_healthy("server")
     urls = compose.urls()
+    check = compose.healthcheck("server", 0)
+    assert check.returncode == 0 and "api ok (postgresql)" in check.stdout, check.stdout + check.stderr
+    # auth is on and no token is configured: the page is checked, the layout is behind the login
+    assert "layout behind login" in check.stdout, check.stdout
     for url in urls:
         status, body = http_json("GET", url + "/api/health")
         assert status == 200 and body["database"] == "postgresql"
@@ -194,6 +229,10 @@ def test_compose_topology_runs_without_docker(compose):
                                  env=compose.server_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
         assert created.returncode == 0, created.stdout + created.stderr
         headers = {"Authorization": f"Bearer {_token_from(created.stdout)}"}
+        # with a project token the health check reads the dashboard's layout too
+        for i in range(len(compose.replicas)):
+            check = compose.healthcheck("server", i, GRADWATCH_HEALTHCHECK_TOKEN=_token_from(created.stdout))
+            assert check.returncode == 0 and "layout ok" in check.stdout, check.stdout + check.stderr
         status, body = http_json("POST", urls[0] + "/api/v1/ingest", _batch(run, range(0, 1), project))
         assert status == 401, f"auth is on in the compose file: a batch without a token must be refused ({body})"
 
@@ -252,6 +291,13 @@ def test_compose_topology_runs_without_docker(compose):
     for i in range(len(compose.replicas)):
         assert compose.healthcheck("server", i).returncode == 0
 
+    # a replica that is gone fails its health check, with one line saying why
+    proc, _, _ = compose.replicas[-1]
+    proc.terminate()
+    proc.wait(timeout=15)
+    check = compose.healthcheck("server", len(compose.replicas) - 1)
+    assert check.returncode == 1 and check.stderr.count("\n") == 1 and "api: no answer" in check.stderr, check.stderr
+
 
 def _login(url: str, token: str) -> str:
     """POST the dashboard's login form; the session cookie it sets."""
@@ -298,6 +344,10 @@ def test_docker_compose_accepts_the_file(tmp_path):
         missing_part("docker compose or docker-compose")
     shell = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
     for tool in candidates:
+        # without the database password the tool refuses the file and prints the file's message
+        refused = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config", "-q"], capture_output=True,
+                                 text=True, cwd=tmp_path, timeout=60, env=shell)
+        assert refused.returncode != 0 and "set GRADWATCH_DB_PASSWORD" in refused.stderr, refused.stderr
         env = {**shell, **COMPOSE_ENV}
         proc = subprocess.run([*tool, "-f", str(ct.COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
                               cwd=tmp_path, timeout=60, env=env)
@@ -310,5 +360,10 @@ def test_docker_compose_accepts_the_file(tmp_path):
 
         tool_view = yaml.safe_load(rendered.stdout)["services"]["server"]["environment"]
         ours = ct.load(env=env).services["server"]
-        for key in ("GRADWATCH_DATABASE_URL", "GRADWATCH_AUTH", "GRADWATCH_SESSION_SECRET", "GRADWATCH_PUBLIC_URL"):
+        for key in ("GRADWATCH_DATABASE_URL", "GRADWATCH_AUTH", "GRADWATCH_SESSION_SECRET", "GRADWATCH_PUBLIC_URL",
+                    "GRADWATCH_HEALTHCHECK_TOKEN"):
             assert tool_view[key] == ours.environment[key], key
+        pg_view = yaml.safe_load(rendered.stdout)["services"]["postgres"]["environment"]
+        assert pg_view["POSTGRES_PASSWORD"] == COMPOSE_ENV["GRADWATCH_DB_PASSWORD"]
+        assert yaml.safe_load(rendered.stdout)["services"]["server"]["healthcheck"]["test"] == \
+            ours.spec["healthcheck"]["test"]

@@ -6,15 +6,16 @@ import re
 import urllib.request
 import uuid
 
-from tests.conftest import wait_until
+from tests.conftest import create_token, wait_until
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def scrape(url: str) -> tuple[dict[tuple, float], str]:
+def scrape(url: str, token: str = "") -> tuple[dict[tuple, float], str]:
     """Parse the text exposition format strictly enough to catch a malformed line."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = resp.read().decode()
@@ -86,3 +87,21 @@ def test_label_values_are_escaped(server_factory, sqlite_url):
     assert srv.post("/api/v1/ingest", _batch(name, [{"step": 0, "time": 1e9, "loss": 2.0}]))[0] == 200
     samples, _ = scrape(srv.url)
     assert samples[("gradwatch_run_last_step", (("project", "ops"), ("run", 'odd \\"run\\" \\\\ name')))] == 0
+
+
+def test_with_auth_on_run_names_and_losses_need_a_project_token(server_factory, db_url, tmp_path):
+    """Hostile-input report: /metrics served every project's run names and last losses to anyone."""
+    srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
+    ops, other = create_token(db_url, "ops", tmp_path), create_token(db_url, "secret-lab", tmp_path)
+    steps = [{"step": i, "time": 1e9 + i, "loss": 1.0, "grad_norm": 0.5} for i in range(3)]
+    for token, project, run in ((ops, "ops", "visible"), (other, "secret-lab", "hidden-run")):
+        status, body = srv.post("/api/v1/ingest", {**_batch(run, steps), "project": project},
+                                headers={"Authorization": f"Bearer {token}"})
+        assert status == 200, body
+    samples, text = scrape(srv.url)
+    assert "gradwatch_ingest_batches_total" in text                       # the counts stay open
+    assert not any(k[0].startswith("gradwatch_run_") for k in samples)
+    assert "hidden-run" not in text and "visible" not in text
+    samples, text = scrape(srv.url, token=ops)
+    assert samples[("gradwatch_run_last_step", (("project", "ops"), ("run", "visible")))] == 2
+    assert "hidden-run" not in text and "secret-lab" not in text

@@ -18,7 +18,7 @@ from tests.conftest import REPO_ROOT, free_port, http_json, wait_until
 NO_TORCH = ("import sys\n"
             "for name in ('torch', 'transformers', 'lightning', 'pytorch_lightning', 'accelerate'):\n"
             "    sys.modules[name] = None\n"
-            "from server.cli import main\n"
+            "from gradwatch.server.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
 
 
@@ -61,11 +61,13 @@ def test_server_commands_work_without_torch(tmp_path):
         assert status == 200 and out["accepted"] == 5, out
         status, _ = http_json("GET", base + "/login")
         assert status == 200, "the dashboard's login page is served"
-        status, metrics = http_json("GET", base + "/metrics")
+        status, metrics = http_json("GET", base + "/metrics")          # counts for anyone ...
+        assert status == 200 and "gradwatch_ingest_batches_total" in metrics
+        status, metrics = http_json("GET", base + "/metrics", headers=auth)   # ... runs for the project's token
         assert status == 200 and "gradwatch_run_last_step" in metrics
 
         # an offline machine's spool, copied next to the server, is synced from the torch-free image
-        from agent.spool import Spool
+        from gradwatch.agent.spool import Spool
 
         spool_dir = tmp_path / "spool"
         spool = Spool(spool_dir, max_bytes=1 << 20)

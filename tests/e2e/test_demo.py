@@ -13,7 +13,7 @@ def test_demo_serves_the_dashboard_and_its_run_raises_alerts(tmp_path):
     port = free_port()
     env = dict(os.environ, GRADWATCH_DATA_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "server", "demo", "--port", str(port), "--steps", "90", "--step-delay", "0",
+        [sys.executable, "-m", "gradwatch.server", "demo", "--port", str(port), "--steps", "90", "--step-delay", "0",
          "--exit-after-run"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
@@ -37,7 +37,7 @@ def test_demo_refuses_a_port_in_use_with_a_clear_message(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "server", "demo", "--port", str(port)],
+            [sys.executable, "-m", "gradwatch.server", "demo", "--port", str(port)],
             cwd=REPO_ROOT, env=dict(os.environ, GRADWATCH_DATA_DIR=str(tmp_path)),
             capture_output=True, text=True, timeout=60,
         )

@@ -18,7 +18,7 @@ from tests.integrations.conftest import assert_close, require, run_of, series
 transformers = require("transformers")
 require("accelerate")
 
-from agent.integrations.hf import GradwatchCallback, watch  # noqa: E402
+from gradwatch.agent.integrations.hf import GradwatchCallback, watch  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -138,12 +138,18 @@ def test_a_run_resumed_from_a_checkpoint_continues_its_steps(gw_server, tmp_path
     assert sorted(loss) == [0, 1, 2, 3, 4], "the resumed steps follow the first ones instead of replacing them"
     resumed_log = [e["loss"] for e in resumed.state.log_history if "loss" in e and e.get("step", 0) > 3]
     assert_close([loss[3], loss[4]], resumed_log, what="resumed loss")
+    # the Trainer restores optimizer, scheduler and model: no resume rule (G1-G5) speaks (docs/resume.md)
+    _, body = gw_server.get(f"/api/v1/alerts?run_id={run['id']}")
+    assert [a["rule"] for a in body["alerts"] if a["rule"].startswith("G")] == []
+    _, body = gw_server.get(f"/api/v1/runs/{run['id']}/events?kind=resume_state")
+    resume = [e for e in body["events"] if e["step"] == 3]
+    assert len(resume) == 1 and resume[0]["data"]["before"]["step"] == 2 and resume[0]["data"]["step_origin"] == "given"
 
 
 def test_agent_import_does_not_import_the_frameworks(tmp_path):
     import subprocess
 
-    code = ("import sys, agent, agent.integrations; "
+    code = ("import sys; import gradwatch.agent.integrations; "
             "bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

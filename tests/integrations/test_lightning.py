@@ -15,7 +15,7 @@ from tests.integrations.conftest import assert_close, require, run_of, series
 
 L = require("lightning.pytorch")
 
-from agent.integrations.lightning import GradwatchCallback  # noqa: E402
+from gradwatch.agent.integrations.lightning import GradwatchCallback  # noqa: E402
 
 
 class TinyModule(L.LightningModule):
@@ -111,3 +111,33 @@ def test_fp16_precision_plugin_scaler_is_monitored(gw_server, tmp_path, run_name
     assert_close([loss[s] for s in sorted(loss)], expected_step_losses(module), rel=1e-3, what="loss")
     grad_norm = series(gw_server, run["id"], "grad_norm")
     assert_close([grad_norm[s] for s in sorted(grad_norm)], module.step_grad_norms, rel=1e-3, what="grad_norm")
+
+
+def test_a_fit_resumed_from_its_checkpoint_continues_its_steps_and_raises_no_resume_rule(gw_server, tmp_path,
+                                                                                          run_name):
+    """``trainer.fit(ckpt_path=...)`` restores the module and the optimizer before train start: the resumed
+    steps follow the stored ones (the callback passes ``step=trainer.global_step``) and no G rule speaks."""
+    first = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path),
+                      callbacks=[GradwatchCallback(project="pl", run=run_name, server=gw_server.url,
+                                                   flush_interval=0.1)])
+    torch.manual_seed(0)
+    first.fit(TinyModule(), loader())
+    ckpt = tmp_path / "four.ckpt"
+    first.save_checkpoint(str(ckpt))
+    cb = GradwatchCallback(project="pl", run=run_name, server=gw_server.url, flush_interval=0.1)
+    resumed = L.Trainer(accelerator="cpu", devices=1, max_steps=7, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
+    module = TinyModule()
+    resumed.fit(module, loader(), ckpt_path=str(ckpt))
+    assert resumed.global_step == 7
+
+    run = run_of(gw_server, "pl", run_name)
+    loss = series(gw_server, run["id"], "loss")
+    assert sorted(loss) == list(range(7))
+    assert_close([loss[s] for s in range(4, 7)], expected_step_losses(module), what="resumed loss")
+    _, body = gw_server.get(f"/api/v1/alerts?run_id={run['id']}")
+    assert [a["rule"] for a in body["alerts"] if a["rule"].startswith("G")] == []
+    _, body = gw_server.get(f"/api/v1/runs/{run['id']}/events?kind=resume_state")
+    (resume,) = [e for e in body["events"] if e["step"] == 4]
+    assert resume["data"]["before"]["step"] == 3 and resume["data"]["optimizer"]["state_entries"] > 0

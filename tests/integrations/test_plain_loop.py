@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-import agent
+from gradwatch import agent
 from tests.integrations.conftest import assert_close, run_of, series
 
 

@@ -10,11 +10,11 @@ from typing import Any, Iterable, Optional
 import pytest
 from sqlalchemy import select
 
-from server.db import open_database, upgrade
-from server.ingest import ingest_batch
-from server.models import Alert, Run
-from server.schemas import IngestBatchIn
-from server.settings import Settings
+from gradwatch.server.db import open_database, upgrade
+from gradwatch.server.ingest import ingest_batch
+from gradwatch.server.models import Alert, Run
+from gradwatch.server.schemas import IngestBatchIn
+from gradwatch.server.settings import Settings
 
 _counter = itertools.count()
 

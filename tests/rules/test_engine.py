@@ -12,7 +12,7 @@ import random
 import pytest
 from sqlalchemy import select
 
-from server.models import RuleState, Run
+from gradwatch.server.models import RuleState, Run
 from tests.rules.conftest import RulesDB, run_name, step
 
 
@@ -144,6 +144,26 @@ def test_b5_dead_params_names_them(rdb):
     assert a.first_step == 60 and a.evidence["params"] == ["aux.weight"]
 
 
+def test_b6_gradients_underflowing_to_zero_name_the_layer_against_its_own_history(rdb):
+    """fp16 underflow: a layer's share of exactly-zero gradient elements jumps; an embedding whose unused
+    rows are always zero (its own median is high) stays quiet."""
+    name = run_name()
+    meta = {"param_names": ["emb.weight", "fc1.weight", "fc2.weight"]}
+    steps = healthy(120)
+    for s in steps:
+        if s["step"] % 5 == 0:
+            s["layers"] = {"grad_zero_fraction": [0.9, 0.97 if s["step"] >= 80 else 0.01, 0.02]}
+    rdb.feed(name, steps, meta=meta)
+    a = rdb.rules(name)["B6"]
+    assert a.first_step == 80 and a.evidence["params"][0][0] == "fc1.weight" and a.evidence["flagged"] == 1
+    quiet = run_name()
+    for s in steps:
+        if "layers" in s:
+            s["layers"]["grad_zero_fraction"][1] = 0.01
+    rdb.feed(quiet, steps, meta=meta)
+    assert "B6" not in rdb.rules(quiet)
+
+
 def test_c3_spike_then_critical_after_five(rdb):
     name = run_name()
     steps = healthy(120)
@@ -172,7 +192,7 @@ def test_overrides_file_and_api(tmp_path):
     r.feed(quiet, steps, project="quiet")
     assert r.rules(loud)["B4"].first_step == 12
     assert "B4" not in r.rules(quiet)
-    from server.rules.config import get_rule_config, set_rule_override
+    from gradwatch.server.rules.config import get_rule_config, set_rule_override
     with r.db.write_sessionmaker() as s:
         out = set_rule_override(s, project="quiet", rule="B4", settings=r.settings, enabled=True, steps=5)
         s.commit()
@@ -193,7 +213,7 @@ def test_overrides_file_and_api(tmp_path):
     ('[projects.x.rules.B2]\nseverity = "loud"\n', "B2", "severity"),
 ])
 def test_bad_config_names_rule_and_key(toml, rule, key):
-    from server.rules.config import RuleConfigError, parse_rules_toml
+    from gradwatch.server.rules.config import RuleConfigError, parse_rules_toml
     with pytest.raises(RuleConfigError) as e:
         parse_rules_toml(toml)
     assert rule in str(e.value)
@@ -213,8 +233,52 @@ def test_f1_one_rank_nan(rdb):
     assert [(a.rank, a.first_step) for a in f1] == [(1, 25)]
 
 
+def _replica_steps(n: int, odd: dict) -> list[dict]:
+    return [{"step": i, "time": 1.0 + i, "loss": 1.0, "grad_norm": 0.5 + 0.01 * i + odd.get(i, 0.0)}
+            for i in range(n)]
+
+
+def test_f5_names_the_replica_whose_grad_norm_differs(rdb):
+    """DDP ranks (meta.grad_replicas): rank 2's grad norm differs by one part in 1e7 from step 10 on;
+    judged once all three ranks have sent a step, so whichever order they arrive in, rank 2 is named."""
+    name = run_name()
+    meta = {"param_names": ["w"], "grad_replicas": "ddp"}
+    rdb.feed(name, _replica_steps(20, {i: 5e-8 for i in range(10, 20)}), rank=2, world_size=3, meta=meta)
+    rdb.feed(name, _replica_steps(20, {}), rank=0, world_size=3, meta=meta)
+    assert not [a for a in rdb.alerts(name) if a.rule == "F5"]      # two of three ranks: not judged yet
+    rdb.feed(name, _replica_steps(20, {}), rank=1, world_size=3, meta=meta)
+    f5 = [a for a in rdb.alerts(name) if a.rule == "F5"]
+    assert [(a.rank, a.first_step, a.severity) for a in f5] == [(2, 10, "critical")]
+    assert f5[0].evidence["agreeing_ranks"] == [0, 1]
+
+
+def test_f5_needs_replicas(rdb):
+    """Without the agent's word that the grads are all-reduced copies, ranks may differ by design."""
+    name = run_name()
+    rdb.feed(name, _replica_steps(20, {}), rank=0, world_size=2, meta={"param_names": ["w"]})
+    rdb.feed(name, _replica_steps(20, {i: 0.1 for i in range(20)}), rank=1, world_size=2)
+    assert not [a for a in rdb.alerts(name) if a.rule == "F5"]
+
+
+def test_the_combined_row_of_a_sharded_run_feeds_the_batch_rules(rdb):
+    """Two sharded ranks whose pieces are each unremarkable, but whose combined grad norm explodes at
+    step 30: A2 fires on the combined row (rank -1), and no cross-rank rule compares it with a rank."""
+    name = run_name()
+    for rank in range(2):
+        steps = []
+        for i in range(40):
+            piece = 0.3 * (1 + 0.01 * (i % 5)) * (100.0 if i == 30 else 1.0)
+            steps.append({"step": i, "time": 1.0 + i, "loss": 1.0, "grad_norm_local": piece,
+                          "layers": {"grad_norm_local": [piece]}})
+        rdb.feed(name, steps, rank=rank, world_size=2,
+                 meta={"param_names": ["w"], "param_shards": [[rank, 2]]})
+    a2 = [a for a in rdb.alerts(name) if a.rule == "A2"]
+    assert [(a.rank, a.first_step) for a in a2] == [(-1, 30)]
+    assert not [a for a in rdb.alerts(name) if a.rule.startswith("F")]
+
+
 def test_acknowledge(rdb):
-    from server.rules.alerts import acknowledge_alert
+    from gradwatch.server.rules.alerts import acknowledge_alert
     name = run_name()
     steps = healthy(40)
     steps[30].update(loss=math.nan, grad_norm=math.nan, overflow=True)
@@ -239,7 +303,7 @@ def test_rule_states_round_trip_a_failing_rule_keeps_its_stored_state_and_unchan
     """States are read and written with plain SQL (the ``::json`` cast on PostgreSQL): a streak begun in
     one batch continues in the next; a rule that raises half-way through a batch leaves its stored state as
     it was while the others' are saved; a batch that changes no state writes no rule_states row."""
-    from server.rules import checks
+    from gradwatch.server.rules.catalog.schedule import LrZero
 
     rdb = RulesDB(db_url, tmp_path)
     name = run_name()
@@ -250,24 +314,20 @@ def test_rule_states_round_trip_a_failing_rule_keeps_its_stored_state_and_unchan
     before = _states(rdb, name)
     assert before["B4"]["streak"] == 5 and before["B4"]["since"] == 20
 
-    real = checks.LrZero.observe
-    calls = []
+    real = LrZero.evaluate
 
-    def broken(self, ctx, state, cfg, st):
-        out = real(self, ctx, state, cfg, st)     # mutates the state first, then fails
-        calls.append(st["step"])
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-        return out
+    def broken(self, batch, state, cfg):
+        real(self, batch, state, cfg)     # mutates the state first, then fails
+        raise RuntimeError("boom")
 
-    monkeypatch.setattr(checks.LrZero, "observe", broken)
+    monkeypatch.setattr(LrZero, "evaluate", broken)
     with caplog.at_level("ERROR", logger="gradwatch.rules"):
         rdb.feed(name, steps[25:35], batch=10)
     assert "rule B4 failed" in caplog.text
     after = _states(rdb, name)
     assert after["B4"] == before["B4"]                        # the failed batch's changes thrown away
     assert after["C1"] != before["C1"]                        # the others were saved
-    monkeypatch.setattr(checks.LrZero, "observe", real)
+    monkeypatch.setattr(LrZero, "evaluate", real)
     rdb.feed(name, steps[35:40], batch=5)
     assert _states(rdb, name)["B4"]["streak"] == 10           # 20..24 and 35..39: the lost batch stays lost
 
@@ -289,3 +349,23 @@ def test_rule_states_round_trip_a_failing_rule_keeps_its_stored_state_and_unchan
     finally:
         event.remove(rdb.db.engine, "before_cursor_execute", spy)
     rdb.close()
+
+
+def test_a_state_the_rule_cannot_read_is_started_afresh_with_a_note(rdb, caplog):
+    """A stored state of a layout the code does not know (an older version, a hand edit): the rule logs a
+    note, starts its memory afresh, keeps its alert lifecycle, and the batch goes on."""
+    name = run_name()
+    steps = healthy(60)
+    rdb.feed(name, steps[:30])
+    with rdb.db.write_sessionmaker() as s:
+        run_id = s.scalar(select(Run.id).where(Run.name == name))
+        row = s.get(RuleState, (run_id, 0, "C2"))
+        row.state = {**row.state, "bits": 12345}          # not a string of 0 / 1
+        s.commit()
+    for st in steps[30:]:
+        st["lr"] = 0.0
+    with caplog.at_level("WARNING", logger="gradwatch.rules"):
+        rdb.feed(name, steps[30:])
+    assert "rule C2 could not read its state" in caplog.text
+    assert isinstance(_states(rdb, name)["C2"]["bits"], str)
+    assert rdb.rules(name)["B4"].first_step == 39          # the others carry on

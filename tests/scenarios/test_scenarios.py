@@ -25,8 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from server.rules.catalogue import RULES, SEVERITY_RANK
+from gradwatch.server.rules.catalogue import RULES, SEVERITY_RANK
 from tests.conftest import ARTIFACTS, REPO_ROOT, LiveServer, free_port, wait_until
+from tests.resume.loop import ResumedRun
 from tests.scenarios.training import AGENT_CONFIG, Loop, classification_data, mlp, regression_data
 
 RULES_FILE = """
@@ -189,6 +190,25 @@ def b5_detached_branch() -> Loop:
     return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), regression_data(9), F.mse_loss, steps=70)
 
 
+def b6_fp16_underflow() -> Loop:
+    """fp16 autocast with loss scaling turned off (GradScaler(init_scale=1), no growth) and, from step 60, a
+    loss divided by a huge normaliser (a token count summed over a long accumulation): the gradients fall
+    below fp16's smallest subnormal (~6e-8) in the backward pass and flush to exact zeros."""
+    torch.manual_seed(6)
+    model = mlp()
+    weight = {"k": 1.0}
+
+    def loss(out, y):
+        return F.mse_loss(out, y) * weight["k"]
+
+    def shrink(step, loop):
+        if step == 60:
+            weight["k"] = 1e-7
+    return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), regression_data(6), loss, steps=100,
+                amp=torch.float16, scaler=torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**6),
+                before_step=shrink)
+
+
 def c1_lr_too_high() -> Loop:
     torch.manual_seed(10)
     model = mlp()
@@ -322,7 +342,7 @@ def h_bn_classifier() -> Loop:
 
 
 def h_tiny_transformer() -> Loop:
-    from agent.demo import TinyLM, make_batch
+    from gradwatch.agent.demo import TinyLM, make_batch
 
     torch.manual_seed(22)
     g = torch.Generator().manual_seed(22)
@@ -352,6 +372,8 @@ SCENARIOS = [
     Scenario("scale_collapse", "B3", DEFAULT, b3_scale_collapse, "fp16 grads that overflow at any scale >= 1"),
     Scenario("lr_schedule_to_zero", "B4", DEFAULT, b4_lr_schedule_to_zero, "linear decay to 0 at step 80"),
     Scenario("detached_branch", "B5", DEFAULT, b5_detached_branch, "a stray .detach() on one branch"),
+    Scenario("fp16_underflow", "B6", DEFAULT, b6_fp16_underflow,
+             "fp16, loss scaling off (init_scale 1), loss x1e-7 from step 60"),
     Scenario("lr_too_high_sgd", "C1", SHORT, c1_lr_too_high, "SGD lr 0.3 momentum 0.9, batch 16 (C1 window 100)"),
     Scenario("max_norm_too_small", "C2", DEFAULT, c2_max_norm_too_small, "clip_grad_norm_ max_norm=1e-3"),
     Scenario("poisoned_batch", "C3", DEFAULT, c3_poisoned_batch, "one batch with labels x100 at step 100"),
@@ -364,6 +386,19 @@ SCENARIOS = [
              "logistic regression, separable data, no weight decay (E2 window 100)"),
     Scenario("lr_far_too_high_adam", "E3", DEFAULT, e3_lr_far_too_high, "Adam at lr 0.2"),
     Scenario("hung_job", "F2", SHORT, f2_hung_job, "the loop hangs 5 s at step 60 (F2 timeout 2 s)"),
+    # resume sanity (checklist 7.3): 30 steps, torch.save, a resume under the same name forgetting one state
+    Scenario("resume_without_scaler", "G1", DEFAULT, lambda: ResumedRun(("scaler",)),
+             "resumed without scaler.load_state_dict (scale back at 2^10)"),
+    Scenario("resume_without_optimizer", "G2", DEFAULT, lambda: ResumedRun(("optimizer",)),
+             "resumed with a fresh AdamW (empty state)"),
+    Scenario("resume_without_ema", "G3", DEFAULT, lambda: ResumedRun(("ema",)),
+             "resumed with the EMA shadow re-initialised from the weights"),
+    Scenario("resume_without_bn_buffers", "G4", DEFAULT, lambda: ResumedRun(("batchnorm",)),
+             "resumed with BatchNorm running stats reset"),
+    Scenario("resume_without_scheduler", "G5", DEFAULT, lambda: ResumedRun(("scheduler",)),
+             "resumed with a fresh warm-up LambdaLR"),
+    Scenario("resume_without_rng", "G6", DEFAULT, lambda: ResumedRun(("rng",)),
+             "resumed without torch.set_rng_state"),
     Scenario("healthy_mlp_seed0", None, DEFAULT, h_mlp_regression(0), "MLP regression, AdamW 1e-3"),
     Scenario("healthy_mlp_relu_wide", None, DEFAULT, h_mlp_regression(24, hidden=64, depth=3, act=nn.ReLU),
              "wider, deeper ReLU MLP"),
@@ -371,6 +406,8 @@ SCENARIOS = [
     Scenario("healthy_tiny_transformer", None, DEFAULT, h_tiny_transformer, "pre-norm Transformer LM, AdamW"),
     Scenario("healthy_fp16", None, DEFAULT, h_fp16, "fp16 autocast + GradScaler"),
     Scenario("healthy_mlp_short_windows", None, SHORT, h_mlp_regression(25), "MLP regression, shortened windows"),
+    Scenario("healthy_resumed_fully_restored", None, DEFAULT, lambda: ResumedRun(),
+             "checkpoint and resume restoring model, optimizer, scheduler, scaler, EMA, BN buffers and RNG"),
 ]
 F1_SCENARIO = "one_rank_nan"
 
@@ -435,6 +472,8 @@ def test_scenario(scenario_server, scenario: Scenario):
         assert fired["A3"]["evidence"]["module"] == "0"                    # RowStandardize is module "0"
     if scenario.target == "B5":
         assert set(fired["B5"]["evidence"]["params"]) == {"side.weight", "side.bias"}
+    if scenario.target == "B6":
+        assert fired["B6"]["first_step"] >= 60                           # not before the loss shrank
     if scenario.target == "F2":
         assert fired["F2"]["status"] == "resolved"                         # data came back after the hang
 

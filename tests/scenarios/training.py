@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-import agent
-from agent.demo import EMA   # the checklist's EMA (section 4.4), as the demo uses it
+from gradwatch import agent
+from gradwatch.agent.demo import EMA   # the checklist's EMA (section 4.4), as the demo uses it
 
 # Collectors sampled every 5 steps (the agent's defaults are 10-100) so that short
 # runs give the layer rules (B5, D3, E1-E3) enough samples; the same for every run.

@@ -70,3 +70,15 @@ def wire(v):
     if v == -math.inf:
         return "-Infinity"
     return v
+
+
+def expected_bucket(values: list) -> tuple:
+    """Brute force of one series bucket from ``(step, value)`` pairs (None: not measured), as the read
+    API answers it: min, max (NaN skipped, "NaN" when every measured value was NaN), last, count, nonfinite."""
+    measured = [(s, v) for s, v in values if v is not None]
+    finite_or_inf = [v for _, v in measured if not math.isnan(v)]
+    last = max(measured)[1] if measured else None
+    return (wire(min(finite_or_inf)) if finite_or_inf else ("NaN" if measured else None),
+            wire(max(finite_or_inf)) if finite_or_inf else ("NaN" if measured else None),
+            wire(last), len(measured), sum(1 for _, v in measured if not math.isfinite(v)))
+

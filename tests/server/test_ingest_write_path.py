@@ -4,13 +4,14 @@ from __future__ import annotations
 import math
 import random
 
-from server.ingest import _keys_present, _wire_step
-from server.models import STEP_SIGNALS
-from server.rules.checks import keys_present
-from server.schemas import IngestBatchIn
+from gradwatch.agent.signals import STEP_SIGNALS as DECLARED
+from gradwatch.server.ingest import _keys_present, _wire_step
+from gradwatch.server.rules.batch import keys_present
+from gradwatch.server.schemas import IngestBatchIn
 
-_BOOLS = {"clipped", "overflow"}
-_COUNTS = {"overflow_count", "input_nonfinite"}
+STEP_SIGNALS = [s.name for s in DECLARED]
+_BOOLS = {s.name for s in DECLARED if s.kind == "bool"}
+_COUNTS = {s.name for s in DECLARED if s.kind == "count"}
 
 
 def _random_step(rng: random.Random, i: int, signals: list[str]) -> dict:
@@ -58,8 +59,8 @@ def test_keys_present_sees_a_signal_set_only_on_the_last_step():
 
 
 def test_wire_step_holds_exactly_the_step_fields_the_rules_read():
-    from server.ingest import _WIRE_KEYS
-    from server.schemas import StepIn
+    from gradwatch.server.ingest import _WIRE_KEYS
+    from gradwatch.server.schemas import StepIn
 
     assert set(StepIn.model_fields) == set(_WIRE_KEYS)
     body = {"batch_id": "b", "project": "p", "run": "r",

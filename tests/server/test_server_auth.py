@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -10,17 +11,8 @@ from urllib.parse import urlencode, urlsplit
 
 from sqlalchemy import create_engine, text
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, create_token, wait_until
 from gw_payloads import batch, step
-
-
-def create_token(db_url: str, project: str, data_dir) -> str:
-    env = dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir))
-    out = subprocess.run([sys.executable, "-m", "server", "token", "create", "--project", project, "--db", db_url],
-                         check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)
-    token = out.stdout.strip()
-    assert token.startswith("gw_") and len(token) > 30
-    return token
 
 
 def raw_request(srv, method, path, body=None, headers=None):
@@ -96,3 +88,65 @@ def test_without_auth_binds_loopback_and_says_so(server_factory, sqlite_url):
     assert "auth is off" in log and "127.0.0.1" in log
     status, body = srv.post("/api/v1/ingest", batch([step(0)]))
     assert status == 200
+
+
+def test_sessions_end_with_their_token_and_cookie_writes_must_come_from_the_dashboard(server_factory, db_url, tmp_path):
+    """Hostile-input report: a revoked token's dashboard sessions went on for their 7 days; a form served
+    from another port of the same host acknowledged an alert with the victim's cookie; a login form there
+    switched the victim's session."""
+    srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
+    tok = create_token(db_url, "alpha", tmp_path)
+    other = create_token(db_url, "mallory", tmp_path)
+    auth = {"Authorization": f"Bearer {tok}"}
+    st, _, _ = raw_request(srv, "POST", "/api/v1/ingest", json.dumps(batch(
+        [step(0, loss="NaN")], project="alpha", run="r")), {**auth, "Content-Type": "application/json"})
+    assert st == 200
+    st, _, data = raw_request(srv, "GET", "/api/v1/alerts", headers=auth)
+    alert_id = json.loads(data)["alerts"][0]["id"]
+    own = f"http://127.0.0.1:{srv.port}"
+    form = {"Content-Type": "application/x-www-form-urlencoded", "Origin": own}
+    st, headers, _ = raw_request(srv, "POST", "/login", urlencode({"token": tok, "next": "/"}), form)
+    assert st == 303
+    cookie = {"Cookie": headers["set-cookie"].split(";")[0]}
+
+    # login CSRF: another origin's form cannot sign the browser in (to the attacker's project)
+    evil = f"http://127.0.0.1:{srv.port + 1}"
+    st, _, _ = raw_request(srv, "POST", "/login", urlencode({"token": other, "next": "/"}), {**form, "Origin": evil})
+    assert st == 403
+    # a cookie write from another origin (same host, other port) is refused; from the dashboard it works
+    ack = f"/api/v1/alerts/{alert_id}/ack"
+    for hdr in ({"Origin": evil}, {"Origin": "null"}, {"Referer": evil + "/page"}, {}):
+        st, _, body = raw_request(srv, "POST", ack, b"{}", {**cookie, "Content-Type": "application/json", **hdr})
+        assert st == 403, (hdr, body)
+    st, _, data = raw_request(srv, "GET", "/api/v1/alerts", headers=auth)
+    assert json.loads(data)["alerts"][0]["acknowledged"] is False
+    st, _, _ = raw_request(srv, "POST", ack, b"{}", {**cookie, "Content-Type": "application/json", "Origin": own})
+    assert st == 200
+    # revoking the token ends the session (after the token cache's few seconds)
+    assert raw_request(srv, "GET", "/api/v1/runs", headers=cookie)[0] == 200
+    subprocess.run([sys.executable, "-m", "gradwatch.server", "token", "delete", "1", "--db", db_url], check=True,
+                   capture_output=True, env=dict(os.environ, GRADWATCH_DATA_DIR=str(tmp_path)), cwd=REPO_ROOT,
+                   timeout=60)
+    wait_until(lambda: raw_request(srv, "GET", "/api/v1/runs", headers=cookie)[0] == 401, timeout=30,
+               what="the revoked token's session to end")
+    assert raw_request(srv, "GET", "/", headers=cookie)[0] == 303     # the dashboard sends it to /login
+
+
+def test_another_projects_resources_are_answered_as_missing_without_naming_it(server_factory, db_url, tmp_path,
+                                                                              webhook_receiver):
+    srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on", "GRADWATCH_WEBHOOK_ALLOW": "127.0.0.1"})
+    alpha = {"Authorization": f"Bearer {create_token(db_url, 'alpha-secret-name', tmp_path)}"}
+    beta = {"Authorization": f"Bearer {create_token(db_url, 'beta', tmp_path)}"}
+    status, body = srv.post("/api/v1/ingest", batch([step(0, loss="NaN")], project="alpha-secret-name", run="r"),
+                            headers=alpha)
+    assert status == 200, body
+    alert_id = srv.get("/api/v1/alerts", headers=alpha)[1]["alerts"][0]["id"]
+    st, ep = srv.post("/api/v1/webhooks", {"project": "alpha-secret-name", "url": webhook_receiver.url}, headers=alpha)
+    assert st == 201, ep
+    for method, path in (("POST", f"/api/v1/alerts/{alert_id}/ack"), ("DELETE", f"/api/v1/webhooks/{ep['id']}"),
+                         ("POST", f"/api/v1/webhooks/{ep['id']}/test"),
+                         ("GET", f"/api/v1/webhooks/deliveries?endpoint_id={ep['id']}")):
+        st, _, data = raw_request(srv, method, path, b"{}" if method != "GET" else None,
+                                  {**beta, "Content-Type": "application/json"})
+        assert st == 404 and b"alpha" not in data, (method, path, st, data)
+    assert srv.get("/api/v1/webhooks", headers=alpha)[1]["endpoints"][0]["id"] == ep["id"]   # still there

@@ -9,7 +9,7 @@ import base64
 import numpy as np
 import pytest
 
-from server.numbers import NULL_F32_BITS
+from gradwatch.server.numbers import NULL_F32_BITS
 
 from gw_payloads import batch, post_json_text, post_raw, step
 
@@ -145,6 +145,24 @@ def test_retried_batch_is_idempotent(live_server):
     assert status == 200
     st, s = live_server.get(f"/api/v1/runs/{run_id}/series?signal=loss")
     assert [p["step"] for p in s["steps"]] == list(range(15))
+
+
+def test_batch_ids_are_scoped_to_their_run(live_server):
+    """Another project's (or run's) batch that reuses a batch id is a different batch: it is stored, and
+    the reply names its own run (batch ids were global: such a batch was answered duplicate and dropped)."""
+    ids = {}
+    for project, run in (("alpha", "r"), ("beta", "r"), ("alpha", "other")):
+        st, body = live_server.post("/api/v1/ingest", batch([step(i) for i in range(4)], project=project, run=run,
+                                                            batch_id="shared-id"))
+        assert st == 200 and body["duplicate"] is False and body["accepted"] == 4, (project, run, body)
+        ids[(project, run)] = body["run_id"]
+    assert len(set(ids.values())) == 3
+    for run_id in ids.values():
+        st, s = live_server.get(f"/api/v1/runs/{run_id}/series?signal=loss")
+        assert [p["step"] for p in s["steps"]] == [0, 1, 2, 3]
+    # within one run the id still makes a retry a duplicate
+    st, body = live_server.post("/api/v1/ingest", batch([step(9)], project="beta", run="r", batch_id="shared-id"))
+    assert body["duplicate"] is True and body["run_id"] == ids[("beta", "r")]
 
 
 def test_gzip_body_and_size_limits(server_factory, db_url):

@@ -5,7 +5,7 @@ import math
 import random
 
 import pytest
-from gw_payloads import batch, step, wire
+from gw_payloads import batch, expected_bucket, step, wire
 
 N = 3000
 LAYERS = 6
@@ -48,15 +48,6 @@ def _send(srv):
     return run_id
 
 
-def _expected_bucket(values):
-    measured = [(s, v) for s, v in values if v is not None]
-    finite_or_inf = [v for _, v in measured if not math.isnan(v)]
-    last = max(measured)[1] if measured else None
-    return (wire(min(finite_or_inf)) if finite_or_inf else ("NaN" if measured else None),
-            wire(max(finite_or_inf)) if finite_or_inf else ("NaN" if measured else None),
-            wire(last), len(measured), sum(1 for _, v in measured if not math.isfinite(v)))
-
-
 def test_downsampled_series_and_heatmap_match_brute_force(live_server):
     srv = live_server
     run_id = _send(srv)
@@ -69,7 +60,7 @@ def test_downsampled_series_and_heatmap_match_brute_force(live_server):
         exp = []
         for first in range(0, N, bs):
             vals = [(i, loss_at(i)) for i in range(first, min(first + bs, N))]
-            exp.append((first, *_expected_bucket(vals)))
+            exp.append((first, *expected_bucket(vals)))
         assert got == exp, max_points
     # the spike and the NaNs survive a 100-point chart
     st, s = srv.get(f"/api/v1/runs/{run_id}/series?signal=loss&max_points=100")

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import agent
+from gradwatch import agent
 from tests.conftest import wait_until
 
 RUNS = 6

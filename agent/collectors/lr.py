@@ -1,0 +1,33 @@
+"""The learning rate of each parameter group, every step (tensor LRs stay on the device)."""
+from __future__ import annotations
+
+import torch
+
+from gradwatch.agent.collectors.base import Collector
+
+
+class LearningRate(Collector):
+    name = "lr"
+    needs = ("optimizer",)
+
+    def end_step(self, step, rec) -> None:
+        opt = self.watched.optimizer
+        if opt is None or not self.guards.on("lr"):
+            return
+        host = rec.host
+        with self.guards.guard("lr"):
+            groups = opt.param_groups
+            lr = groups[0].get("lr") if len(groups) == 1 else None
+            if lr.__class__ is float:   # the usual case: one group, a float LR
+                host["lr"] = lr
+                groups = ()
+            for i, g in enumerate(groups):
+                lr = g.get("lr")
+                key = "lr" if i == 0 else f"lr/{i}"
+                if isinstance(lr, torch.Tensor):
+                    rec.add(key if i == 0 else "custom:" + key, lr.detach().clone())
+                elif lr is not None:
+                    if i == 0:
+                        host["lr"] = float(lr)
+                    elif len(groups) > 1:
+                        host.setdefault("custom", {})[key] = float(lr)

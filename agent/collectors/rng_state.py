@@ -1,0 +1,24 @@
+"""The RNG state's hash at every step end (signal ``rng_hash``), where a checkpoint is usually saved.
+
+A resumed run's G6 (``rng_not_restored``) compares the hash of the RNG state the resumed process holds
+at attach with this value of the step before it (docs/resume.md). Every step, not sampled: a checkpoint
+may be taken after any step. A host value (~2 µs: one copy of torch's 5 KB CPU generator state and a
+CRC-32; the CUDA generator's state is host-side), no device sync.
+"""
+from __future__ import annotations
+
+from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.resume import rng_hash
+
+
+class RngState(Collector):
+    name = "rng_state"
+
+    def wanted(self) -> bool:
+        return bool(getattr(self.watched.config, "resume_rng", True))
+
+    def end_step(self, step, rec) -> None:
+        if not self.guards.on(self.name):
+            return
+        with self.guards.guard(self.name):
+            rec.host["rng_hash"] = rng_hash()

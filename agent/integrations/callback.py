@@ -1,0 +1,109 @@
+"""What the framework callbacks share: attach at train start, report each step's loss, close at the end.
+
+Framework-free (torch and :mod:`agent` only): :class:`GradwatchCallbackBase` is
+mixed into each framework's callback class (``agent.integrations.hf``,
+``agent.integrations.lightning``), which maps its framework's events onto these
+methods. Everything here goes through the monitor's public methods
+(``agent.attach``, ``monitor.log``, ``monitor.seal_step``,
+``monitor.remeasure_grads``, ``monitor.step``, ``monitor.close``), as a user's
+own loop would.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from gradwatch import agent
+from gradwatch.agent.loop_alerts import LoopAlert, StopOn
+from . import StepLoss, close_monitor, log, report_loss
+
+
+class GradwatchCallbackBase:
+    """The state and steps both framework callbacks share.
+
+    Args:
+        ema: the EMA to compare against (as for ``agent.attach``), if any.
+        project, run, server: as for ``agent.attach``.
+        stop_on: stop training at the end of the step during which an alert that
+            matches arrives: a severity (``"critical"``), rule ids or names
+            (``{"A1", "A2"}``), or a function ``alert -> bool``
+            (:class:`~agent.loop_alerts.StopOn`; docs/alerts-in-the-loop.md). None: never.
+        **config: any other ``agent.attach`` setting (``token=``,
+            ``activations_every=``, ``on_alert=``, …).
+    """
+
+    def __init__(self, *, ema: Any = None, project: Optional[str] = None, run: Optional[str] = None,
+                 server: Optional[str] = None, stop_on: Any = None, **config: Any) -> None:
+        super().__init__()
+        # Made here, not at train start: a bad stop_on raises where the callback is built.
+        self.stop_on: Optional[StopOn] = StopOn(stop_on) if stop_on is not None else None
+        self.stopped_by: Optional[LoopAlert] = None   # the alert the run was stopped for
+        self.ema = ema
+        self.project = project
+        self.run = run
+        self.server = server
+        self.config = config
+        self.monitor: Any = None
+        self.scaler: Any = None
+        self._step_loss = StepLoss()
+
+    def _attach(self, model: Any, scaler: Any, optimizer: Any, *, run: Optional[str], global_step: int) -> bool:
+        """``agent.attach`` at train start; True when attached.
+
+        Bad settings raise (before training starts); any other failure is logged and
+        training goes on unmonitored. A run resumed from a checkpoint (``global_step`` > 0)
+        continues its step numbers instead of writing over its first steps.
+
+        G6 (the RNG state at the resume) is off by default here: the frameworks restore the RNG
+        later than train start (the HF Trainer in its epoch loop) or not at all (Lightning's
+        checkpoints hold none), so the state at attach is not the checkpoint's; ``resume_rng=True``
+        turns it on (docs/resume.md)."""
+        self.scaler = scaler
+        config = {"resume_rng": False, **self.config}
+        try:
+            self.monitor = agent.attach(model, scaler, optimizer=optimizer, ema=self.ema,
+                                        project=self.project, run=run, server=self.server,
+                                        step=int(global_step) if global_step else None, **config)
+        except ValueError:
+            raise  # bad configuration: say so before training starts
+        except Exception:  # noqa: BLE001 - never hurt the host process
+            log.exception("gradwatch: attach failed; training continues unmonitored")
+            return False
+        if self.stop_on is not None:
+            self.monitor.add_alert_callback(self.stop_on)
+        return True
+
+    def _stop_requested(self) -> bool:
+        """At a step's end: whether an alert matching ``stop_on`` has arrived (logged once when it has)."""
+        stop = self.stop_on
+        if stop is None or stop.triggered is None:
+            return False
+        if self.stopped_by is None:
+            self.stopped_by = stop.triggered
+            log.warning("gradwatch: stopping training after this step: %s", stop.triggered)
+        return True
+
+    def _report_step_loss(self) -> None:
+        """Before the optimizer steps: the summed loss of the step's micro-batches goes to that step."""
+        report_loss(self.monitor, self._step_loss.take())
+
+    def _call(self, name: str) -> None:
+        """One of the monitor's public step-boundary methods; never raises into training."""
+        try:
+            getattr(self.monitor, name)()
+        except Exception:  # noqa: BLE001
+            log.exception("gradwatch: %s failed", name)
+
+    def _record_checkpoint(self, path: Any, step: int, source: str) -> None:
+        """A checkpoint the framework saved: ``monitor.checkpoint`` (docs/checkpoints.md); never raises."""
+        if self.monitor is None:
+            return
+        try:
+            self.monitor.checkpoint(path, step=int(step), source=source)
+        except Exception:  # noqa: BLE001
+            log.exception("gradwatch: recording a checkpoint failed")
+
+    def _finish(self, *, crashed: bool = False) -> None:
+        """Flush and detach; ``crashed`` reports the run as crashed."""
+        monitor, self.monitor = self.monitor, None
+        self._step_loss.take()
+        close_monitor(monitor, crashed=crashed)

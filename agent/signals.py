@@ -1,0 +1,257 @@
+"""The signal table: every number gradwatch records, declared once.
+
+The agent (what goes on the wire), the server (validation, storage, NaN
+encoding, queries, rules' inputs) and the dashboard (run-page panels,
+heatmaps, the compare page) all read these declarations; none of them keeps
+its own list. Leaf module: standard library only, so a monitoring host
+without torch imports it too.
+
+Three kinds of signal:
+
+- :class:`StepSignal` — one number per optimizer step and rank (``loss``,
+  ``grad_norm`` …). Its ``id`` is its permanent storage slot: the bit of the
+  ``steps.nan_mask`` column (for the first 14, which have columns of their
+  own), the column of the step rollup blobs, the slot in ``steps.extra``
+  (for every later one). Ids are never reused or renumbered; a new signal
+  takes the next free id and needs no migration: rows and rollups written
+  before it simply hold no value for it ("not measured").
+- :class:`LayerStat` — one number per parameter tensor, module or BatchNorm
+  layer, stored as a packed float32 array per step (``layers.<name>`` on the
+  wire); stored by name, so a new one needs no migration either.
+- :class:`EventKind` — discrete events (``nan_origin`` …).
+
+Adding a per-step scalar end to end (docs/architecture.md, "Adding a
+signal"): declare it here, and have a collector in the agent add a part of the
+same name to the step record (``record.add("my_signal", tensor)``). The
+server then accepts, stores, rolls up and serves it, the dashboard charts it
+in the declared panel, and rules can read ``step["my_signal"]``.
+
+>>> step_signal("grad_norm").id, step_signal("grad_norm").kind
+(1, 'float')
+>>> [s.name for s in STEP_SIGNALS if s.kind == "bool"]
+['clipped', 'overflow']
+>>> layer_stat("act_std").over
+'modules'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Kind = Literal["float", "count", "bool"]
+Draw = Literal["line", "dash", "flag"]
+Over = Literal["params", "modules", "bn"]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A run-page chart. Its lines and flags are the step signals that name it (in id order)."""
+    key: str
+    title: str
+    log_y: bool = False
+    smoothed: bool = False          # draw an EMA-smoothed copy of the first line too
+    include_zero: bool = False      # absolute quantities: a constant LR reads as a level, not as noise
+    headline: bool = False          # drawn first, before the rest of the page loads
+
+
+@dataclass(frozen=True)
+class StepSignal:
+    """A per-step scalar."""
+    name: str
+    id: int                 # permanent storage slot (see the module docstring); never reuse one
+    kind: Kind              # float: any float, NaN / ±Inf kept; count: an int >= 0; bool
+    unit: str
+    meaning: str
+    column: bool = False    # has its own `steps` column (the signals from before this table)
+    panel: Optional[str] = None     # key of the run-page panel it is drawn in (None: not charted)
+    label: str = ""                 # its legend name in that panel
+    draw: Draw = "line"             # line; dash (a reference line); flag (markers where a bool is true)
+    marker: str = "triangle-down"   # a flag's marker symbol
+    scale: float = 1.0              # display scale (bytes -> GiB)
+    compare: Optional[str] = None   # title on the compare page (None: not compared)
+    per_rank: Optional[str] = None  # title of its all-ranks overlay and rank × step heatmap (None: neither)
+    # a sharded run's combined row (rank -1) holds it: the dashboard reads it there, not on rank 0
+    combined: bool = False
+    # What a non-finite value means for this signal, in words (docs/signals.md).
+    nonfinite: str = "kept: NaN and ±Inf are stored, charted on the NaN rug and read by the rules"
+
+
+@dataclass(frozen=True)
+class LayerStat:
+    """A per-layer statistic: one float32 per parameter tensor, module or BatchNorm layer."""
+    name: str
+    over: Over                      # which of the run's name lists indexes the array
+    unit: str
+    meaning: str
+    heatmap: Optional[str] = None   # run-page heatmap title (None: no heatmap)
+    combined: bool = False          # a sharded run's combined row (rank -1) holds it (server/ranks.py)
+
+
+@dataclass(frozen=True)
+class EventKind:
+    name: str
+    meaning: str
+
+
+GIB = 1.0 / (1 << 30)
+
+PANELS: tuple[Panel, ...] = (
+    Panel("loss", "Loss", smoothed=True, headline=True),
+    Panel("grad_norm", "Grad norm (pre-clip, unscaled)", log_y=True, headline=True),
+    Panel("loss_scale", "Loss scale (log)", log_y=True, headline=True),
+    Panel("lr", "Learning rate", include_zero=True),
+    Panel("ema_divergence", "EMA divergence ‖θ_ema − θ‖ / ‖θ‖", log_y=True),
+    Panel("throughput", "Throughput", include_zero=True),
+    Panel("step_time", "Step time (s)", include_zero=True),
+    Panel("memory", "Device memory, peak (GiB)", include_zero=True),
+    Panel("grad_zero_fraction", "Gradient elements exactly zero (share, after unscale)", include_zero=True),
+)
+
+STEP_SIGNALS: tuple[StepSignal, ...] = (
+    StepSignal("loss", 0, "float", "", "the step's loss (summed over its micro-batches)", column=True,
+               panel="loss", label="loss", compare="Loss", per_rank="Loss per rank",
+               nonfinite="an incident: a NaN / Inf loss raises A1 (critical)"),
+    StepSignal("grad_norm", 1, "float", "", "global L2 norm of the gradients, unscaled and before clipping",
+               column=True, panel="grad_norm", label="grad norm", compare="Grad norm (pre-clip)",
+               per_rank="Grad norm per rank", combined=True,
+               nonfinite="with a GradScaler: an fp16 overflow the scaler skips (A5); without one: A2 (critical)"),
+    StepSignal("clip_max_norm", 2, "float", "", "the max_norm passed to clip_grad_norm_", column=True,
+               panel="grad_norm", label="clip max_norm", draw="dash", combined=True),
+    StepSignal("clipped", 3, "bool", "", "the pre-clip norm exceeded max_norm", column=True,
+               panel="grad_norm", label="clipped step", draw="flag", marker="circle-open", combined=True),
+    StepSignal("loss_scale", 4, "float", "", "the GradScaler scale used for this step (before update())",
+               column=True, panel="loss_scale", label="loss scale", compare="Loss scale (log)"),
+    StepSignal("overflow", 5, "bool", "", "the scaler found inf/NaN grads and skipped optimizer.step()",
+               column=True, panel="loss_scale", label="overflow (skipped step)", draw="flag"),
+    StepSignal("overflow_count", 6, "count", "steps", "skipped steps so far in this process", column=True),
+    StepSignal("lr", 7, "float", "", "learning rate of param group 0", column=True, panel="lr", label="lr",
+               compare="Learning rate"),
+    StepSignal("step_time", 8, "float", "s", "seconds between the ends of this step and the previous one",
+               column=True, panel="step_time", label="step time", per_rank="Step time per rank (s)"),
+    StepSignal("samples_per_s", 9, "float", "1/s", "samples per second", column=True, panel="throughput",
+               label="samples/s", compare="Throughput (samples/s)"),
+    StepSignal("tokens_per_s", 10, "float", "1/s", "tokens per second", column=True, panel="throughput",
+               label="tokens/s"),
+    StepSignal("mem_peak", 11, "float", "bytes", "CUDA peak allocated bytes since the previous step",
+               column=True, panel="memory", label="peak allocated", scale=GIB),
+    StepSignal("ema_divergence", 12, "float", "", "‖θ_ema − θ‖ / ‖θ‖ over all parameters (sampled)",
+               column=True, panel="ema_divergence", label="EMA divergence", compare="EMA divergence"),
+    StepSignal("input_nonfinite", 13, "count", "values", "non-finite values in the batch fed to the model (sampled)",
+               column=True, nonfinite="a count; any value above 0 raises A4"),
+    # ---- signals declared after these have no column of their own: stored in `steps.extra` by id
+    StepSignal("grad_zero_fraction", 14, "float", "", "share of gradient elements that are exactly zero after "
+               "unscale, over all parameters (sampled; the fp16 underflow of the checklist's section 2.1)",
+               panel="grad_zero_fraction", label="zero grad elements"),
+    StepSignal("grad_norm_local", 15, "float", "", "L2 norm of the gradient elements this rank holds, unscaled "
+               "and before clipping (sharded parameters: FSDP / DTensor); the server combines the ranks' "
+               "per-parameter norms into the global grad_norm of the combined row (rank -1)",
+               nonfinite="kept: a non-finite shard makes the global grad norm non-finite"),
+    # a resume's G6 compares the RNG state after loading a checkpoint with this value of the step before it
+    StepSignal("rng_hash", 16, "count", "", "CRC-32 of the torch CPU (and CUDA, once initialised) RNG state at "
+               "the step's end, where a checkpoint is usually saved (docs/resume.md)"),
+    StepSignal("skipped_update", 17, "bool", "", "the opt-in skip_spikes guard undid this step's optimizer update "
+               "(grad norm > skip_sigma σ above its recent mean, or non-finite without a GradScaler; "
+               "docs/alerts-in-the-loop.md)",
+               panel="grad_norm", label="update skipped (guard)", draw="flag", marker="x"),
+)
+
+LAYER_STATS: tuple[LayerStat, ...] = (
+    LayerStat("grad_norm", "params", "", "per-parameter grad norm (unscaled, pre-clip)",
+              heatmap="Per-parameter grad norm (log10)", combined=True),
+    LayerStat("weight_norm", "params", "", "per-parameter weight norm ‖θ‖ (sampled)",
+              heatmap="Per-parameter weight norm (log10)", combined=True),
+    LayerStat("update_ratio", "params", "", "per-parameter ‖Δθ‖ / ‖θ‖ of this step's update (sampled)",
+              combined=True),
+    LayerStat("grad_zero_fraction", "params", "", "per-parameter share of gradient elements exactly zero after "
+              "unscale (sampled)"),
+    # sharded runs: what one rank measures of its pieces of each parameter; the server combines them
+    # (one value per distinct piece, squared and summed) into grad_norm / weight_norm / update_ratio
+    LayerStat("grad_norm_local", "params", "", "per-parameter grad norm over this rank's shard (sharded runs)"),
+    LayerStat("weight_norm_local", "params", "", "per-parameter weight norm over this rank's shard (sharded "
+              "runs, sampled)"),
+    LayerStat("update_norm_local", "params", "", "per-parameter ‖Δθ‖ over this rank's shard (sharded runs, "
+              "sampled)"),
+    LayerStat("act_mean", "modules", "", "mean of each module's output (sampled)"),
+    LayerStat("act_std", "modules", "", "standard deviation of each module's output (sampled)",
+              heatmap="Per-module activation std (log10)"),
+    LayerStat("act_absmax", "modules", "", "max |x| of each module's output (sampled)"),
+    LayerStat("act_nonfinite", "modules", "values", "non-finite values in each module's output (sampled)"),
+    LayerStat("bn_mean_norm", "bn", "", "norm of each BatchNorm layer's running mean (sampled)"),
+    LayerStat("bn_var_norm", "bn", "", "norm of each BatchNorm layer's running variance (sampled)"),
+)
+
+EVENT_KINDS: tuple[EventKind, ...] = (
+    EventKind("nan_origin", "the first module whose activation or gradient went non-finite"),
+    EventKind("nan_origin_not_found", "the NaN-origin hunt gave up after nan_hunt_steps steps"),
+    EventKind("top_grad_norms", "the largest per-parameter grad norms of a critical step"),
+    EventKind("dropped", "steps the agent dropped (queue or spool full, batch rejected), with the reason"),
+    EventKind("checkpoint", "a checkpoint was saved: its path, at the step the run resumes from "
+                            "(monitor.checkpoint, the HF and Lightning callbacks; docs/checkpoints.md)"),
+    EventKind("resume_state", "what the training state looked like at attach (scaler, optimizer, EMA, BatchNorm, "
+                              "LR, RNG): the server adds the stored state before it (G1-G6, docs/resume.md)"),
+    EventKind("steps_already_stored", "steps a batch numbered like stored ones, not written (the server's word; "
+                                      "docs/resume.md)"),
+)
+
+_BY_NAME = {s.name: s for s in STEP_SIGNALS}
+_LAYER_BY_NAME = {s.name: s for s in LAYER_STATS}
+_PANEL_BY_KEY = {p.key: p for p in PANELS}
+
+STEP_SIGNAL_NAMES: tuple[str, ...] = tuple(s.name for s in STEP_SIGNALS)
+COLUMN_SIGNALS: tuple[StepSignal, ...] = tuple(s for s in STEP_SIGNALS if s.column)
+EXTRA_SIGNALS: tuple[StepSignal, ...] = tuple(s for s in STEP_SIGNALS if not s.column)
+# the first `steps.extra` slot: extra signal `s` sits at index s.id - EXTRA_BASE
+EXTRA_BASE = len(COLUMN_SIGNALS)
+# one column per id in every step rollup blob
+ROLLUP_WIDTH = max(s.id for s in STEP_SIGNALS) + 1
+
+
+def step_signal(name: str) -> StepSignal:
+    """The declaration of a per-step signal; ``KeyError`` naming the known ones when there is none."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown step signal {name!r}: one of {', '.join(STEP_SIGNAL_NAMES)}") from None
+
+
+def is_step_signal(name: str) -> bool:
+    return name in _BY_NAME
+
+
+def layer_stat(name: str) -> Optional[LayerStat]:
+    """The declaration of a per-layer statistic, or None for a name the table does not know (an agent
+    may send statistics of its own: they are stored and indexed by parameter name)."""
+    return _LAYER_BY_NAME.get(name)
+
+
+def panel(key: str) -> Panel:
+    return _PANEL_BY_KEY[key]
+
+
+def panel_signals(key: str) -> tuple[StepSignal, ...]:
+    """The step signals drawn in one panel, in id order."""
+    return tuple(s for s in STEP_SIGNALS if s.panel == key)
+
+
+def _check() -> None:
+    """The table's own invariants, checked at import: a broken declaration fails every process at once."""
+    ids = [s.id for s in STEP_SIGNALS]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"step signal ids must be unique: {ids}")
+    if len(_BY_NAME) != len(STEP_SIGNALS) or len(_LAYER_BY_NAME) != len(LAYER_STATS):
+        raise ValueError("signal names must be unique")
+    if [s.id for s in COLUMN_SIGNALS] != list(range(len(COLUMN_SIGNALS))):
+        raise ValueError("the column signals hold ids 0..13, in order (their nan_mask bits)")
+    if any(s.id < EXTRA_BASE for s in EXTRA_SIGNALS):
+        raise ValueError("an extra signal's id must come after every column signal's")
+    for s in STEP_SIGNALS:
+        if s.panel is not None and s.panel not in _PANEL_BY_KEY:
+            raise ValueError(f"signal {s.name!r} names an unknown panel {s.panel!r}")
+        if s.draw == "flag" and s.kind != "bool":
+            raise ValueError(f"signal {s.name!r}: only a bool signal can be drawn as a flag")
+    for p in PANELS:
+        if not any(s.draw == "line" for s in panel_signals(p.key)):
+            raise ValueError(f"panel {p.key!r} needs at least one signal drawn as a line")
+
+
+_check()

@@ -1,0 +1,256 @@
+"""The step in progress: what the hooks saw since the last step ended, and its end into a :class:`StepRecord`.
+
+The hook adapters (:mod:`agent.hooks`) call one method per event of the
+training loop; the collectors (:mod:`agent.collectors`) keep their own share of
+the step and add it to the record at :meth:`StepBuilder.end_step`, which hands
+the record to the :class:`~agent.sealer.Sealer` (it stays open for post-step
+values until the next step begins).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from gradwatch.agent.capture.activations import batch_shape
+from gradwatch.agent.collectors.base import overrides
+from gradwatch.agent.collectors.grads import GradNorms
+from gradwatch.agent.collectors.loss_scale import LossScale
+from gradwatch.agent.record import StepRecord
+
+
+class StepBuilder:
+    def __init__(self, watched: Any, guards: Any, collectors: list, sealer: Any, sender: Any, warn: Any,
+                 clock: Callable[[], float], wall_clock: Callable[[], float], replay: Any = None):
+        self.watched, self.guards, self.sealer, self.sender, self.warn = watched, guards, sealer, sender, warn
+        self.clock, self.wall_clock = clock, wall_clock
+        self.config = watched.config
+        # agent/capture/replay.py: the step's forwards (references), replayed on a skipped NaN step
+        self.replay = replay
+        # The two collectors the loop's events drive by name (the others only through the hook points).
+        self.grads: GradNorms = next(c for c in collectors if isinstance(c, GradNorms))
+        self.loss_scale: Optional[LossScale] = next((c for c in collectors if isinstance(c, LossScale)), None)
+        self._at_forward = [c for c in collectors if overrides(c, "on_first_forward")]
+        # Bound methods, looked up once: these run every step.
+        self._before_step = [c.before_optimizer_step for c in collectors if overrides(c, "before_optimizer_step")]
+        self._at_end = [c.end_step for c in collectors if overrides(c, "end_step")]
+        self.step = 0
+        self.last_end: Optional[float] = None
+        # once each (agent/resume.py): the optimizer is known, before its first step; the first step ended
+        self.first_optimizer: Optional[Callable[[Any], None]] = None
+        self.first_end: Optional[Callable[[int], None]] = None
+        # Alerts in the loop: the monitor's inbox and what hands its news to the callbacks (None: off).
+        self.inbox: Any = None
+        self.deliver_alerts: Optional[Callable[[], None]] = None
+        # The opt-in skip-spikes guard (agent/skip_guard.py), or None.
+        self.skip: Any = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pending: dict[str, Any] = {}   # loss / custom values for the step in progress
+        self.forwards = 0
+        self.samples = 0
+        self.tokens = 0
+        self.unscaled = False
+        self.in_scaler_step = False
+
+    # ------------------------------------------------------------------ events of the loop
+
+    def forward(self, args: tuple, kwargs: dict) -> None:
+        """The model's forward begins: a step starts (the open record is sealed)."""
+        replay = self.replay
+        if replay is not None and replay.replaying:
+            return   # the NaN-origin replay's own forward: not part of any step
+        self.sealer.seal_open()
+        if not torch.is_grad_enabled():
+            return   # evaluation pass: not part of a training step
+        if replay is not None and self.guards.on("nan_replay"):
+            replay.record(args, kwargs)
+        first = self.forwards == 0
+        self.forwards += 1
+        samples, tokens = batch_shape(args, kwargs)
+        self.samples += samples
+        self.tokens += tokens
+        if first:
+            step, guards = self.step, self.guards
+            for c in self._at_forward:
+                if c.due(step) and guards.on(c.name):
+                    with guards.guard(c.name):
+                        c.on_first_forward(step, args, kwargs)
+
+    def scaled(self, outputs) -> None:
+        """``scaler.scale(outputs)``: a step starts; the losses are summed into the step's."""
+        if self.replay is not None and self.replay.replaying:
+            return   # the replay scales its loss like the step did
+        self.sealer.seal_open()
+        if isinstance(outputs, torch.Tensor):
+            accumulate(self.pending, "scaled_loss", outputs)
+        else:
+            outputs = list(outputs) if not isinstance(outputs, (list, tuple)) else outputs
+            for o in outputs:
+                if isinstance(o, torch.Tensor):
+                    accumulate(self.pending, "scaled_loss", o)
+
+    def unscaled_grads(self) -> None:
+        """``scaler.unscale_()`` returned; inside ``scaler.step()`` the grads are final now."""
+        self.unscaled = True
+        if self.in_scaler_step:   # implicit unscale inside scaler.step(): grads are ready now
+            self.grads.measure()
+
+    def scaler_step_begins(self, optimizer) -> None:
+        w = self.watched
+        if w.optimizer is None:
+            w.optimizer = optimizer
+        if self.first_optimizer is not None:
+            self._first_optimizer(optimizer)
+        step = self.step
+        for before in self._before_step:
+            before(step)
+        if self.unscaled or not getattr(w.scaler, "_enabled", True):
+            self.grads.measure()
+        self.in_scaler_step = True
+        if self.skip is not None:
+            self._skip_before()
+        if self.replay is not None and getattr(w.scaler, "_enabled", False) and self.guards.on("nan_replay"):
+            with self.guards.guard("nan_replay"):
+                self.replay.optimizer_seen(optimizer)
+
+    def scaler_step_done(self, optimizer) -> None:
+        """``scaler.step()`` returned: a step it skipped with a non-finite loss is replayed now,
+        while the weights are still those its forward saw (agent/capture/replay.py)."""
+        replay, scaler = self.replay, self.watched.scaler
+        if replay is None or not getattr(scaler, "_enabled", False) or not self.guards.on("nan_replay"):
+            return
+        with self.guards.guard("nan_replay"):
+            found = replay.after_scaler_step(optimizer, self.pending.get("scaled_loss"), scaler.scale)
+            if found is not None:
+                self.pending["nan_replay"] = found
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer's step pre-hook (no scaler)."""
+        if self.first_optimizer is not None:
+            self._first_optimizer(self.watched.optimizer)
+        step = self.step
+        for before in self._before_step:
+            before(step)
+        self.grads.measure()
+        if self.replay is not None and self.config.nan_guard and self.guards.on("nan_replay"):
+            with self.guards.guard("nan_replay"):
+                grads = self.grads.grads
+                found = self.replay.check_before_step(grads[2] if grads else None, self.pending.get("logged_loss"))
+                if found is not None:
+                    self.pending["nan_replay"] = found
+        if self.skip is not None:
+            self._skip_before()
+
+    def _skip_before(self) -> None:
+        if self.guards.on("skip_spikes"):
+            with self.guards.guard("skip_spikes"):
+                self.skip.before_update()
+
+    def update_done(self) -> None:
+        """The optimizer's update is over (``scaler.step()`` returned, or the step post-hook): the skip
+        guard decides on this step's grad norm and undoes a spike. Idempotent within a step."""
+        if self.skip is None or not self.guards.on("skip_spikes"):
+            return
+        with self.guards.guard("skip_spikes"):
+            grads = self.grads.grads
+            self.skip.after_update(grads[2] if grads else None, self._found_inf())
+
+    def _found_inf(self):
+        """The active GradScaler's overflow flag of this step (a device tensor), or None: no sync."""
+        w = self.watched
+        scaler = w.scaler
+        if scaler is None or not getattr(scaler, "_enabled", False) or w.optimizer is None:
+            return None
+        state = getattr(scaler, "_per_optimizer_states", {}).get(id(w.optimizer))
+        found = list((state or {}).get("found_inf_per_device", {}).values())
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device).reshape(()) for f in found]).sum()
+
+    def log(self, loss, values: dict, step_per_log: bool) -> None:
+        """``monitor.log()``: values for the open record (right after a step), else the step in progress."""
+        sealer = self.sealer
+        if step_per_log:
+            sealer.seal_open()
+        with sealer.lock:   # the sender thread may be sealing the open record right now
+            rec = sealer.open_record
+            target = rec.host if (rec is not None and not step_per_log) else self.pending
+            if loss is not None:
+                accumulate(target, "logged_loss", loss)
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    if value.numel() != 1:
+                        self.warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
+                        continue
+                    target.setdefault("custom_dev", {})[key] = value.detach().reshape(())
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    target.setdefault("custom", {})[key] = float(value)
+        if step_per_log:
+            self.end_step()
+            sealer.seal_open()
+
+    # ------------------------------------------------------------------ step end
+
+    def _first_optimizer(self, optimizer) -> None:
+        call, self.first_optimizer = self.first_optimizer, None
+        with self.guards.guard("resume"):
+            call(optimizer)
+
+    def end_step(self) -> None:
+        if self.first_end is not None:
+            call, self.first_end = self.first_end, None
+            with self.guards.guard("resume"):
+                call(self.step)
+        now = self.clock()
+        step = self.step
+        rec = StepRecord(step)
+        if self.skip is not None:
+            self.update_done()      # no scaler: the optimizer's post-hook is the end of the step
+            decision = self.skip.take_decision()
+            if decision is not None:
+                rec.add("skipped_update", decision)
+        host = rec.host
+        host.update(self.pending)
+        host["time"] = self.wall_clock()
+        step_time = now - self.last_end if self.last_end is not None else None
+        host["step_time"] = step_time
+        samples = self.config.batch_size or self.samples
+        tokens = self.config.tokens_per_step or self.tokens
+        if step_time and step_time > 0:
+            host["samples_per_s"] = samples / step_time if samples else None
+            host["tokens_per_s"] = tokens / step_time if tokens else None
+        scaler = self.watched.scaler
+        host["scaler_active"] = bool(scaler is not None and getattr(scaler, "_enabled", False))
+        for contribute in self._at_end:
+            contribute(step, rec)
+        if self.replay is not None:
+            self.replay.clear()
+        self._reset()
+        self.sealer.open(rec, torch.cuda.is_initialized())   # is_initialized implies available; a cheaper call
+        self.last_end = now
+        self.step += 1
+        if self.sender is not None and self.sender._thread is None:
+            self.sender.ensure_started()   # it seals this step if the loop stops right here
+        inbox = self.inbox
+        if inbox is not None and inbox.has_news:   # the healthy step's whole cost: one attribute read
+            self.deliver_alerts()
+
+
+def accumulate(target: dict, key: str, value) -> None:
+    """Sum of a step's micro-batch losses, kept on the device."""
+    if key not in target and value.__class__ is torch.Tensor and value.dtype is torch.float32 \
+            and value.dim() == 0:   # the usual call: one fp32 loss per step
+        target[key] = value.detach()
+        return
+    if isinstance(value, torch.Tensor):
+        v = value.detach()
+        if v.dim() > 0:
+            v = v.sum()
+        if v.dtype != torch.float32:
+            v = v.float()
+    else:
+        v = float(value)
+    prev = target.get(key)
+    target[key] = v if prev is None else prev + v

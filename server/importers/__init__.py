@@ -1,0 +1,1 @@
+"""``gradwatch import``: existing runs from other loggers turned into gradwatch runs."""

@@ -1,0 +1,204 @@
+"""Ranks of a sharded run combined: the full parameters' norms and the global grad norm, per step.
+
+Under FSDP / DTensor every rank holds a piece of each sharded parameter, and the
+agent measures only what the rank holds (``grad_norm_local``,
+``layers.grad_norm_local`` / ``weight_norm_local`` / ``update_norm_local``;
+agent/wire.py), because combining them in the training job would be a
+collective the agent must never add. Each rank also sends, once, which piece
+of each parameter it holds (``meta.param_shards``: ``[index, count]``, kept in
+``rank_layouts``). This module does the reduction on the server, inside the
+ingest transaction of the batch that brings a step's last rank:
+
+* per parameter, one value per distinct piece ``index`` (the lowest rank
+  holding it: replicas, e.g. HSDP's replicate dimension, are never counted
+  twice), squared in float64 and summed over the ``count`` pieces; the square
+  root is the full parameter's norm. A piece that no rank reported, or a layout
+  that cannot be combined (``count`` 0), leaves that parameter "not measured";
+* the global grad norm is the norm of the full parameters' norms, exactly as
+  ``clip_grad_norm_`` computes it (parameters with no grad on any rank are
+  left out, as clipping leaves them out);
+* update ratio = ‖Δθ‖ / ‖θ‖ of the full parameter, from the combined numerator
+  and denominator (ratios of pieces do not combine).
+
+The result is written as the run's **combined row**, rank ``COMBINED_RANK``
+(-1), through the same write path as any rank's steps (steps, layer stats,
+rollups, rules). A step whose ranks have not all arrived has no combined row:
+it is incomplete (``server/queries.py``, ``rank_coverage``), never a number
+computed from part of the ranks. Batches of one run are serialised by the
+run's row lock, so exactly one batch sees a step complete; a step that already
+has its combined row is never combined again.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gradwatch.agent.signals import STEP_SIGNAL_NAMES
+
+from .models import LayerStat, RankLayout, Run, Step
+from .numbers import NULL_F32_BITS, null_mask
+from .schemas import StepIn
+
+COMBINED_RANK = -1
+# what the server keeps of each rank's meta, per rank (runs.config["_ranks"], server/ingest.py: the run
+# header's hosts and devices); the rest of a rank's meta is merged run-wide into runs.config["_meta"]
+RANK_META_KEYS = ("host", "local_rank", "device", "pid")
+
+
+def rank_hosts(run_config: Optional[dict]) -> dict[str, Any]:
+    """Each rank's host (by rank as a string), from where ingest keeps every rank's own meta."""
+    return {r: meta.get("host") for r, meta in ((run_config or {}).get("_ranks") or {}).items()}
+# what the ranks send -> what the combined row holds (update norms become update_ratio)
+_LOCAL_STATS = ("grad_norm_local", "weight_norm_local", "update_norm_local")
+_NOTHING_MEASURED = dict.fromkeys(STEP_SIGNAL_NAMES)   # a combined row's signals, before it fills some
+
+
+def rank_progress(session: Session, run: Run) -> dict[int, tuple[int, float]]:
+    """rank -> (its latest stored step, that step's time): one index lookup per rank (the steps' primary
+    key is (run, rank, step)), not a scan of the run's steps. Ranks that sent no step are absent."""
+    out = {}
+    for r in range(run.world_size or 1):
+        last = session.execute(select(Step.step, Step.time).where(Step.run_id == run.id, Step.rank == r)
+                               .order_by(Step.step.desc()).limit(1)).first()
+        if last is not None:
+            out[r] = (int(last[0]), float(last[1]))
+    return out
+
+
+def record_layout(session: Session, *, run: Run, rank: int, world_size: int, shards: Optional[list],
+                  now: float) -> None:
+    """Keep the layout a rank sent in its meta (once per process; a changed one replaces the old)."""
+    if shards is None:
+        return
+    shards = [[int(i), int(c)] for i, c in shards]
+    row = session.get(RankLayout, (run.id, rank))
+    if row is None:
+        session.add(RankLayout(run_id=run.id, rank=rank, world_size=world_size, shards=shards, updated_at=now))
+    elif row.shards != shards or row.world_size != world_size:
+        row.shards, row.world_size, row.updated_at = shards, world_size, now
+
+
+class _Plan:
+    """Which rank's value of each parameter is counted: static per run, derived from the layouts."""
+
+    def __init__(self, layouts: dict[int, list], world_size: int):
+        self.world_size = W = world_size
+        n = max((len(s) for s in layouts.values()), default=0)
+        self.n = n
+        index = np.full((W, n), -1, dtype=np.int64)
+        count = np.zeros((W, n), dtype=np.int64)
+        for r, shards in layouts.items():
+            if 0 <= r < W and shards:
+                arr = np.asarray(shards, dtype=np.int64).reshape(-1, 2)
+                index[r, :len(arr)], count[r, :len(arr)] = arr[:, 0], arr[:, 1]
+        self.pick = np.zeros((W, n), dtype=bool)
+        self.known = np.zeros(n, dtype=bool)
+        for j in range(n):
+            c = set(count[:, j].tolist())
+            if len(c) != 1 or 0 in c:
+                continue      # ranks disagree on the cut, or it cannot be combined (Partial)
+            seen: set[int] = set()
+            for r in range(W):     # the lowest rank of each piece; replicas of it are left out
+                i = int(index[r, j])
+                if i not in seen:
+                    seen.add(i)
+                    self.pick[r, j] = True
+            self.known[j] = len(seen) == c.pop() and all(0 <= i for i in seen)
+
+    def full_squares(self, blobs: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(sum of squares of each full parameter, measured) from one statistic of every rank."""
+        W, n = self.world_size, self.n
+        vals = np.zeros((W, n))
+        missing = np.ones((W, n), dtype=bool)
+        for r, blob in blobs.items():
+            arr = np.frombuffer(blob, dtype="<f4")[:n]
+            k = len(arr)
+            vals[r, :k] = arr.astype(np.float64)
+            missing[r, :k] = null_mask(arr)
+        vals[missing] = 0.0
+        sq = np.where(self.pick, vals * vals, 0.0).sum(axis=0)
+        measured = self.known & ~(self.pick & missing).any(axis=0)
+        return sq, measured
+
+
+def _f32(values: np.ndarray, measured: np.ndarray) -> bytes:
+    out = values.astype("<f4")
+    out.view("<u4")[~measured] = NULL_F32_BITS
+    return out.tobytes()
+
+
+def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
+    """The combined rows (``StepIn``) of those of ``steps`` that are now complete: every rank of the run
+    has sent them, and they have no combined row yet. Empty for runs without a sharded layout."""
+    if not steps:
+        return []
+    layouts = dict(session.execute(select(RankLayout.rank, RankLayout.shards)
+                                   .where(RankLayout.run_id == run.id)).all())
+    W = max([run.world_size or 1] + [r + 1 for r in layouts])
+    if not layouts or W < 2 or any(r not in layouts for r in range(W)):
+        return []      # not sharded, or a rank whose layout has not arrived yet: its batch will complete them
+    lo, hi = min(steps), max(steps)
+    wanted = set(steps)
+    counts = session.execute(
+        select(Step.step, func.count()).where(Step.run_id == run.id, Step.rank >= 0, Step.rank < W,
+                                              Step.step >= lo, Step.step <= hi).group_by(Step.step)).all()
+    done = set(session.scalars(select(Step.step).where(Step.run_id == run.id, Step.rank == COMBINED_RANK,
+                                                       Step.step >= lo, Step.step <= hi)))
+    complete = sorted(s for s, c in counts if c == W and s in wanted and s not in done)
+    if not complete:
+        return []
+    c_lo, c_hi = complete[0], complete[-1]
+    keep = set(complete)
+    times: dict[int, float] = {}
+    max_norm: dict[int, Optional[float]] = {}
+    for r, s, t, m in session.execute(
+            select(Step.rank, Step.step, Step.time, Step.clip_max_norm).where(
+                Step.run_id == run.id, Step.rank >= 0, Step.rank < W, Step.step >= c_lo, Step.step <= c_hi)):
+        if s in keep:
+            times[s] = max(times.get(s, t), t)
+            if m is not None and (s not in max_norm or r == 0):
+                max_norm[s] = m
+    blobs: dict[int, dict[str, dict[int, bytes]]] = {}
+    for r, s, stat, blob in session.execute(
+            select(LayerStat.rank, LayerStat.step, LayerStat.stat, LayerStat.values).where(
+                LayerStat.run_id == run.id, LayerStat.stat.in_(_LOCAL_STATS), LayerStat.rank >= 0,
+                LayerStat.rank < W, LayerStat.step >= c_lo, LayerStat.step <= c_hi)):
+        if s in keep and blob:
+            blobs.setdefault(s, {}).setdefault(stat, {})[r] = bytes(blob)
+    plan = _Plan(layouts, W)
+    out = []
+    for s in complete:
+        by_stat = blobs.get(s, {})
+        fields: dict[str, Any] = {**_NOTHING_MEASURED, "step": s, "time": times[s], "custom": {}, "layers": {}}
+        layers = fields["layers"]
+        if by_stat.get("grad_norm_local"):
+            sq, ok = plan.full_squares(by_stat["grad_norm_local"])
+            layers["grad_norm"] = _f32(np.sqrt(sq), ok)
+            # parameters no rank has a grad for are left out, as clip_grad_norm_ leaves them out;
+            # one only partly reported (or a layout that cannot be combined) makes the total unknown
+            seen = np.zeros(plan.n, dtype=bool)
+            for blob in by_stat["grad_norm_local"].values():
+                arr = np.frombuffer(blob, dtype="<f4")[:plan.n]
+                seen[:len(arr)] |= ~null_mask(arr)
+            if ok.any() and not (seen & ~ok).any():
+                total = math.sqrt(float(sq[ok].sum()))
+                fields["grad_norm"] = total
+                m = max_norm.get(s)
+                if m is not None:
+                    fields["clip_max_norm"] = m
+                    if not math.isnan(total):
+                        fields["clipped"] = bool(total > m)
+        if by_stat.get("weight_norm_local"):
+            wsq, wok = plan.full_squares(by_stat["weight_norm_local"])
+            layers["weight_norm"] = _f32(np.sqrt(wsq), wok)
+            if by_stat.get("update_norm_local"):
+                usq, uok = plan.full_squares(by_stat["update_norm_local"])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = np.where(wsq > 0, np.sqrt(usq) / np.sqrt(wsq), np.where(usq == 0, 0.0, np.inf))
+                layers["update_ratio"] = _f32(ratio, wok & uok)
+        out.append(StepIn.model_construct(**fields))
+    return out

@@ -1,0 +1,1 @@
+"""Receivers that are not HTTP webhooks (email); the webhook ones live in ``server.webhooks``."""

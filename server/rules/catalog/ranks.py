@@ -1,0 +1,200 @@
+"""Ranks of one distributed run compared with each other: one rank diverging (F1), a straggler (F3),
+replicas disagreeing (F5). A rank gone silent (F4) is a timer rule: ``liveness.py``."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from gradwatch.server.rules.registry import register
+from gradwatch.server.rules.rule import CrossRankRule, streaks
+from gradwatch.server.rules.spec import Float, Hit, Int
+from gradwatch.server.rules.stats import enc, fmt
+
+
+@register
+class RankDivergence(CrossRankRule):
+    id, name, severity = "F1", "rank_divergence", "critical"
+    rollback_advice = True   # a critical alert names the checkpoint to restart from
+    fires_when = ("one rank's loss is non-finite while the others' is finite, or > {factor:g}x the median of the "
+                  "others for {consecutive} steps")
+    diagnosis = "One rank differs from the others: a bad node or a bad data shard."
+    actions = {"check_rank": "Check that rank's data shard (NaN or corrupt samples) and its node (hardware errors, a "
+                             "different software version)."}
+    params = {"factor": Float(3.0), "consecutive": Int(5), "clear_steps": Int(10)}
+    needs = ("loss",)
+    one_alert_across_ranks = True
+
+    def evaluate(self, steps, mine, others, state_of, cfg):
+        """``mine["loss"]``: this rank's losses at ``steps``; ``others[rank]["loss"]``: another rank's at the
+        same steps (NaN where it sent none: ``others[rank]["loss.measured"]`` tells). Compares every rank
+        with the median of the others at each step both sent; the verdicts go on the outlier rank."""
+        ranks = sorted(others) + [None]
+        L = np.column_stack([others[r]["loss"] for r in ranks[:-1]] + [mine["loss"]])
+        present = np.column_stack([others[r]["loss.measured"] for r in ranks[:-1]] + [mine["loss.measured"]])
+        rows = present.sum(axis=1) >= 2
+        finite = np.isfinite(L) & present
+        out: list[tuple[int, int, object]] = []
+        for c, r in enumerate(ranks):
+            rank = mine["rank"] if r is None else r
+            here = rows & present[:, c]
+            if not here.any():
+                continue
+            rest = present.copy()
+            rest[:, c] = False
+            n_rest = rest.sum(axis=1)
+            n_finite_rest = (finite & rest).sum(axis=1)
+            with warnings.catch_warnings(), np.errstate(invalid="ignore"):
+                warnings.simplefilter("ignore", RuntimeWarning)
+                med = np.nanmedian(np.where(finite & rest, L, np.nan), axis=1)
+            x = L[:, c]
+            nonfinite = here & ~np.isfinite(x) & (n_finite_rest > 0)
+            comparable = here & np.isfinite(x) & (n_finite_rest == n_rest)
+            with np.errstate(invalid="ignore"):
+                above = comparable & (med > 0) & (x > cfg["factor"] * med)
+            counted = np.flatnonzero(nonfinite | comparable)
+            if not len(counted):
+                continue
+            state = state_of(rank)
+            run = streaks((nonfinite | above)[counted], int(state.get("streak", 0)))
+            state["streak"] = int(run[-1])
+            for k, i in enumerate(counted.tolist()):
+                step, xi, m = int(steps[i]), float(x[i]), float(med[i])
+                if nonfinite[i]:
+                    out.append((rank, step, Hit({"rank": rank, "loss": enc(xi), "others_median": m},
+                                                f"Rank {rank} has loss {fmt(xi)} at step {step} while the other "
+                                                f"ranks' median is {fmt(m)}")))
+                elif above[i]:
+                    if run[k] >= cfg["consecutive"]:
+                        out.append((rank, step, Hit({"rank": rank, "loss": xi, "others_median": m, "ratio": xi / m,
+                                                     "steps": int(run[k])},
+                                                    f"Rank {rank}'s loss {fmt(xi)} is {xi / m:.1f}x the other ranks' "
+                                                    f"median {fmt(m)} for {int(run[k])} steps")))
+                else:
+                    out.append((rank, step, False))
+        out.sort(key=lambda v: v[1])
+        return out
+
+
+@register
+class Straggler(CrossRankRule):
+    id, name, severity = "F3", "straggler", "warning"
+    fires_when = ("one rank's step time is > {factor:g}x the median of the other ranks' for {consecutive} "
+                  "consecutive steps (judged once every rank has sent the step)")
+    diagnosis = ("One rank is slower than the others and the whole job waits for it at every collective: a slow "
+                 "node, thermal throttling, or that host's data loader.")
+    actions = {"check_host": "Check that rank's host: GPU clocks and temperature (nvidia-smi -q -d "
+                             "CLOCK,TEMPERATURE,PERFORMANCE), other processes on it, its data-loader workers and "
+                             "disk / network I/O.",
+               "replace_node": "If the host stays slow, drain it and resume from a checkpoint on another node."}
+    params = {"factor": Float(1.2), "consecutive": Int(20), "clear_steps": Int(20)}
+    needs = ("step_time",)
+    one_alert_across_ranks = True
+
+    def evaluate(self, steps, mine, others, state_of, cfg):
+        """Each step is judged once, when its last rank arrives (``mine["world_size"]`` ranks sent it): the
+        streak a rank's state keeps then does not depend on the order the ranks' batches come in. A rank is
+        slow at a step when its step time exceeds ``factor`` x the median of the other ranks'; it fires
+        after ``consecutive`` slow steps in a row, on that rank."""
+        ranks = sorted(list(others) + [mine["rank"]])
+        vals = {r: (mine if r == mine["rank"] else others[r]) for r in ranks}
+        T = np.column_stack([vals[r]["step_time"] for r in ranks])
+        present = np.column_stack([vals[r]["step_time.measured"] for r in ranks])
+        complete = present.all(axis=1) & (present.sum(axis=1) >= max(2, mine.get("world_size", 2)))
+        complete &= np.isfinite(T).all(axis=1)
+        rows = np.flatnonzero(complete)
+        out: list[tuple[int, int, object]] = []
+        if not len(rows):
+            return out
+        W = T[rows]
+        factor, need = cfg["factor"], cfg["consecutive"]
+        # every rank sends its host once (agent meta); ingest keeps them per rank
+        hosts = (mine.get("run_meta") or {}).get("rank_hosts") or {}
+        for c, r in enumerate(ranks):
+            rest = np.delete(W, c, axis=1)
+            med = np.median(rest, axis=1)
+            x = W[:, c]
+            slow = (med > 0) & (x > factor * med)
+            state = state_of(r)
+            run = streaks(slow, int(state.get("streak", 0)))
+            state["streak"] = int(run[-1])
+            host = hosts.get(str(r))
+            for k, i in enumerate(rows.tolist()):
+                step = int(steps[i])
+                if not slow[k]:
+                    out.append((r, step, False))
+                elif run[k] >= need:
+                    xi, m = float(x[k]), float(med[k])
+                    where = f" on host {host}" if host else ""
+                    out.append((r, step, Hit(
+                        {"rank": r, "host": host, "step_time": xi, "others_median": m, "ratio": xi / m,
+                         "steps": int(run[k])},
+                        f"Rank {r}{where} is a straggler: step time {fmt(xi)} s is {xi / m:.2f}x the other "
+                        f"ranks' median {fmt(m)} s for {int(run[k])} steps")))
+        out.sort(key=lambda v: v[1])
+        return out
+
+
+@register
+class ReplicaDisagreement(CrossRankRule):
+    id, name, severity = "F5", "replica_disagreement", "critical"
+    rollback_advice = True   # a critical alert names the checkpoint to restart from
+    fires_when = ("the ranks of a DDP run (the agent attached to the DistributedDataParallel model), whose "
+                  "all-reduced gradients are identical on every rank, report different grad norms for the same "
+                  "step: not equal bit for bit (rel_tol = {rel_tol:g}; above 0, a relative difference it allows); "
+                  "judged once every rank has sent the step, the odd rank is the one outside the largest group "
+                  "of equal values")
+    diagnosis = ("Replicas disagree on gradients that the all-reduce made identical: silent data corruption, a "
+                 "desynchronised rank, or a bad GPU / host on the odd rank.")
+    actions = {"check_rank": "Check the odd rank's node: GPU memory errors (nvidia-smi -q -d ECC, dmesg / Xid), "
+                             "a different driver or library version; drain it and resume from a checkpoint.",
+               "find_desync": "Look for code that changes gradients on one rank only after backward (hooks, "
+                              "rank-conditional logic, non-deterministic kernels outside the all-reduce)."}
+    params = {"rel_tol": Float(0.0, zero_ok=True), "clear_steps": Int(10)}
+    needs = ("grad_norm",)
+    one_alert_across_ranks = True
+
+    def applies(self, ctx) -> bool:
+        # only runs whose agent saw replicated gradients (a DDP-wrapped model): other multi-rank jobs
+        # (independent models, sharded parameters) have norms that differ by design
+        return bool(ctx.run_meta.get("grad_replicas")) and "grad_norm" in ctx.present
+
+    def evaluate(self, steps, mine, others, state_of, cfg):
+        """A step is judged once every rank of the run has sent it (``mine["world_size"]``), so the odd rank
+        is told from the whole picture, not from the first two ranks to arrive. The ranks are grouped by
+        their grad norm (equal within ``rel_tol``); the largest group (on a tie, the one holding the
+        lowest rank) is taken as the agreed value and every other rank is odd. Verdicts go on the odd
+        ranks; a rank back in agreement clears."""
+        ranks = sorted(list(others) + [mine["rank"]])
+        vals = {r: (mine if r == mine["rank"] else others[r]) for r in ranks}
+        tol = cfg["rel_tol"]
+        out: list[tuple[int, int, object]] = []
+        for i, step in enumerate(steps.tolist()):
+            here = [(r, float(vals[r]["grad_norm"][i])) for r in ranks if vals[r]["grad_norm.measured"][i]]
+            if len(here) < max(2, mine.get("world_size", 2)):
+                continue
+            groups: list[list[tuple[int, float]]] = []
+            for r, x in here:
+                for g in groups:
+                    y = g[0][1]
+                    if x == y or (x != x and y != y) or (tol > 0 and abs(x - y) <= tol * max(abs(x), abs(y))):
+                        g.append((r, x))
+                        break
+                else:
+                    groups.append([(r, x)])
+            agreed = max(groups, key=lambda g: (len(g), -g[0][0]))
+            value = agreed[0][1]
+            majority = len(agreed) > len(here) / 2
+            for r, x in here:
+                if any(r == a for a, _ in agreed):
+                    out.append((r, int(step), False))
+                    continue
+                diff = x - value if x == x and value == value else float("nan")
+                note = "" if majority else f" (no majority among {len(here)} ranks: the odd one cannot be told apart)"
+                out.append((r, int(step), Hit(
+                    {"rank": r, "grad_norm": enc(x), "agreed_grad_norm": enc(value),
+                     "agreeing_ranks": [a for a, _ in agreed], "difference": enc(diff), "majority": majority},
+                    f"Rank {r}'s grad norm {x!r} differs from {value!r} of ranks "
+                    f"{', '.join(str(a) for a, _ in agreed)} at step {step}{note}")))
+        out.sort(key=lambda v: v[1])
+        return out
