@@ -16,7 +16,8 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import importlib
+import pkgutil
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from gradwatch.server.rules.catalogue import RULES, SEVERITY_RANK
 from tests.conftest import ARTIFACTS, REPO_ROOT, LiveServer, free_port, wait_until
 from tests.resume.loop import ResumedRun
-from tests.scenarios.training import AGENT_CONFIG, Loop, classification_data, mlp, regression_data
+from tests.scenarios.training import AGENT_CONFIG, Loop, Scenario, classification_data, mlp, regression_data
 
 RULES_FILE = """
 # scenarios whose rule has a long default window (B2 500, C1 200, D1 500, E2 1000 steps) or timeout (F2 300 s)
@@ -45,15 +46,6 @@ window = 100
 timeout_s = 2
 """
 DEFAULT, SHORT = "scenarios", "short-windows"
-
-
-@dataclass
-class Scenario:
-    name: str
-    target: Optional[str]            # the rule this run must fire; None: a healthy run
-    project: str
-    build: Callable[[], Loop]
-    what: str
 
 
 # --------------------------------------------------------------------------- failing runs
@@ -409,6 +401,23 @@ SCENARIOS = [
     Scenario("healthy_resumed_fully_restored", None, DEFAULT, lambda: ResumedRun(),
              "checkpoint and resume restoring model, optimizer, scheduler, scaler, EMA, BN buffers and RNG"),
 ]
+
+
+def _early_warning_scenarios() -> list[Scenario]:
+    """The scenarios of every ``tests/scenarios/early_*.py`` module (its ``SCENARIOS`` list): each such
+    module also runs on its own, ``python -m tests.scenarios.early_<x> --dry``, to show the pathology
+    with plain PyTorch and no agent."""
+    found: list[Scenario] = []
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        if info.name.startswith("early_"):
+            found += importlib.import_module(f"tests.scenarios.{info.name}").SCENARIOS
+    return found
+
+
+# the early-warning scenarios' faults before the healthy runs, as in the table
+_first_healthy = next(i for i, s in enumerate(SCENARIOS) if s.target is None)
+SCENARIOS[_first_healthy:_first_healthy] = [s for s in _early_warning_scenarios() if s.target]
+SCENARIOS += [s for s in _early_warning_scenarios() if not s.target]
 F1_SCENARIO = "one_rank_nan"
 
 RESULTS: dict[str, dict] = {}
@@ -456,7 +465,12 @@ def test_scenario(scenario_server, scenario: Scenario):
     t0 = time.perf_counter()
     info = loop.run(server=scenario_server.url, project=scenario.project, run=scenario.name)
     info["seconds"] = round(time.perf_counter() - t0, 1)
+    losses = info.pop("losses", None)
     alerts = run_alerts(scenario_server, scenario.project, scenario.name)
+    if scenario.onset is not None:
+        first = min((a["first_step"] for a in alerts if a["rule"] == scenario.target), default=None)
+        info["onset"] = scenario.onset(losses)
+        info["lead"] = None if first is None or info["onset"] is None else info["onset"] - first
     record(scenario.name, scenario.target, scenario.project, scenario.what, alerts, info)
     if scenario.target is None:
         loud = [(a["rule"], a["severity"], a["message"]) for a in alerts if a["severity"] != "info"]
@@ -466,6 +480,10 @@ def test_scenario(scenario_server, scenario: Scenario):
         assert scenario.target in fired, f"{scenario.target} did not fire; fired: {sorted(fired)}; run: {info}"
         alert = fired[scenario.target]
         assert alert["diagnosis"] and alert["actions"] and alert["evidence"]
+    if scenario.onset is not None and scenario.target is not None:
+        assert info["onset"] is not None, f"the fault run's loss never spiked or went NaN: {info}"
+        assert info["lead"] >= scenario.min_lead, (f"{scenario.target} warned {info['lead']} steps before the loss "
+                                                   f"(onset at step {info['onset']}); at least {scenario.min_lead} needed")
     if scenario.target == "A1":
         assert fired["A1"]["evidence"]["cause"] == "loss_computation"     # grad norm was normal before
     if scenario.target == "A3":
@@ -535,8 +553,8 @@ def write_confusion_table() -> None:
     ids = [r.id for r in RULES]
     names = [s.name for s in SCENARIOS if s.target] + [F1_SCENARIO] + [s.name for s in SCENARIOS if not s.target]
     mark = {"critical": "C", "warning": "W", "info": "i"}
-    lines = ["| scenario | target | " + " | ".join(ids) + " | s |",
-             "| --- | --- | " + " | ".join("---" for _ in ids) + " | --- |"]
+    lines = ["| scenario | target | " + " | ".join(ids) + " | lead | s |",
+             "| --- | --- | " + " | ".join("---" for _ in ids) + " | --- | --- |"]
     for name in names:
         r = RESULTS[name]
         cells = []
@@ -546,7 +564,9 @@ def write_confusion_table() -> None:
             if rid == r["target"]:
                 cell = f"**{cell}**" if sev else "**MISSED**"
             cells.append(cell)
-        lines.append(f"| {name} | {r['target'] or 'healthy'} | " + " | ".join(cells) + f" | {r.get('seconds', '')} |")
+        lead = "" if "onset" not in r else ("no onset" if r["onset"] is None else
+                                            f"{r['lead']} (loss at {r['onset']})" if r["lead"] is not None else "—")
+        lines.append(f"| {name} | {r['target'] or 'healthy'} | " + " | ".join(cells) + f" | {lead} | {r.get('seconds', '')} |")
     hits = sum(1 for n in names if RESULTS[n]["target"] in RESULTS[n]["fired"])
     targets = sum(1 for n in names if RESULTS[n]["target"])
     healthy = [n for n in names if not RESULTS[n]["target"]]
@@ -555,7 +575,7 @@ def write_confusion_table() -> None:
     table = "\n".join(lines)
     block = (f"Generated by `pytest tests/scenarios` on {stamp}: each row is one real training run; "
              f"C / W / i = the rule fired at critical / warning / info, · = silent, **bold** = the rule the "
-             f"scenario is about, s = seconds the run took. Target rules fired: {hits}/{targets}; healthy runs "
+             f"scenario is about, lead = for an early warning, the steps between its first alert and the first loss spike or NaN (the step in brackets), s = seconds the run took. Target rules fired: {hits}/{targets}; healthy runs "
              f"with an alert above info: {loud}/{len(healthy)}.\n\n{table}\n\nFirst step of each target alert: "
              + ", ".join(f"{n} {RESULTS[n]['target']}@{RESULTS[n]['first'].get(RESULTS[n]['target'])}"
                          for n in names if RESULTS[n]["target"]) + ".\n")

@@ -7,6 +7,7 @@ the agent measures what the loop does.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -20,6 +21,36 @@ from gradwatch.agent.demo import EMA   # the checklist's EMA (section 4.4), as t
 # runs give the layer rules (B5, D3, E1-E3) enough samples; the same for every run.
 AGENT_CONFIG = dict(weights_every=5, activations_every=5, bn_every=5, inputs_every=1, ema_every=1,
                     flush_interval=0.2)
+
+
+@dataclass
+class Scenario:
+    """One row of the confusion table: a real run that must fire ``target`` (None: a healthy run that
+    must raise nothing above info).
+
+    Early-warning scenarios also give ``onset``: the loop's losses -> the step where the failure shows
+    in the loss (the first loss spike or NaN, :func:`loss_onset`). The lead time, ``onset`` minus the
+    target alert's first step, goes into the table and must be at least ``min_lead`` steps."""
+    name: str
+    target: Optional[str]
+    project: str
+    build: Callable[[], Any]
+    what: str
+    onset: Optional[Callable[[list[float]], Optional[int]]] = None
+    min_lead: Optional[int] = None
+
+
+def loss_onset(losses: list[float], *, factor: float = 3.0, window: int = 50, start: int = 20) -> Optional[int]:
+    """The first step, from ``start`` on, whose loss is non-finite or above ``factor`` times the median of
+    the ``window`` losses before it: where a loss spike or divergence begins. None: the loss never did."""
+    for i in range(start, len(losses)):
+        x = losses[i]
+        if not math.isfinite(x):
+            return i
+        prior = [v for v in losses[max(0, i - window):i] if math.isfinite(v)]
+        if prior and x > factor * statistics.median(prior):
+            return i
+    return None
 
 
 @dataclass
@@ -71,7 +102,7 @@ class Loop:
         finite = [v for v in losses if math.isfinite(v)]
         return {"steps": self.steps, "first_loss": losses[0] if losses else None,
                 "last_finite_loss": finite[-1] if finite else None,
-                "nonfinite_steps": sum(1 for v in losses if not math.isfinite(v))}
+                "nonfinite_steps": sum(1 for v in losses if not math.isfinite(v)), "losses": losses}
 
 
 def mlp(d_in: int = 8, hidden: int = 32, d_out: int = 1, depth: int = 2, act=nn.Tanh) -> nn.Sequential:
