@@ -48,10 +48,8 @@ def test_a_poisoned_ddp_rank_is_one_critical_alert_naming_it(server_factory, db_
                    timeout=10, what="the A1 notification naming rank 1")
         time.sleep(0.5)
         a1_bodies = [b for b in receiver.bodies() if b["rule"] == "A1"]
-        # soon after the alert: group_wait (0.5 s) and the delivery worker's round (~1 s). Without a
-        # routing file ingest notifies at once, but then nothing waits for the other rank's batch
-        first = next(r for r in receiver.received if r.json()["rule"] == "A1")
-        assert first.time - first.json()["created_at"] < 3.0
+        # how soon after the alert (group_wait plus the worker's wake) is measured, not asserted here
+        # (docs/performance.md, "Step → visible and NaN → webhook latency")
         assert a1_bodies[-1]["rank"] == 1 and a1_bodies[-1]["step"] == 10
         assert {b["rule"] for b in receiver.bodies()} == {"A1"}, receiver.bodies()
         assert a1_bodies[-1]["group"]["first"] == {"rank": 1, "step": 10, "rule": "A1"}
