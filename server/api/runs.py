@@ -1,7 +1,8 @@
 """Runs and their data: ``/api/v1/runs``, series, layer matrix, events, checkpoints, multi-run series."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from contextlib import contextmanager
+from typing import Annotated, Iterator, Optional
 
 from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi.responses import JSONResponse as _StdJSONResponse
@@ -44,6 +45,18 @@ def _series_out(s: queries.Series) -> dict:
     return {"run_id": s.run_id, "signal": s.signal, "rank": s.rank, "bucket_size": s.bucket_size,
             "steps": [{"step": p.step, "min": encode_float(p.min), "max": encode_float(p.max), "last": encode_float(p.last),
                        "count": p.count, "nonfinite": p.nonfinite} for p in s.points]}
+
+
+@contextmanager
+def _refusals_as_422(param: str) -> Iterator[None]:
+    """A query's refusal as a 422: an unknown signal (named after the query parameter that gave it), or an
+    answer that would be too large (server/queries.py bounds every read)."""
+    try:
+        yield
+    except queries.UnknownSignal as e:
+        raise HTTPException(422, f"{param}: {e}") from None
+    except queries.RequestTooLarge as e:
+        raise HTTPException(422, str(e)) from None
 
 
 def _check_run(session, scope: Optional[str], run_id: int) -> None:
@@ -101,13 +114,9 @@ def get_rank_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
     """Rank × step matrices of step signals (``?signals=loss&signals=step_time``), one shared step axis:
     per cell the bucket's min, max, last value and non-finite count; rows are ``ranks`` (default every rank)."""
     _check_run(session, scope, run_id)
-    try:
+    with _refusals_as_422("signals"):
         out = queries.get_rank_matrix(session, run_id=run_id, signals=signals, start=start, end=end,
                                       max_steps=max_steps, ranks=ranks)
-    except queries.UnknownSignal as e:
-        raise HTTPException(422, f"signals: {e}") from None
-    except queries.RequestTooLarge as e:
-        raise HTTPException(422, str(e)) from None
     if out is None:
         raise HTTPException(404, f"run {run_id} not found")
 
@@ -127,11 +136,9 @@ def get_series(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                since: Annotated[Optional[int], Query(ge=-1, le=2**62)] = None, rank: RankParam = 0) -> JSONResponse:
     """A signal in at most ``max_points`` buckets (min/max/last/count/nonfinite); ``since`` for live tails."""
     _check_run(session, scope, run_id)
-    try:
+    with _refusals_as_422("signal"):
         s = queries.get_series(session, run_id=run_id, signal=signal, start=start, end=end,
                                max_points=max_points, since=since, rank=rank)
-    except queries.UnknownSignal as e:
-        raise HTTPException(422, f"signal: {e}") from None
     return JSONResponse(_series_out(s))
 
 
@@ -146,13 +153,9 @@ def get_series_multi(session: SessionDep, scope: ReadScopeDep,
     """Several runs' series on one shared step axis: ``?runs=1&runs=2&signals=loss``."""
     for run_id in runs:
         _check_run(session, scope, run_id)
-    try:
+    with _refusals_as_422("signals"):
         out = queries.get_series_multi(session, run_ids=runs, signals=signals, start=start, end=end,
                                        max_points=max_points, rank=rank)
-    except queries.UnknownSignal as e:
-        raise HTTPException(422, f"signals: {e}") from None
-    except queries.RequestTooLarge as e:
-        raise HTTPException(422, str(e)) from None
     return JSONResponse({"series": [_series_out(s) for s in out]})
 
 
@@ -167,11 +170,9 @@ def get_layer_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                      agg: Annotated[str, Query(pattern="^(max|min|mean|last)$")] = "max") -> JSONResponse:
     """Layer × step matrix of one per-layer statistic, downsampled on both axes."""
     _check_run(session, scope, run_id)
-    try:
+    with _refusals_as_422("stat"):
         m = queries.get_layer_matrix(session, run_id=run_id, stat=stat, start=start, end=end, max_steps=max_steps,
                                      max_layers=max_layers, rank=rank, agg=agg)
-    except queries.RequestTooLarge as e:
-        raise HTTPException(422, str(e)) from None
     if m is None:
         raise HTTPException(404, f"run {run_id} not found")
     return JSONResponse({"run_id": m.run_id, "stat": m.stat, "rank": m.rank, "agg": m.agg,
