@@ -53,6 +53,7 @@ class StepBuilder:
         self.tokens = 0
         self.unscaled = False
         self.in_scaler_step = False
+        self.forward_at: Optional[float] = None   # the step's first training forward began (data_time)
 
     # ------------------------------------------------------------------ events of the loop
 
@@ -72,6 +73,7 @@ class StepBuilder:
         self.samples += samples
         self.tokens += tokens
         if first:
+            self.forward_at = self.clock()
             step, guards = self.step, self.guards
             for c in self._at_forward:
                 if c.due(step) and guards.on(c.name):
@@ -216,6 +218,8 @@ class StepBuilder:
         host["time"] = self.wall_clock()
         step_time = now - self.last_end if self.last_end is not None else None
         host["step_time"] = step_time
+        if self.forward_at is not None and self.last_end is not None:
+            host["data_time"] = self.forward_at - self.last_end
         samples = self.config.batch_size or self.samples
         tokens = self.config.tokens_per_step or self.tokens
         if step_time and step_time > 0:

@@ -22,8 +22,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gradwatch.server.db import json_dumps, json_loads
-from gradwatch.agent.signals import step_signal
+from gradwatch.agent.signals import EXTRA_BASE, is_step_signal, step_signal
 from gradwatch.server.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
+from gradwatch.server.numbers import extra_measured, unpack_extra
 from gradwatch.server.ranks import rank_hosts
 from gradwatch.server.rules.alerts import Episode
 from gradwatch.server.rules.batch import Batch, Context, keys_present
@@ -243,8 +244,11 @@ def _remember_events(ctx: Context, rows: dict, state_row) -> dict[str, Any]:
 def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: dict, state_row,
                 now: float) -> list[Alert]:
     """Hand a cross-rank rule this rank's and the other ranks' values of its keys at the batch's steps."""
-    # the step signals with a column of their own (agent/signals.py); F1 reads loss and grad_norm
-    keys = [k for k in cls.needs if k in STEP_COLUMNS]
+    # step signals: those with a column of their own (F1 reads loss and grad_norm), and later ones from the
+    # `steps.extra` blob by slot (F3 reads data_time)
+    keys = [k for k in cls.needs if is_step_signal(k)]
+    col_keys = [k for k in keys if k in STEP_COLUMNS]
+    extra_slots = {k: step_signal(k).id - EXTRA_BASE for k in keys if k not in STEP_COLUMNS}
     have = np.zeros(batch.n, dtype=bool)
     for k in keys:
         have |= batch.measured(k)
@@ -255,7 +259,7 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
     lo, hi = int(steps.min()), int(steps.max())
     position = {int(s): j for j, s in enumerate(steps.tolist())}
     others: dict[int, dict[str, np.ndarray]] = {}
-    columns = [getattr(Step, k) for k in keys]
+    columns = [getattr(Step, k) for k in col_keys] + ([Step.extra] if extra_slots else [])
     for r, s, nan_mask, *values in session.execute(
             select(Step.rank, Step.step, Step.nan_mask, *columns).where(
                 Step.run_id == run.id, Step.rank != rank, Step.rank >= 0, Step.step >= lo, Step.step <= hi)):
@@ -268,12 +272,19 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
             for k in keys:
                 cols[k] = np.full(len(steps), np.nan)
                 cols[k + ".measured"] = np.zeros(len(steps), dtype=bool)
-        for k, v in zip(keys, values):
+        for k, v in zip(col_keys, values):
             if v is None and (nan_mask or 0) & (1 << step_signal(k).id):
                 v = math.nan          # SQLite keeps NaN as NULL + a bit in nan_mask
             if v is not None:
                 cols[k][j] = v
                 cols[k + ".measured"][j] = True
+        if extra_slots:
+            extra = unpack_extra(values[-1])
+            measured = extra_measured(extra)
+            for k, slot in extra_slots.items():
+                if slot < len(extra) and measured[slot]:
+                    cols[k][j] = extra[slot]
+                    cols[k + ".measured"][j] = True
     if not others:
         return []
     mine: dict[str, Any] = {"rank": rank, "world_size": run.world_size or 1, "run_meta": batch.ctx.run_meta}

@@ -64,9 +64,9 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
     other's: one F3 on rank 1, naming this host. A healthy run of the same job: no F3.
 
     Under DDP the same sleep shows on every rank: the all-reduce makes the fast rank wait for the slow
-    one, so the ends of the steps, and the step times between them, are the same on both ranks. F3 on
-    ``step_time`` cannot tell the straggler there (asserted below, so that a change to that is seen):
-    that needs a per-rank signal of the time spent before the collective (docs/rules.md, F3)."""
+    one, so the ends of the steps, and the step times between them, are the same on both ranks (asserted
+    below). Each rank's ``data_time`` (previous step's end -> first forward) stays its own: F3 names rank
+    1 through it (docs/rules.md, F3), and a healthy DDP run of the same job raises none."""
     srv = server_factory(db_url)
     host = socket.gethostname()
     slow = f"slow-{uuid.uuid4().hex[:6]}"
@@ -88,7 +88,17 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
     t0, t1 = series(srv, rid, "step_time", 0), series(srv, rid, "step_time", 1)
     both = [s for s in t0 if s >= 5 and t0[s] is not None and t1.get(s) is not None]
     assert sum(t0[s] for s in both) / sum(t1[s] for s in both) > 0.8      # the fast rank waited as long
-    assert _alerts(srv, rid, "F3") == []
+    d0, d1 = series(srv, rid, "data_time", 0), series(srv, rid, "data_time", 1)
+    late = [s for s in both if d0.get(s) is not None and d1.get(s) is not None]
+    assert late and all(d1[s] >= 0.03 for s in late), [(s, d1[s]) for s in late]   # rank 1 sleeps before its forward
+    assert sum(d1[s] - d0[s] for s in late) / len(late) >= 0.025                    # rank 0 does not
+    (f3,) = _alerts(srv, rid, "F3")
+    assert f3["rank"] == 1 and f3["evidence"]["host"] == host and f3["evidence"]["excess_s"] >= 0.025, f3
+    assert "reaches its forward" in f3["message"] and f"Rank 1 on host {host}" in f3["message"]
+
+    ddp_healthy = f"ddp-healthy-{uuid.uuid4().hex[:6]}"
+    torchrun("ddp", tmp_path / "ddp-healthy", nproc=2, server=srv, run=ddp_healthy, extra=["--steps", "40"])
+    assert _alerts(srv, run_id(srv, ddp_healthy), "F3") == []
 
 
 def _batch(name: str, rank: int, steps: range, *, world: int = 2) -> dict:

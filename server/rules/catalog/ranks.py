@@ -80,22 +80,28 @@ class RankDivergence(CrossRankRule):
 class Straggler(CrossRankRule):
     id, name, severity = "F3", "straggler", "warning"
     fires_when = ("one rank's step time is > {factor:g}x the median of the other ranks' for {consecutive} "
-                  "consecutive steps (judged once every rank has sent the step)")
+                  "consecutive steps, or (DDP, FSDP: the collectives make every rank's step time the slowest "
+                  "one's) its time before the forward exceeds the others' median by more than {factor:g} - 1 of "
+                  "their step time, by at least {min_excess_s:g} s (judged once every rank has sent the step)")
     diagnosis = ("One rank is slower than the others and the whole job waits for it at every collective: a slow "
                  "node, thermal throttling, or that host's data loader.")
     actions = {"check_host": "Check that rank's host: GPU clocks and temperature (nvidia-smi -q -d "
                              "CLOCK,TEMPERATURE,PERFORMANCE), other processes on it, its data-loader workers and "
                              "disk / network I/O.",
                "replace_node": "If the host stays slow, drain it and resume from a checkpoint on another node."}
-    params = {"factor": Float(1.2), "consecutive": Int(20), "clear_steps": Int(20)}
-    needs = ("step_time",)
+    params = {"factor": Float(1.2), "consecutive": Int(20), "clear_steps": Int(20),
+              "min_excess_s": Float(0.005, zero_ok=True)}
+    needs = ("step_time", "data_time")
     one_alert_across_ranks = True
 
     def evaluate(self, steps, mine, others, state_of, cfg):
         """Each step is judged once, when its last rank arrives (``mine["world_size"]`` ranks sent it): the
         streak a rank's state keeps then does not depend on the order the ranks' batches come in. A rank is
-        slow at a step when its step time exceeds ``factor`` x the median of the other ranks'; it fires
-        after ``consecutive`` slow steps in a row, on that rank."""
+        slow at a step when its step time exceeds ``factor`` x the median of the other ranks', or when its
+        data time (previous step's end -> first forward, agent/signals.py) exceeds theirs by more than
+        ``factor - 1`` of their median step time and by ``min_excess_s``: under DDP the all-reduce makes the
+        fast ranks wait, so their step times equal the slow one's, but each rank's time before its forward
+        stays its own. It fires after ``consecutive`` slow steps in a row, on that rank."""
         ranks = sorted(list(others) + [mine["rank"]])
         vals = {r: (mine if r == mine["rank"] else others[r]) for r in ranks}
         T = np.column_stack([vals[r]["step_time"] for r in ranks])
@@ -107,14 +113,20 @@ class Straggler(CrossRankRule):
         if not len(rows):
             return out
         W = T[rows]
-        factor, need = cfg["factor"], cfg["consecutive"]
+        D = np.column_stack([np.where(vals[r]["data_time.measured"], vals[r]["data_time"], np.nan)
+                             for r in ranks])[rows]
+        factor, need, min_excess = cfg["factor"], cfg["consecutive"], cfg["min_excess_s"]
         # every rank sends its host once (agent meta); ingest keeps them per rank
         hosts = (mine.get("run_meta") or {}).get("rank_hosts") or {}
         for c, r in enumerate(ranks):
-            rest = np.delete(W, c, axis=1)
-            med = np.median(rest, axis=1)
+            med = np.median(np.delete(W, c, axis=1), axis=1)
             x = W[:, c]
-            slow = (med > 0) & (x > factor * med)
+            with np.errstate(invalid="ignore"):
+                d_med = np.median(np.delete(D, c, axis=1), axis=1)
+                excess = D[:, c] - d_med
+                by_step = (med > 0) & (x > factor * med)
+                by_data = (med > 0) & (excess > (factor - 1) * med) & (excess >= min_excess)
+            slow = by_step | by_data
             state = state_of(r)
             run = streaks(slow, int(state.get("streak", 0)))
             state["streak"] = int(run[-1])
@@ -126,11 +138,20 @@ class Straggler(CrossRankRule):
                 elif run[k] >= need:
                     xi, m = float(x[k]), float(med[k])
                     where = f" on host {host}" if host else ""
-                    out.append((r, step, Hit(
-                        {"rank": r, "host": host, "step_time": xi, "others_median": m, "ratio": xi / m,
-                         "steps": int(run[k])},
-                        f"Rank {r}{where} is a straggler: step time {fmt(xi)} s is {xi / m:.2f}x the other "
-                        f"ranks' median {fmt(m)} s for {int(run[k])} steps")))
+                    evidence = {"rank": r, "host": host, "step_time": xi, "others_median": m, "ratio": xi / m,
+                                "steps": int(run[k])}
+                    if by_data[k]:
+                        # the cause, where it shows: under DDP the step times are everyone's, the lateness is its own
+                        e, di = float(excess[k]), float(D[k, c])
+                        evidence.update({"data_time": di, "others_data_median": float(d_med[k]), "excess_s": e,
+                                         "ratio": (m + e) / m, "step_time_ratio": xi / m})
+                        text = (f"Rank {r}{where} is a straggler: it reaches its forward {fmt(e)} s after the other "
+                                f"ranks' median ({fmt(di)} s of data time), {(m + e) / m:.2f}x their step time of "
+                                f"{fmt(m)} s, for {int(run[k])} steps; the others wait for it at the collectives")
+                    else:
+                        text = (f"Rank {r}{where} is a straggler: step time {fmt(xi)} s is {xi / m:.2f}x the other "
+                                f"ranks' median {fmt(m)} s for {int(run[k])} steps")
+                    out.append((r, step, Hit(evidence, text)))
         out.sort(key=lambda v: v[1])
         return out
 
