@@ -135,13 +135,14 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
     StepSignal("mem_peak", 11, "float", "bytes", "CUDA peak allocated bytes since the previous step",
                column=True, panel="memory", label="peak allocated", scale=GIB),
     StepSignal("ema_divergence", 12, "float", "", "‖θ_ema − θ‖ / ‖θ‖ over all parameters (sampled)",
-               column=True, panel="ema_divergence", label="EMA divergence", compare="EMA divergence"),
+               column=True, panel="ema_divergence", label="EMA divergence", compare="EMA divergence",
+               combined=True),
     StepSignal("input_nonfinite", 13, "count", "values", "non-finite values in the batch fed to the model (sampled)",
                column=True, nonfinite="a count; any value above 0 raises A4"),
     # ---- signals declared after these have no column of their own: stored in `steps.extra` by id
     StepSignal("grad_zero_fraction", 14, "float", "", "share of gradient elements that are exactly zero after "
                "unscale, over all parameters (sampled; the fp16 underflow of the checklist's section 2.1)",
-               panel="grad_zero_fraction", label="zero grad elements"),
+               panel="grad_zero_fraction", label="zero grad elements", combined=True),
     StepSignal("grad_norm_local", 15, "float", "", "L2 norm of the gradient elements this rank holds, unscaled "
                "and before clipping (sharded parameters: FSDP / DTensor); the server combines the ranks' "
                "per-parameter norms into the global grad_norm of the combined row (rank -1)",
@@ -168,7 +169,7 @@ LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("update_ratio", "params", "", "per-parameter ‖Δθ‖ / ‖θ‖ of this step's update (sampled)",
               combined=True),
     LayerStat("grad_zero_fraction", "params", "", "per-parameter share of gradient elements exactly zero after "
-              "unscale (sampled)"),
+              "unscale (sampled)", combined=True),
     # sharded runs: what one rank measures of its pieces of each parameter; the server combines them
     # (one value per distinct piece, squared and summed) into grad_norm / weight_norm / update_ratio
     LayerStat("grad_norm_local", "params", "", "per-parameter grad norm over this rank's shard (sharded runs)"),
@@ -176,6 +177,16 @@ LAYER_STATS: tuple[LayerStat, ...] = (
               "runs, sampled)"),
     LayerStat("update_norm_local", "params", "", "per-parameter ‖Δθ‖ over this rank's shard (sharded runs, "
               "sampled)"),
+    # sharded runs, with the EMA: its divergence's numerator and denominator per parameter piece
+    LayerStat("ema_diff_local", "params", "", "per-parameter ‖θ_ema − θ‖ over this rank's shard (sharded runs, "
+              "sampled with the EMA divergence)"),
+    LayerStat("ema_ref_local", "params", "", "per-parameter ‖θ‖ over this rank's shard, the EMA divergence's "
+              "denominator (sharded runs, sampled with it)"),
+    # sharded runs: the gradient elements exactly zero, counted, and the elements of each piece
+    LayerStat("grad_zero_count_local", "params", "elements", "per-parameter count of gradient elements exactly "
+              "zero after unscale in this rank's shard (sharded runs, sampled)"),
+    LayerStat("numel_local", "params", "elements", "per-parameter element count of this rank's shard (sharded "
+              "runs, sampled with grad_zero_count_local)"),
     LayerStat("act_mean", "modules", "", "mean of each module's output (sampled)"),
     LayerStat("act_std", "modules", "", "standard deviation of each module's output (sampled)",
               heatmap="Per-module activation std (log10)"),

@@ -18,7 +18,12 @@ ingest transaction of the batch that brings a step's last rank:
   ``clip_grad_norm_`` computes it (parameters with no grad on any rank are
   left out, as clipping leaves them out);
 * update ratio = ‖Δθ‖ / ‖θ‖ of the full parameter, from the combined numerator
-  and denominator (ratios of pieces do not combine).
+  and denominator (ratios of pieces do not combine);
+* EMA divergence ‖θ_ema − θ‖ / ‖θ‖ over the parameters the EMA holds, the same
+  way (``ema_diff_local`` / ``ema_ref_local``);
+* the share of gradient elements exactly zero, per parameter and over the
+  model, from each distinct piece's zero count and element count
+  (``grad_zero_count_local`` / ``numel_local``; counts are added, not squared).
 
 The result is written as the run's **combined row**, rank ``COMBINED_RANK``
 (-1), through the same write path as any rank's steps (steps, layer stats,
@@ -53,7 +58,8 @@ def rank_hosts(run_config: Optional[dict]) -> dict[str, Any]:
     """Each rank's host (by rank as a string), from where ingest keeps every rank's own meta."""
     return {r: meta.get("host") for r, meta in ((run_config or {}).get("_ranks") or {}).items()}
 # what the ranks send -> what the combined row holds (update norms become update_ratio)
-_LOCAL_STATS = ("grad_norm_local", "weight_norm_local", "update_norm_local")
+_LOCAL_STATS = ("grad_norm_local", "weight_norm_local", "update_norm_local", "ema_diff_local", "ema_ref_local",
+                "grad_zero_count_local", "numel_local")
 _NOTHING_MEASURED = dict.fromkeys(STEP_SIGNAL_NAMES)   # a combined row's signals, before it fills some
 
 
@@ -110,7 +116,14 @@ class _Plan:
             self.known[j] = len(seen) == c.pop() and all(0 <= i for i in seen)
 
     def full_squares(self, blobs: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """(sum of squares of each full parameter, measured) from one statistic of every rank."""
+        """(sum of squares of each full parameter, measured) from one statistic (a norm) of every rank."""
+        return self._full(blobs, square=True)
+
+    def full_sums(self, blobs: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(sum over each full parameter's pieces, measured) from one statistic (a count) of every rank."""
+        return self._full(blobs, square=False)
+
+    def _full(self, blobs: dict[int, bytes], square: bool) -> tuple[np.ndarray, np.ndarray]:
         W, n = self.world_size, self.n
         vals = np.zeros((W, n))
         missing = np.ones((W, n), dtype=bool)
@@ -120,7 +133,7 @@ class _Plan:
             vals[r, :k] = arr.astype(np.float64)
             missing[r, :k] = null_mask(arr)
         vals[missing] = 0.0
-        sq = np.where(self.pick, vals * vals, 0.0).sum(axis=0)
+        sq = np.where(self.pick, vals * vals if square else vals, 0.0).sum(axis=0)
         measured = self.known & ~(self.pick & missing).any(axis=0)
         return sq, measured
 
@@ -200,5 +213,22 @@ def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
                 with np.errstate(divide="ignore", invalid="ignore"):
                     ratio = np.where(wsq > 0, np.sqrt(usq) / np.sqrt(wsq), np.where(usq == 0, 0.0, np.inf))
                 layers["update_ratio"] = _f32(ratio, wok & uok)
+        if by_stat.get("ema_diff_local") and by_stat.get("ema_ref_local"):
+            # ‖θ_ema − θ‖ / ‖θ‖ over the full parameters the EMA holds (each piece once, as the norms above)
+            dsq, dok = plan.full_squares(by_stat["ema_diff_local"])
+            rsq, rok = plan.full_squares(by_stat["ema_ref_local"])
+            ok = dok & rok
+            if ok.any():
+                den = math.sqrt(float(rsq[ok].sum()))
+                num = math.sqrt(float(dsq[ok].sum()))
+                fields["ema_divergence"] = num / den if den > 0 else math.nan
+        if by_stat.get("grad_zero_count_local") and by_stat.get("numel_local"):
+            zeros, zok = plan.full_sums(by_stat["grad_zero_count_local"])
+            numel, nok = plan.full_sums(by_stat["numel_local"])
+            ok = zok & nok & (numel > 0)
+            if ok.any():
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    layers["grad_zero_fraction"] = _f32(zeros / numel, ok)
+                fields["grad_zero_fraction"] = float(zeros[ok].sum() / numel[ok].sum())
         out.append(StepIn.model_construct(**fields))
     return out

@@ -42,8 +42,11 @@ def check_ema(ema: Any) -> None:
 
 
 def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor],
-                   matcher: Optional["EmaMatcher"] = None):
+                   matcher: Optional["EmaMatcher"] = None, per_param: bool = False):
     """(||θ_ema − θ||, ||θ||) as two 0-d device tensors over the matched parameters, or None.
+    ``per_param`` (sharded runs): also the per-tensor norms of this rank's pieces and the indices of the
+    matched parameters, ``(num, den, diff_norms, weight_norms, index)``, for the server to combine the
+    ranks' pieces into the full parameters' divergence (server/ranks.py).
 
     ``matcher`` (one per monitor) remembers which EMA tensor goes with which parameter, so
     that a sampled step whose EMA holds the same tensor objects as last time skips the
@@ -57,10 +60,13 @@ def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor
     if matched is None:
         return None
     try:
-        return _divergence(*matched)
+        out = _divergence(*matched)
     except RuntimeError:   # a remembered tensor changed shape, device or dtype in place: match afresh
         matched = matcher.match(source, fresh=True)
-        return None if matched is None else _divergence(*matched)
+        if matched is None:
+            return None
+        out = _divergence(*matched)
+    return out + (matcher.index,) if per_param else out[:2]
 
 
 def _divergence(shadows: list, live: list, cast: bool):
@@ -69,9 +75,9 @@ def _divergence(shadows: list, live: list, cast: bool):
     if cast:
         shadows = [s.to(q.dtype) for s, q in zip(shadows, live)]
     diffs = torch._foreach_sub(shadows, live)
-    num = torch.linalg.vector_norm(tensor_norms(diffs))
-    den = torch.linalg.vector_norm(tensor_norms(live))
-    return num, den
+    diff_norms, weight_norms = tensor_norms(diffs), tensor_norms(live)
+    return (torch.linalg.vector_norm(diff_norms), torch.linalg.vector_norm(weight_norms), diff_norms,
+            weight_norms)
 
 
 class EmaMatcher:
@@ -82,6 +88,7 @@ class EmaMatcher:
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor]):
         self.names, self.params = names, params
         self._keys: Optional[list] = None   # the source key of each matched parameter
+        self.index: list[int] = []          # the position in ``params`` of each matched parameter
         self._ids: list[int] = []
         self._source_id = 0
         self._live: list = []
@@ -96,18 +103,20 @@ class EmaMatcher:
                 shadows = None
             if shadows is not None and list(map(id, shadows)) == self._ids:
                 return shadows, self._live, self._cast
-        shadows, live, keys = [], [], []
-        for name, p in zip(self.names, self.params):
+        shadows, live, keys, index = [], [], [], []
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
             key = _key(source, name)
             t = source.get(key) if key is not None else None
             if isinstance(t, torch.Tensor) and t.shape == p.shape and t.device == p.device:
                 shadows.append(t)      # the caller holds torch.no_grad(): no detach() per tensor needed
                 live.append(p)
                 keys.append(key)
+                index.append(i)
         if not live:
             self._keys = None
             return None
         self._keys, self._ids, self._source_id, self._live = keys, [id(t) for t in shadows], id(source), live
+        self.index = index
         self._cast = any(s.dtype != q.dtype for s, q in zip(shadows, live))
         return shadows, live, self._cast
 

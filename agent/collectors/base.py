@@ -136,5 +136,20 @@ class Collector:
         """Remove whatever the collector installed (at ``close()``)."""
 
 
+# the wire's "not measured" float32 (docs/wire-format.md), for a parameter a per-parameter array has no value of
+NULL_F32_BITS = 0x7FC0DEAD
+
+
+def by_param(values: torch.Tensor, index: list, n: int) -> torch.Tensor:
+    """``values`` of the parameters at ``index`` as one float32 array over all ``n`` parameters, the rest
+    "not measured" (on the values' device: no sync)."""
+    values = values.to(torch.float32)
+    if len(index) == n:
+        return values
+    full = torch.full((n,), NULL_F32_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
+    full[torch.tensor(index, device=values.device)] = values
+    return full
+
+
 def overrides(collector: Collector, hook: str) -> bool:
     return getattr(type(collector), hook) is not getattr(Collector, hook)

@@ -15,7 +15,7 @@ import torch
 
 from gradwatch.agent.capture.ema import EmaMatcher, ema_divergence
 from gradwatch.agent.capture.ema_worker import BARRIER_TIMEOUT, EmaWorker
-from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.collectors.base import Collector, by_param
 
 
 class _NoStream:
@@ -59,10 +59,17 @@ class EmaDivergence(Collector):
 
     def _add(self, rec) -> None:
         w = self.watched
-        pair = ema_divergence(w.ema, w.param_names, w.params, self.matcher)
-        if pair is not None:
-            rec.add("ema_diff", pair[0])
-            rec.add("ema_ref", pair[1])
+        got = ema_divergence(w.ema, w.param_names, w.params, self.matcher, per_param=w.local)
+        if got is None:
+            return
+        rec.add("ema_diff", got[0])
+        rec.add("ema_ref", got[1])
+        if w.local:
+            # sharded: this rank's pieces per parameter, for the server to combine into the full
+            # parameters' divergence (server/ranks.py); parameters the EMA does not hold: "not measured"
+            diff_norms, weight_norms, index = got[2:]
+            rec.add("layers.ema_diff_local", by_param(diff_norms, index, len(w.params)))
+            rec.add("layers.ema_ref_local", by_param(weight_norms, index, len(w.params)))
 
     def _offload(self) -> bool:
         """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights

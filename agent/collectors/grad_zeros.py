@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gradwatch.agent.collectors.base import Collector
-
-# the wire's "not measured" float32 (docs/wire-format.md) for a parameter that has no grad this step
-_NULL_BITS = 0x7FC0DEAD
+from gradwatch.agent.collectors.base import Collector, by_param
 
 
 class GradZeroFraction(Collector):
@@ -50,11 +47,15 @@ class GradZeroFraction(Collector):
             counts, have = zeros
             params = self.watched.weights()   # sharded: the local elements this rank counted
             sizes = [max(p.numel(), 1) for p, h in zip(params, have) if h]   # an empty shard counts 0 of 1
-            frac = counts.to(torch.float32) / torch.tensor(sizes, dtype=torch.float32, device=counts.device)
+            size_t = torch.tensor(sizes, dtype=torch.float32, device=counts.device)
+            frac = counts.to(torch.float32) / size_t
             rec.add("grad_zero_fraction", counts.sum().to(torch.float32) / float(sum(sizes)))
-            if not all(have):
-                full = torch.full((len(params),), _NULL_BITS, dtype=torch.int32, device=counts.device)
-                full = full.view(torch.float32)
-                full[torch.tensor([i for i, h in enumerate(have) if h], device=counts.device)] = frac
-                frac = full
-            rec.add("layers.grad_zero_fraction", frac)
+            index = [i for i, h in enumerate(have) if h]
+            rec.add("layers.grad_zero_fraction", by_param(frac, index, len(params)))
+            if self.watched.local:
+                # sharded: this rank's zero counts and element counts per parameter, which the server adds
+                # up over the distinct pieces into the full parameters' share (server/ranks.py). An empty
+                # piece counts 0 of 0 there (``sizes`` above counts it as 1 only to divide by it here).
+                numel = torch.tensor([float(p.numel()) for p, h in zip(params, have) if h], device=counts.device)
+                rec.add("layers.grad_zero_count_local", by_param(counts.to(torch.float32), index, len(params)))
+                rec.add("layers.numel_local", by_param(numel, index, len(params)))

@@ -109,6 +109,16 @@ def compare(server, name: str, records: list[dict]) -> dict[str, float]:
                 assert len(per[stat][s]) == len(st[key])
                 for stored, ref in zip(per[stat][s], st[key]):
                     note(f"layers.{stat}", stored, ref)
+        # the EMA divergence and the share of zero grad elements of the full parameters (sharded: combined
+        # from every rank's pieces), against the same computed on the full tensors
+        ema, zeros = series(server, rid, "ema_divergence", r), series(server, rid, "grad_zero_fraction", r)
+        for st in records[max(r, 0)]["steps"]:
+            note("ema_divergence", ema.get(st["step"]), st["ema_div"])
+            if st["grad_zero"] is not None:
+                stored = zeros.get(st["step"])
+                assert stored is not None, f"grad_zero_fraction: nothing stored at step {st['step']}"
+                worst["grad_zero_fraction"] = max(worst.get("grad_zero_fraction", 0.0),
+                                                  abs(float(stored) - st["grad_zero"]))
     for key, value in worst.items():
         assert value <= REL, f"{mode}: {key} differs by {value:.3g} (rel) from PyTorch's"
     return worst

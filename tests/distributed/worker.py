@@ -154,6 +154,9 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # an EMA of the weights in their own layout (DTensor shards under FSDP2 / TP, flat shards under FSDP1):
+    # the agent measures each rank's pieces, the server combines them into the full divergence
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
     monitor = None
     sender_counter = CollectiveCounter() if args.count else None
     if not args.no_agent:
@@ -167,9 +170,9 @@ def main() -> None:
                     run_sender(self)
             Sender._run = counted_run
         # without --server nothing is sent anywhere (offline: the spool under OUT_DIR only)
-        monitor = agent.attach(model, scaler, optimizer=opt, run=args.run_name, server=args.server,
+        monitor = agent.attach(model, scaler, optimizer=opt, ema=ema, run=args.run_name, server=args.server,
                                mode="online" if args.server else "offline",
-                               weights_every=1, activations_every=1, flush_interval=0.1,
+                               weights_every=1, activations_every=1, ema_every=1, flush_interval=0.1,
                                # the reference numbers below take collectives of their own between steps;
                                # on a loaded machine they must not look like a stall (docs/agent.md)
                                seal_grace=5.0,
@@ -225,6 +228,10 @@ def main() -> None:
         grad_norms = [full_norm(p.grad if p.grad is not None else p.detach()[:0], fsdp1)
                       if p.grad is not None or fsdp1 else None for p in params]
         before = [full(p.detach()).clone() for p in params]
+        grad_zero = None
+        if not fsdp1:   # FSDP1's flat shards carry padding (zero grads) that is not the model's
+            fulls = [full(p.grad) for p in params if p.grad is not None]
+            grad_zero = sum(int((g == 0).sum()) for g in fulls) / sum(g.numel() for g in fulls)
         if fsdp1:   # FSDP1 clips with its own method (torch's function would see the local shards only)
             total = model.clip_grad_norm_(args.max_norm)
         else:
@@ -236,12 +243,17 @@ def main() -> None:
             opt.step()
         if monitor is not None:
             monitor.log(loss=loss)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                ema[n].lerp_(p.detach(), 0.1)
+            ema_num = sum(full_norm(ema[n] - p.detach(), fsdp1) ** 2 for n, p in model.named_parameters())
+            ema_den = sum(full_norm(p.detach(), fsdp1) ** 2 for n, p in model.named_parameters())
         after = [full(p.detach()) for p in params]
         rec = {"step": step, "loss": float(loss.detach()), "clip_total": float(full(total)),
                "grad_norms": grad_norms,
                "weight_norms": [full_norm(a, fsdp1) for a in after],
                "update_ratios": [full_norm(a - b, fsdp1) / full_norm(a, fsdp1) for a, b in zip(after, before)],
-               "acts": dict(acts)}
+               "acts": dict(acts), "ema_div": (ema_num ** 0.5) / (ema_den ** 0.5), "grad_zero": grad_zero}
         records.append(rec)
     if counter is not None:
         counter.__exit__(None, None, None)
