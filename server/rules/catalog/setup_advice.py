@@ -34,6 +34,7 @@ class SetupRule(BatchRule):
 
     severity = "info"
     params = _LIFECYCLE
+    # ``needs``: the step signal whose panel shows what the note is about (the note itself reads the event)
 
     def applies(self, ctx) -> bool:
         return bool(ctx.events.get(KIND))
@@ -72,6 +73,7 @@ class Fp16WhereBf16(SetupRule):
     actions = {"use_bf16": "Train under `torch.autocast('cuda', dtype=torch.bfloat16)` and drop the GradScaler "
                            "(or `GradScaler(enabled=False)`); checklist 10: A100 → BF16, H100 → BF16 (+ FP8), 9.2's "
                            "Transformer config uses bf16 when the hardware supports it."}
+    needs = ("loss_scale",)
 
     def judge(self, step, setup, cfg):
         hw = _part(setup, "hardware")
@@ -103,6 +105,7 @@ class TransformerUnclipped(SetupRule):
     actions = {"clip": "After `scaler.unscale_(optimizer)` and before `scaler.step(optimizer)`, call "
                        "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)` (checklist 9.2; HF "
                        "Trainer: `max_grad_norm=1.0`; Lightning: `gradient_clip_val=1.0`)."}
+    needs = ("grad_norm",)
 
     def judge(self, step, setup, cfg):
         model, clip = _part(setup, "model"), _part(setup, "clip")
@@ -134,6 +137,7 @@ class EmaDecayOffRange(SetupRule):
     actions = {"decay": "Set the decay in the checklist's range for the model: `EMA(model, decay=0.9999)` for a large "
                         "Transformer (9.2), 0.999 (≈ 1000 steps) for a small model or a short run (4.1, 8)."}
     params = {**_LIFECYCLE, "large_params": Int(100_000_000), "slack": Float(10.0)}
+    needs = ("ema_divergence",)
 
     def judge(self, step, setup, cfg):
         ema, model = _part(setup, "ema"), _part(setup, "model") or {}
@@ -163,6 +167,7 @@ class CosineFloorTooLow(SetupRule):
                         "10)`; HF: `get_cosine_with_min_lr_schedule_with_warmup(..., min_lr_rate=0.1)`; OneCycleLR: "
                         "`final_div_factor` so that max_lr / (div_factor * final_div_factor) >= max_lr / 10."}
     params = {**_LIFECYCLE, "ratio": Float(10.0)}
+    needs = ("lr",)
 
     def judge(self, step, setup, cfg):
         s = _part(setup, "scheduler")
@@ -197,6 +202,7 @@ class ClipBeforeUnscale(SetupRule):
     actions = {"unscale_first": "Order the step as checklist 6.1 does: `scaler.scale(loss).backward()`, "
                                 "`scaler.unscale_(optimizer)`, `clip_grad_norm_(model.parameters(), max_norm)`, "
                                 "`scaler.step(optimizer)`, `scaler.update()`."}
+    needs = ("clip_max_norm",)
 
     def judge(self, step, setup, cfg):
         clip = _part(setup, "clip")
