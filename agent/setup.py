@@ -15,7 +15,8 @@ turn it into notes on the run page (docs/early-warning-advice.md). What is read:
   (``LlamaAttention``, ``BertSelfAttention``, nanoGPT's ``CausalSelfAttention``), or a child named
   ``attn`` / ``self_attn`` / ``attention`` / ``self_attention``;
 * ``clip``: the ``clip_grad_norm_`` calls on the model's parameters during the first step, their
-  ``max_norm`` and the GradScaler stage at the call (``scaler._per_optimizer_states[id(opt)]["stage"]``:
+  ``max_norm`` and the GradScaler stage at the call (a call with ``max_norm=inf``, which only computes
+  the norm — the HF Trainer's logged ``grad_norm`` without ``max_grad_norm`` — is counted apart, as no clip) (``scaler._per_optimizer_states[id(opt)]["stage"]``:
   ``ready`` = the grads are still scaled, ``unscaled`` = after ``scaler.unscale_``, ``stepped`` = after
   ``scaler.step``). Seen through the agent's ``clip_grad_norm_`` patch (``agent/capture/clip.py``), as
   an observer that never clips and unregisters after the first step;
@@ -202,6 +203,7 @@ class SetupWatch:
         }
         self.autocast: Optional[dict] = None
         self.clips: list[dict] = []
+        self.norm_only = 0
         self._handle: Any = None
         self._registered = False
 
@@ -239,8 +241,11 @@ class SetupWatch:
         try:
             w = self.watched
             if parameters and id(parameters[0]) in w.param_ids and len(self.clips) < 8:
-                self.clips.append({"max_norm": None if isinstance(max_norm, torch.Tensor) else float(max_norm),
-                                   "stage": _stage(w.scaler, w.optimizer)})
+                value = None if isinstance(max_norm, torch.Tensor) else float(max_norm)
+                if value is not None and not math.isfinite(value):
+                    self.norm_only += 1   # max_norm=inf: the norm computed for a log (HF's grad_norm), no clip
+                    return False, None
+                self.clips.append({"max_norm": value, "stage": _stage(w.scaler, w.optimizer)})
         except Exception:  # noqa: BLE001 - never hurt the host: the call goes on to be clipped as usual
             pass
         return False, None
@@ -249,10 +254,11 @@ class SetupWatch:
         """The event, with the first step's number. ``module_clip``: the ``max_norm`` the grad-norm
         collector saw the model's own ``clip_grad_norm_`` (FSDP1) called with, which the patch does not see."""
         self.remove()
-        if not self.clips and module_clip is not None:
+        if not self.clips and module_clip is not None and math.isfinite(module_clip):
             self.clips.append({"max_norm": float(module_clip), "stage": _stage(self.watched.scaler,
                                                                              self.watched.optimizer)})
         data = {**self.data, "autocast": self.autocast,
                 "clip": {"calls": len(self.clips), "max_norm": self.clips[0]["max_norm"] if self.clips else None,
-                         "stages": sorted({c["stage"] for c in self.clips if c["stage"]})}}
+                         "stages": sorted({c["stage"] for c in self.clips if c["stage"]}),
+                         **({"norm_only_calls": self.norm_only} if self.norm_only else {})}}
         return {"step": int(step), "kind": KIND, "data": {k: v for k, v in data.items() if v is not None}}

@@ -55,6 +55,8 @@ def test_hf_trainer(server, tmp_path, schedule, max_grad_norm, expected):
     assert data["model"]["transformer"] is True and any("GPT2Attention" in m for m in data["model"]["attention"])
     assert data["scheduler"]["class"] == "LambdaLR" and data["scheduler"]["cosine"] is (schedule != "linear")
     assert data["clip"]["calls"] == (1 if max_grad_norm else 0)
+    # without max_grad_norm the Trainer still computes the norm it logs: clip_grad_norm_(max_norm=inf), no clip
+    assert data["clip"].get("norm_only_calls", 0) == (0 if max_grad_norm else 1)
     found = notes(server, "advice-hf", run)
     assert set(found) == expected, found
     assert all(a["severity"] == "info" for a in found.values())
