@@ -6,7 +6,8 @@ event with the first step's number; the server's rules H5-H9 (``server/rules/cat
 turn it into notes on the run page (docs/early-warning-advice.md). What is read:
 
 * ``hardware`` (a CUDA model only): the device's name, compute capability and whether it has native
-  bf16 (``torch.cuda.is_bf16_supported(including_emulation=False)``) — host queries, once;
+  bf16 (``torch.cuda.is_bf16_supported(including_emulation=False)``'s test, for the model's device) —
+  host queries, once;
 * ``autocast``: whether the first training forward ran under autocast, and its dtype
   (``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` of the model's device type, read in a
   forward pre-hook that removes itself after that forward); ``scaler_enabled``: a GradScaler is on;
@@ -71,10 +72,9 @@ def hardware_part(params: list) -> Optional[dict]:
     if p is None or p.device.type != "cuda":
         return None
     index = p.device.index if p.device.index is not None else torch.cuda.current_device()
-    try:
-        native = bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:   # a torch without the argument counts native support only
-        native = bool(torch.cuda.is_bf16_supported())
+    # torch.cuda.is_bf16_supported(including_emulation=False)'s test, for the model's device rather than
+    # the current one: ROCm, or compute capability 8.0 and up (a V100 only emulates bf16)
+    native = bool(torch.version.hip) or torch.cuda.get_device_properties(index).major >= 8
     return {"name": torch.cuda.get_device_name(index), "capability": list(torch.cuda.get_device_capability(index)),
             "bf16_native": native}
 

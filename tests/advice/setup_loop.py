@@ -22,11 +22,12 @@ def mlp() -> torch.nn.Module:
 def train(server: str, run: str, *, transformer: bool = False, amp: Optional[torch.dtype] = None,
           clip: Optional[float] = 1.0, order: str = "unscale_clip_step", ema: Any = None,
           scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None, steps: int = 3,
-          project: str = PROJECT) -> dict:
+          project: str = PROJECT, with_optimizer: bool = True) -> dict:
     """Train ``steps`` steps of the checklist's 9.1 loop under ``project`` / ``run``.
 
     ``order``: ``"unscale_clip_step"`` (checklist 6.1), ``"clip_without_unscale"`` or ``"clip_after_step"``.
-    ``ema``: None, a decay (the checklist's EMA class) or a callable model -> EMA object."""
+    ``ema``: None, a decay (the checklist's EMA class) or a callable model -> EMA object.
+    ``with_optimizer=False``: ``attach(model, scaler)``, the agent learns the optimizer at ``scaler.step``."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     model = TinyLM(vocab=32, d=16, layers=1, heads=2, seq=8) if transformer else mlp()
@@ -34,7 +35,7 @@ def train(server: str, run: str, *, transformer: bool = False, amp: Optional[tor
     sched = scheduler(opt) if scheduler is not None else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     shadow = EMA(model, ema) if isinstance(ema, float) else ema(model) if callable(ema) else None
-    monitor = agent.attach(model, scaler, optimizer=opt, ema=shadow, scheduler=sched, project=project, run=run,
+    monitor = agent.attach(model, scaler, optimizer=opt if with_optimizer else None, ema=shadow, scheduler=sched, project=project, run=run,
                            server=server, flush_interval=0.1)
     try:
         for _ in range(steps):

@@ -59,7 +59,9 @@ def only(found: dict, rule: str, severity: str = "info") -> dict:
 # --------------------------------------------------------------------------- H5: fp16 where bf16 is native
 
 A100 = {"name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "bf16_native": True}
+H100 = {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "bf16_native": True}
 V100 = {"name": "Tesla V100-SXM2-32GB", "capability": [7, 0], "bf16_native": False}
+RTX4090 = {"name": "NVIDIA GeForce RTX 4090", "capability": [8, 9], "bf16_native": True}   # checklist 10: FP16
 
 
 def ingest_setup(server, run: str, data: dict) -> None:
@@ -79,14 +81,18 @@ def cuda_setup(hardware: dict, dtype: str, scaler: bool) -> dict:
             "clip": {"calls": 1, "max_norm": 1.0, "stages": ["unscaled"] if scaler else []}}
 
 
-def test_h5_fp16_with_scaler_on_native_bf16_hardware(server):
-    ingest_setup(server, "h5-a100-fp16", cuda_setup(A100, "float16", scaler=True))
-    a = only(wait_until(lambda: notes(server, "h5-a100-fp16"), what="H5"), "H5")
-    assert "A100" in a["message"] and "checklist 10" in a["message"] and "bf16" in a["message"], a["message"]
+@pytest.mark.parametrize("hardware,sm", [(A100, "sm 8.0"), (H100, "sm 9.0")], ids=["a100", "h100"])
+def test_h5_fp16_with_scaler_on_native_bf16_hardware(server, hardware, sm):
+    run = f"h5-{sm}-fp16"
+    ingest_setup(server, run, cuda_setup(hardware, "float16", scaler=True))
+    a = only(wait_until(lambda: notes(server, run), what="H5"), "H5")
+    assert hardware["name"] in a["message"] and sm in a["message"], a["message"]
+    assert "checklist 10 recommends bf16" in a["message"] and "fp16 autocast and a GradScaler" in a["message"]
 
 
-@pytest.mark.parametrize("hardware,dtype,scaler", [(A100, "bfloat16", False), (V100, "float16", True)],
-                         ids=["a100-bf16", "v100-fp16"])
+@pytest.mark.parametrize("hardware,dtype,scaler", [(A100, "bfloat16", False), (V100, "float16", True),
+                                                   (RTX4090, "float16", True)],
+                         ids=["a100-bf16", "v100-fp16", "rtx4090-fp16"])
 def test_h5_quiet_on_bf16_or_without_native_bf16(server, hardware, dtype, scaler):
     run = f"h5-{hardware['name'][:10].replace(' ', '')}-{dtype}"
     ingest_setup(server, run, cuda_setup(hardware, dtype, scaler))
@@ -189,13 +195,18 @@ def test_h8_quiet_at_a_floor_of_base_over_10(server, make):
 
 @pytest.mark.parametrize("order,words", [("clip_without_unscale", "clips the scaled gradients"),
                                          ("clip_after_step", "after scaler.step()")])
-def test_h9_clip_order_is_a_warning(server, order, words):
-    run = f"h9-{order}"
-    train(server.url, run, order=order)
+@pytest.mark.parametrize("given", [True, False], ids=["optimizer-given", "optimizer-from-scaler-step"])
+def test_h9_clip_order_is_a_warning(server, order, words, given):
+    """With ``attach(model, scaler)`` the optimizer is unknown at the first clip: any optimizer's stage counts."""
+    run = f"h9-{order}-{given}"
+    train(server.url, run, order=order, with_optimizer=given)
     a = only(notes(server, run), "H9", severity="warning")
     assert words in a["message"] and "checklist 6.1" in a["message"], a["message"]
 
 
-def test_h9_quiet_when_unscale_comes_first(server):
-    train(server.url, "h9-unscale-first", order="unscale_clip_step")
-    assert notes(server, "h9-unscale-first") == {}
+@pytest.mark.parametrize("given", [True, False], ids=["optimizer-given", "optimizer-from-scaler-step"])
+def test_h9_quiet_when_unscale_comes_first(server, given):
+    run = f"h9-unscale-first-{given}"
+    train(server.url, run, order="unscale_clip_step", with_optimizer=given)
+    assert notes(server, run) == {}
+    assert setup_event(server, run)["data"]["clip"]["stages"] == ["unscaled"]

@@ -15,6 +15,7 @@ The H family is "early warning": H1-H4 are step-signal rules (early_adam.py, ear
 from __future__ import annotations
 
 import math
+import re
 from typing import Iterator, Optional
 
 from gradwatch.server.rules.batch import Batch
@@ -62,11 +63,17 @@ def _part(setup: dict, key: str) -> Optional[dict]:
     return value if isinstance(value, dict) else None
 
 
+# checklist 10's row "RTX 3090 / 4090: FP16 (no native BF16 support, emulated: not recommended)": torch counts
+# these consumer cards (sm 8.6 / 8.9) as bf16-capable, the checklist keeps them on fp16, so H5 leaves them be
+_CHECKLIST_FP16 = re.compile(r"GeForce", re.IGNORECASE)
+
+
 @register
 class Fp16WhereBf16(SetupRule):
     id, name, checklist = "H5", "fp16_on_bf16_hardware", "10 / 9.2"
     fires_when = ("the run trains with fp16 autocast (or an enabled GradScaler) on a CUDA device with native "
-                  "bf16 (A100 / H100 class: torch.cuda.is_bf16_supported())")
+                  "bf16 (A100 / H100 class: torch.cuda.is_bf16_supported(including_emulation=False)), other than "
+                  "the GeForce RTX cards checklist 10 keeps on fp16")
     diagnosis = ("fp16 with loss scaling on hardware that has native bf16: the checklist (section 10) recommends bf16 "
                  "there. bf16 has fp32's exponent range, so it neither overflows nor underflows where fp16 does, "
                  "and needs no GradScaler (no skipped steps, no scale to tune).")
@@ -77,7 +84,7 @@ class Fp16WhereBf16(SetupRule):
 
     def judge(self, step, setup, cfg):
         hw = _part(setup, "hardware")
-        if hw is None or not hw.get("bf16_native"):
+        if hw is None or not hw.get("bf16_native") or _CHECKLIST_FP16.search(str(hw.get("name") or "")):
             return None
         ac = _part(setup, "autocast") or {}
         fp16 = ac.get("dtype") == "float16" if ac.get("enabled") else False
