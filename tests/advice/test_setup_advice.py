@@ -83,7 +83,7 @@ def cuda_setup(hardware: dict, dtype: str, scaler: bool) -> dict:
 
 @pytest.mark.parametrize("hardware,sm", [(A100, "sm 8.0"), (H100, "sm 9.0")], ids=["a100", "h100"])
 def test_h5_fp16_with_scaler_on_native_bf16_hardware(server, hardware, sm):
-    run = f"h5-{sm}-fp16"
+    run = f"h5-{sm.replace(' ', '')}-fp16"
     ingest_setup(server, run, cuda_setup(hardware, "float16", scaler=True))
     a = only(wait_until(lambda: notes(server, run), what="H5"), "H5")
     assert hardware["name"] in a["message"] and sm in a["message"], a["message"]
