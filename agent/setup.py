@@ -185,6 +185,14 @@ def _stage(scaler: Any, optimizer: Any) -> Optional[str]:
     return "ready"   # no entry: unscale_ was not called since the last update()
 
 
+def _safely(read, *args):
+    """A part that cannot be read (an odd scheduler or EMA class) is left out; the others still go."""
+    try:
+        return read(*args)
+    except Exception:  # noqa: BLE001 - never hurt the host, and never lose the whole event to one part
+        return None
+
+
 class SetupWatch:
     """The facts of the ``run_setup`` event: read at attach, completed during the first step.
 
@@ -195,11 +203,11 @@ class SetupWatch:
         w = self.watched = watched
         self.data: dict[str, Any] = {
             "device": w.params[0].device.type if w.params else None,
-            "hardware": hardware_part(w.params),
+            "hardware": _safely(hardware_part, w.params),
             "scaler_enabled": bool(w.scaler is not None and getattr(w.scaler, "_enabled", False)),
             "model": transformer_part(w.model, w.params),
-            "ema": None if w.ema is None else {"class": type(w.ema).__name__, "decay": ema_decay(w.ema)},
-            "scheduler": scheduler_part(scheduler),
+            "ema": None if w.ema is None else {"class": type(w.ema).__name__, "decay": _safely(ema_decay, w.ema)},
+            "scheduler": _safely(scheduler_part, scheduler),
         }
         self.autocast: Optional[dict] = None
         self.clips: list[dict] = []
@@ -231,9 +239,12 @@ class SetupWatch:
             on, dtype = False, None
         self.autocast = {"enabled": bool(on), "dtype": str(dtype).replace("torch.", "") if dtype else None,
                          "device": device}
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        try:
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+        except Exception:  # noqa: BLE001 - never hurt the host: the hook stays, and returns at once
+            pass
         return None
 
     def on_clip(self, parameters, max_norm, norm_type, error_if_nonfinite, foreach, original):
