@@ -67,7 +67,8 @@ def __getattr__(name: str) -> Any:
 
 def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[str] = None,
            run: Optional[str] = None, server: Optional[str] = None, transport: Any = None,
-           step: Optional[int] = None, on_alert: Any = None, **config: Any) -> "Monitor":
+           step: Optional[int] = None, on_alert: Any = None, scheduler: Any = None,
+           **config: Any) -> "Monitor":
     """Start monitoring ``model`` (and ``scaler`` / ``optimizer`` / ``ema`` when given).
 
     Returns a :class:`Monitor`; ``monitor.close()`` (alias ``detach()``) flushes
@@ -85,6 +86,9 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     ``on_alert(alert)`` is called in the training thread, at a step boundary,
     for each of the run's alerts the server reports (new, or changed status or
     severity); ``monitor.alerts()`` lists them (docs/alerts-in-the-loop.md).
+
+    ``scheduler``: the LR scheduler, read once at attach for the configuration advice (rule H8:
+    a cosine schedule that ends below base_lr / 10; docs/early-warning-advice.md).
 
     >>> import torch
     >>> from gradwatch import agent
@@ -110,7 +114,7 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
             return previous
         previous.close()
     monitor = Monitor(model, scaler, optimizer=optimizer, ema=ema, config=cfg, transport=transport, step=step,
-                      on_alert=on_alert)
+                      on_alert=on_alert, scheduler=scheduler)
     remember(model, monitor)
     _install_exit_handlers()
     return monitor

@@ -88,6 +88,9 @@ class AgentConfig:
     skip_spikes: bool = False            # skip an update whose grad norm is > skip_sigma σ above the mean of
     skip_sigma: float = 6.0              # the last skip_window accepted steps (and, without a GradScaler,
     skip_window: int = 128               # a non-finite one): on the device, no sync
+    # configuration advice at step 0 (docs/early-warning-advice.md)
+    setup_advice: bool = True            # send the run's setup once (precision, clipping and its order, EMA
+                                         # decay, cosine floor) for the server's notes H5-H9; no per-step cost
 
     def __post_init__(self) -> None:
         problems = []

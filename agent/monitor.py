@@ -43,6 +43,7 @@ from gradwatch.agent.registry import close_all, forget
 from gradwatch.agent.resume import ResumeState
 from gradwatch.agent.sealer import Sealer
 from gradwatch.agent.sender import OnceLogger, Sender
+from gradwatch.agent.setup import SetupWatch
 from gradwatch.agent.skip_guard import SkipSpikes
 from gradwatch.agent.spool import Spool
 from gradwatch.agent.step_builder import StepBuilder
@@ -82,12 +83,16 @@ class Monitor:
 
     ``on_alert(alert)`` runs in the training thread at a step boundary for each
     alert news of the run (docs/alerts-in-the-loop.md); ``monitor.alerts()`` lists them.
+
+    ``scheduler``: the LR scheduler, read once for the configuration advice (a cosine schedule's
+    final LR, rule H8; docs/early-warning-advice.md).
     """
 
     def __init__(self, model: torch.nn.Module, scaler=None, *, optimizer=None, ema=None,
                  config: Optional[AgentConfig] = None, transport=None, step: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time,
-                 collectors=collector_kinds.DEFAULT, on_alert: Optional[Callable[[LoopAlert], None]] = None):
+                 collectors=collector_kinds.DEFAULT, on_alert: Optional[Callable[[LoopAlert], None]] = None,
+                 scheduler=None):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model={type(model).__name__}: pass the torch.nn.Module you train")
         if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
@@ -166,6 +171,15 @@ class Monitor:
             guard = SkipSpikes(w, self._guards, sigma=cfg.skip_sigma, window=cfg.skip_window)
             if guard.usable():
                 self._skip = self._builder.skip = guard
+        # the run's setup, once, for the checklist's configuration advice (agent/setup.py, rules H5-H9);
+        # before the hooks: its clip_grad_norm_ observer must see a call before the grad-norm collector takes it
+        self._setup: Optional[SetupWatch] = None
+        if cfg.setup_advice and self.sender is not None:
+            with self._guards.guard("setup"):
+                setup = SetupWatch(w, scheduler)
+                setup.install()
+                self._setup = setup
+                self._builder.first_end = self._first_step_ended
         self._hooks = HookAdapters(w, self._builder, self._guards, self._sealer.barrier, self._builder.grads)
         self._hooks.install()
         if self.sender is not None:
@@ -362,6 +376,8 @@ class Monitor:
             except Exception:  # noqa: BLE001
                 pass
         self._hooks.uninstall()
+        if self._setup is not None:
+            self._setup.remove()
         for c in self.collectors:
             c.detach()
         if self._replay is not None:
@@ -422,6 +438,10 @@ class Monitor:
         if self.sender is not None and self._resume is not None:
             self._numbering()
             self.sender.submit(self._resume.event(step))
+        setup, self._setup = self._setup, None
+        if self.sender is not None and setup is not None:
+            with self._guards.guard("setup"):
+                self.sender.submit(setup.event(step, module_clip=self._builder.grads.clip_max_norm))
 
     def _deliver_alerts(self) -> None:
         """At a step boundary, in the training thread: the inbox's news to the callbacks."""

@@ -209,6 +209,13 @@ EVENT_KINDS: tuple[EventKind, ...] = (
                                       "docs/resume.md)"),
 )
 
+# configuration advice at step 0 (agent/setup.py; rules H5-H9, docs/early-warning-advice.md)
+EVENT_KINDS += (
+    EventKind("run_setup", "the run's setup, once per process with its first step: device and native bf16, "
+                           "autocast dtype, GradScaler, Transformer or not, clip_grad_norm_ calls and the scaler "
+                           "stage at them, EMA decay, a cosine schedule's base and final LRs (H5-H9)"),
+)
+
 _BY_NAME = {s.name: s for s in STEP_SIGNALS}
 _LAYER_BY_NAME = {s.name: s for s in LAYER_STATS}
 _PANEL_BY_KEY = {p.key: p for p in PANELS}

@@ -265,6 +265,13 @@ def list_alerts(*, run_id: Optional[int] = None, severity: Optional[str] = None,
                                            status=status or None, project=_scoped(None)), "alerts")
 
 
+def early_warnings(run_ids: Sequence[int]) -> dict[int, dict[str, list]]:
+    """The runs' firing early-warning alerts (``server.queries.early_warnings``), for the runs list's badge."""
+    from gradwatch.server import queries
+    with _session() as s:
+        return queries.early_warnings(s, run_ids=list(run_ids))
+
+
 def list_events(run_id: int, *, kind: Optional[str] = None) -> list[dict]:
     from gradwatch.server import queries
     with _session() as s:

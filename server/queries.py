@@ -905,3 +905,33 @@ def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], st
         out.append(RankMatrix(run_id=run_id, signal=s, bucket_size=bucket, steps=cols, ranks=ranks, min=grid["min"],
                               max=grid["max"], last=grid["last"], nonfinite=nf))
     return out
+
+
+# --------------------------------------------------------------------------- early warning (the runs list's badge)
+
+# The rule family of early warnings (docs/early-warning-advice.md): H1-H4 read step signals, H5-H9 the setup.
+EARLY_WARNING_FAMILY = "H"
+
+
+def early_warnings(session: Session, *, run_ids: Sequence[int]) -> dict[int, dict[str, list]]:
+    """Per run, its firing early-warning alerts (rule ids ``H…``), acknowledged or not: ``{"warnings":
+    [[rule, name, severity], ...]}`` above info and ``{"advice": [[rule, name], ...]}`` at info, by rule
+    id. One grouped query for all the runs; a run with none is absent."""
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(Alert.run_id, Alert.rule, Alert.name, Alert.severity)
+        .where(Alert.status == "firing", Alert.run_id.in_(list(run_ids)),
+               Alert.rule.like(EARLY_WARNING_FAMILY + "%"))
+        .group_by(Alert.run_id, Alert.rule, Alert.name, Alert.severity)
+    ).all()
+    out: dict[int, dict[str, list]] = {}
+    for run_id, rule, name, severity in sorted(rows, key=lambda r: (r[0], r[1], -_SEVERITY_ORDER.get(r[3], 0))):
+        mine = out.setdefault(run_id, {"warnings": [], "advice": []})
+        if any(rule == w[0] for w in mine["warnings"]) or any(rule == a[0] for a in mine["advice"]):
+            continue   # the rule's worst firing severity counts (one per rank could differ)
+        if severity == "info":
+            mine["advice"].append([rule, name])
+        else:
+            mine["warnings"].append([rule, name, severity])
+    return out

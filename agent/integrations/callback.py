@@ -46,7 +46,8 @@ class GradwatchCallbackBase:
         self.scaler: Any = None
         self._step_loss = StepLoss()
 
-    def _attach(self, model: Any, scaler: Any, optimizer: Any, *, run: Optional[str], global_step: int) -> bool:
+    def _attach(self, model: Any, scaler: Any, optimizer: Any, *, run: Optional[str], global_step: int,
+                scheduler: Any = None) -> bool:
         """``agent.attach`` at train start; True when attached.
 
         Bad settings raise (before training starts); any other failure is logged and
@@ -56,13 +57,15 @@ class GradwatchCallbackBase:
         G6 (the RNG state at the resume) is off by default here: the frameworks restore the RNG
         later than train start (the HF Trainer in its epoch loop) or not at all (Lightning's
         checkpoints hold none), so the state at attach is not the checkpoint's; ``resume_rng=True``
-        turns it on (docs/resume.md)."""
+        turns it on (docs/resume.md). ``scheduler``: the framework's LR scheduler, read once for the
+        configuration advice (H8, docs/early-warning-advice.md)."""
         self.scaler = scaler
         config = {"resume_rng": False, **self.config}
         try:
             self.monitor = agent.attach(model, scaler, optimizer=optimizer, ema=self.ema,
                                         project=self.project, run=run, server=self.server,
-                                        step=int(global_step) if global_step else None, **config)
+                                        step=int(global_step) if global_step else None, scheduler=scheduler,
+                                        **config)
         except ValueError:
             raise  # bad configuration: say so before training starts
         except Exception:  # noqa: BLE001 - never hurt the host process

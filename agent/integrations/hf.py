@@ -85,7 +85,7 @@ class GradwatchCallback(GradwatchCallbackBase, TrainerCallback):
         if model is None and trainer is not None:
             model = trainer.model
         if not self._attach(model, scaler, torch_optimizer, run=self.run or _explicit_run_name(args),
-                            global_step=state.global_step):
+                            global_step=state.global_step, scheduler=kwargs.get("lr_scheduler")):
             return
         if self.scaler is None:
             if trainer is None:

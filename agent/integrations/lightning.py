@@ -57,8 +57,10 @@ class GradwatchCallback(GradwatchCallbackBase, Callback):
         optimizers = list(trainer.optimizers)
         if len(optimizers) > 1:
             log.warning("gradwatch: %d optimizers; monitoring the first (learning rate, steps)", len(optimizers))
+        configs = list(getattr(trainer, "lr_scheduler_configs", None) or [])
         self._attach(pl_module, getattr(trainer.precision_plugin, "scaler", None),
-                     optimizers[0] if optimizers else None, run=self.run, global_step=trainer.global_step)
+                     optimizers[0] if optimizers else None, run=self.run, global_step=trainer.global_step,
+                     scheduler=getattr(configs[0], "scheduler", None) if configs else None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # The agent closes a step's record at the model's next forward call, but

@@ -29,7 +29,8 @@ from dash import ALL, ClientsideFunction, Input, Output, Patch, State, callback,
     no_update
 
 from gradwatch.dashboard import figures, gateway
-from gradwatch.dashboard.alert_cards import alert_list, format_ago, format_time, health_badge, status_badge
+from gradwatch.dashboard.alert_cards import (alert_list, format_ago, format_time, health_badge, severity_badge,
+                                             status_badge)
 from gradwatch.dashboard.figures import ALL_RANKS, HEADLINE, HEATMAPS, PANELS, RANK_CHARTS, SERIES_SIGNALS, \
     format_number
 from gradwatch.dashboard.ticks import pause_while_running
@@ -467,8 +468,45 @@ def _header(run: dict, alerts: list, ranks: Sequence[dict] = ()) -> list:
     ]
 
 
-def _notices(run_id: int, origin: Optional[dict]) -> list:
+def _setup_rule_ids() -> frozenset:
+    """The configuration-advice rules (H5-H9: every rule of ``setup_advice.py``'s ``SetupRule`` family)."""
+    from gradwatch.server.rules.catalog.setup_advice import SetupRule
+    from gradwatch.server.rules.registry import rule_classes
+    return frozenset(c.id for c in rule_classes() if issubclass(c, SetupRule))
+
+
+def setup_notes(alerts: Sequence[dict]) -> list[dict]:
+    """The run's firing configuration-advice notes, warnings first, then by rule id."""
+    ids = _setup_rule_ids()
+    notes = [a for a in alerts if a.get("rule") in ids and a.get("status") == "firing"]
+    return sorted(notes, key=lambda a: (a.get("severity") == "info", a.get("rule") or "", a.get("rank") or 0))
+
+
+def _setup_advice(notes: list[dict]) -> Optional[html.Div]:
+    """The setup advice at the top of the run page: each note's rule, message and first fix (the full card,
+    with its diagnosis and evidence, is in the Alerts column)."""
+    if not notes:
+        return None
+    items = []
+    for a in notes:
+        actions = a.get("actions") or []
+        fix = actions[0] if actions and isinstance(actions[0], str) else None
+        items.append(html.Li([severity_badge(a.get("severity", "info")),
+                              html.Span(f"{a.get('rule', '')} {a.get('name', '')}", className="gw-advice-rule"),
+                              html.Span(a.get("message", ""), className="gw-advice-message"),
+                              *([html.Span("Fix: " + fix, className="gw-advice-fix")] if fix else [])],
+                             id=f"run-advice-{a.get('rule')}", **{"data-severity": a.get("severity", "info")}))
+    return html.Div([html.Strong("Setup advice at step 0 (stability checklist): "),
+                     html.Span(f"{len(notes)} note{'s' if len(notes) != 1 else ''} on this run's configuration",
+                               className="gw-muted"),
+                     html.Ul(items)], className="gw-notice gw-notice-advice", id="run-setup-advice")
+
+
+def _notices(run_id: int, origin: Optional[dict], alerts: Sequence[dict] = ()) -> list:
     out = []
+    advice = _setup_advice(setup_notes(alerts))
+    if advice is not None:
+        out.append(advice)
     if origin:
         data = origin.get("data") or {}
         where = data.get("module") or data.get("param") or "unknown module"
@@ -513,13 +551,14 @@ def refresh_summary(_tick, _acked, run_id, previous):
     # or a button under the pointer is not replaced every tick.
     sig = {"header": [run.get("status"), run.get("last_step"), str(run.get("last_loss")), run.get("health"),
                       int(time.time() // 5), figures.alerts_signature(alerts)],
-           "notices": [origin and origin.get("step"), run.get("last_step") if run.get("status") == "running" else 0],
+           "notices": [origin and origin.get("step"), run.get("last_step") if run.get("status") == "running" else 0,
+                       [[a.get("id"), a.get("status"), a.get("severity")] for a in setup_notes(alerts)]],
            "alerts": figures.alerts_signature(alerts)}
     previous = previous or {}
     ranks = (gateway.get_rank_meta(run_id) or {}).get("ranks") or [] if (run.get("world_size") or 1) > 1 else []
     sig["header"].append([[r.get("host"), r.get("device"), r.get("local_rank")] for r in ranks])
     header = _header(run, alerts, ranks) if sig["header"] != previous.get("header") else no_update
-    notices = _notices(run_id, origin) if sig["notices"] != previous.get("notices") else no_update
+    notices = _notices(run_id, origin, alerts) if sig["notices"] != previous.get("notices") else no_update
     panel = (alert_list(alerts, ack_type="run-ack", empty="No alerts for this run.")
              if sig["alerts"] != previous.get("alerts") else no_update)
     if header is no_update and notices is no_update and panel is no_update:

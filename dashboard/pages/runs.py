@@ -1,7 +1,15 @@
-"""Runs page (``/``): every run with its project, status, health, last step and loss; live."""
+"""Runs page (``/``): every run with its project, status, health, early warnings, last step and loss; live.
+
+The "Early warning" column (docs/dashboard.md): a run with a firing alert of the early-warning family
+(rule ids ``H…``, docs/early-warning-advice.md) above info shows a badge naming those rules; firing
+info-level notes (the configuration advice H5-H9, mostly) show a quieter "advice" mark with their count.
+An acknowledged alert still counts while it fires, as in the Health column: acknowledging says someone
+saw it, not that the condition went away; a resolved one no longer counts.
+"""
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
@@ -23,9 +31,31 @@ def display_status(run: dict, *, now: float, stall_seconds: float) -> str:
     return status
 
 
-def runs_table(runs: list[dict], *, now: float, stall_seconds: float) -> html.Table:
+def early_warning_cell(run_id: int, early: Optional[dict]) -> list:
+    """The badge naming a run's firing early warnings above info, and the "advice" mark for its info notes."""
+    out: list = []
+    if not early:
+        return out
+    warnings, advice = early.get("warnings") or [], early.get("advice") or []
+    if warnings:
+        worst = "critical" if any(w[2] == "critical" for w in warnings) else "warning"
+        out.append(html.Span("early warning: " + ", ".join(f"{w[0]} {w[1]}" for w in warnings),
+                             className=f"gw-badge gw-early gw-early-{worst}", id=f"runs-early-{run_id}",
+                             title="firing early-warning alerts: " + ", ".join(f"{w[0]} {w[1]} ({w[2]})"
+                                                                                 for w in warnings)))
+    if advice:
+        out.append(html.Span(f"advice · {len(advice)}", className="gw-advice-mark", id=f"runs-advice-{run_id}",
+                             title="configuration advice (info): " + ", ".join(f"{a[0]} {a[1]}" for a in advice)))
+    return out
+
+
+def runs_table(runs: list[dict], *, now: float, stall_seconds: float,
+               early: Optional[dict[int, dict]] = None) -> html.Table:
+    """``early``: run id -> its early warnings (``gateway.early_warnings``)."""
+    early = early or {}
     head = html.Thead(html.Tr([html.Th(h) for h in
-                               ("Run", "Project", "Status", "Health", "Last step", "Last loss", "Started", "Last data")]))
+                               ("Run", "Project", "Status", "Health", "Early warning", "Last step", "Last loss",
+                                "Started", "Last data")]))
     rows = []
     for r in runs:
         status = display_status(r, now=now, stall_seconds=stall_seconds)
@@ -34,6 +64,7 @@ def runs_table(runs: list[dict], *, now: float, stall_seconds: float) -> html.Ta
             html.Td(r.get("project", "")),
             html.Td(status_badge(status)),
             html.Td(health_badge(r.get("health"), r.get("open_alerts") or 0)),
+            html.Td(early_warning_cell(r["id"], early.get(r["id"])), className="gw-early-cell"),
             html.Td("—" if r.get("last_step") is None else f"{r['last_step']:,}", className="gw-num"),
             html.Td(format_number(r.get("last_loss")), className="gw-num"),
             html.Td(format_time(r.get("started_at")), className="gw-muted"),
@@ -41,7 +72,7 @@ def runs_table(runs: list[dict], *, now: float, stall_seconds: float) -> html.Ta
         ], className="gw-run-row", id=f"runs-row-{r['id']}", **{"data-status": status}))
     if not rows:
         rows = [html.Tr(html.Td("No runs yet. Attach the agent to a training loop: "
-                                "agent.attach(model, scaler, server=...)", colSpan=8, className="gw-empty"))]
+                                "agent.attach(model, scaler, server=...)", colSpan=9, className="gw-empty"))]
     return html.Table([head, html.Tbody(rows)], className="gw-table", id="runs-table-el")
 
 
@@ -86,13 +117,14 @@ def refresh_runs(_tick, project, status, name, signature):
             and (not name or name.lower() in (r.get("name") or "").lower())
             and (not status or display_status(r, now=now, stall_seconds=stall) == status)]
     runs.sort(key=lambda r: -(r.get("started_at") or 0))
+    early = gateway.early_warnings([r["id"] for r in runs])
     # "last data" is relative to now, so it changes every tick; compare it in 5 s steps.
     new_sig = [[r["id"], r.get("status"), r.get("last_step"), str(r.get("last_loss")), r.get("health"),
-                r.get("open_alerts"), int((now - (r.get("last_seen") or now)) // 5)] for r in runs]
+                r.get("open_alerts"), early.get(r["id"]), int((now - (r.get("last_seen") or now)) // 5)] for r in runs]
     new_sig = {"rows": new_sig, "projects": projects, "filters": [project, status, name]}
     if new_sig == signature:
         return no_update, no_update, no_update
-    return (runs_table(runs, now=now, stall_seconds=stall),
+    return (runs_table(runs, now=now, stall_seconds=stall, early=early),
             [{"label": p, "value": p} for p in projects], new_sig)
 
 

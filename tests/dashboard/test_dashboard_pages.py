@@ -29,10 +29,11 @@ def test_runs_page_lists_filters_and_updates_live(dash_server, browser):
     browser.get(dash_server.url + "/")
     rows = wait_until(lambda: len(r := _rows(browser)) == 3 and r, timeout=WAIT, what="three runs listed")
     assert rows["resnet-a"][1:4] == ["vision", "finished", "healthy"]
-    assert rows["resnet-a"][4] == "49"
+    assert rows["resnet-a"][4] == ""     # no early warning
+    assert rows["resnet-a"][5] == "49"
     assert rows["resnet-b"][2] == "crashed"
     assert rows["resnet-b"][3].startswith("critical"), rows["resnet-b"]   # the NaN loss opened an A1 alert
-    assert rows["resnet-b"][5] == "NaN"
+    assert rows["resnet-b"][6] == "NaN"
     assert rows["gpt-c"][1:3] == ["nlp", "running"]
     save_screenshot(browser, "runs-page")
     mark_page(browser)
@@ -53,7 +54,7 @@ def test_runs_page_lists_filters_and_updates_live(dash_server, browser):
     ingest(dash_server, project="vision", run="resnet-d-b", steps=make_steps(10, seed=4))
     wait_until(lambda: sorted(_rows(browser)) == ["resnet-b", "resnet-d-b"], timeout=WAIT, what="new run listed live")
     ingest(dash_server, project="vision", run="resnet-d-b", steps=make_steps(5, start=10, seed=5), meta=False)
-    wait_until(lambda: _rows(browser)["resnet-d-b"][4] == "14", timeout=WAIT, what="last step updated live")
+    wait_until(lambda: _rows(browser)["resnet-d-b"][5] == "14", timeout=WAIT, what="last step updated live")
     assert same_page(browser)
     assert severe_console_entries(browser) == []
 
