@@ -58,7 +58,7 @@ def _run_id(srv, run: str) -> int:
 
 def _a1(srv, run_id: int, what: str = "the A1 alert"):
     def find():
-        _, body = srv.get(f"/api/v1/alerts?run_id={run_id}&rule=A1")
+        _, body = srv.get(f"/api/v1/alerts?run={run_id}&rule=A1")
         return (body.get("alerts") or [None])[0]
     return wait_until(find, timeout=15, what=what)
 
@@ -147,7 +147,7 @@ def test_warnings_get_no_rollback_advice_and_bad_arguments_are_not_recorded(live
         run_id = _run_id(srv, "healthy")
         _, body = srv.get(f"/api/v1/runs/{run_id}/checkpoints")
         assert [c["step"] for c in body["checkpoints"]] == [10, 20, 30]
-        _, alerts = srv.get(f"/api/v1/alerts?run_id={run_id}")
+        _, alerts = srv.get(f"/api/v1/alerts?run={run_id}")
         assert all("rollback" not in a["evidence"] for a in alerts["alerts"])
         status, _ = srv.get("/api/v1/runs/999999/checkpoints")
         assert status == 404

@@ -139,7 +139,7 @@ def test_a_run_resumed_from_a_checkpoint_continues_its_steps(gw_server, tmp_path
     resumed_log = [e["loss"] for e in resumed.state.log_history if "loss" in e and e.get("step", 0) > 3]
     assert_close([loss[3], loss[4]], resumed_log, what="resumed loss")
     # the Trainer restores optimizer, scheduler and model: no resume rule (G1-G5) speaks (docs/resume.md)
-    _, body = gw_server.get(f"/api/v1/alerts?run_id={run['id']}")
+    _, body = gw_server.get(f"/api/v1/alerts?run={run['id']}")
     assert [a["rule"] for a in body["alerts"] if a["rule"].startswith("G")] == []
     _, body = gw_server.get(f"/api/v1/runs/{run['id']}/events?kind=resume_state")
     resume = [e for e in body["events"] if e["step"] == 3]

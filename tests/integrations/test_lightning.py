@@ -136,7 +136,7 @@ def test_a_fit_resumed_from_its_checkpoint_continues_its_steps_and_raises_no_res
     loss = series(gw_server, run["id"], "loss")
     assert sorted(loss) == list(range(7))
     assert_close([loss[s] for s in range(4, 7)], expected_step_losses(module), what="resumed loss")
-    _, body = gw_server.get(f"/api/v1/alerts?run_id={run['id']}")
+    _, body = gw_server.get(f"/api/v1/alerts?run={run['id']}")
     assert [a["rule"] for a in body["alerts"] if a["rule"].startswith("G")] == []
     _, body = gw_server.get(f"/api/v1/runs/{run['id']}/events?kind=resume_state")
     (resume,) = [e for e in body["events"] if e["step"] == 4]

@@ -26,7 +26,7 @@ def test_the_reply_carries_the_runs_new_alerts(live_server):
     # a client that does not ask gets what it always got
     old = post(live_server, steps(0, 5, nan_at=(3,)))
     assert old["alerts"] is None and old["alerts_cursor"] is None
-    status, stored = live_server.get(f"/api/v1/alerts?run_id={old['run_id']}&rule=A1")
+    status, stored = live_server.get(f"/api/v1/alerts?run={old['run_id']}&rule=A1")
     (a1,) = stored["alerts"]
     assert a1["first_step"] == 3 and a1["status"] == "firing"
 
@@ -39,7 +39,7 @@ def test_the_reply_carries_the_runs_new_alerts(live_server):
     nan = post(live_server, steps(8, 3, nan_at=(9,)), alerts_after=cursor)
     assert [a["rule"] for a in nan["alerts"]] == ["A1"]
     heard = nan["alerts"][0]
-    status, body = live_server.get(f"/api/v1/alerts?run_id={nan['run_id']}")
+    status, body = live_server.get(f"/api/v1/alerts?run={nan['run_id']}")
     assert status == 200
     (stored,) = [a for a in body["alerts"] if a["id"] == heard["id"]]
     for key in ("id", "rule", "name", "severity", "status", "first_step", "last_step", "message", "updated_at"):

@@ -21,7 +21,7 @@ NAN_STEP = 30
 
 
 def _server_alerts(server, run_id: int) -> list[dict]:
-    status, body = server.get(f"/api/v1/alerts?run_id={run_id}")
+    status, body = server.get(f"/api/v1/alerts?run={run_id}")
     assert status == 200, body
     return body["alerts"]
 

@@ -31,7 +31,7 @@ def _assert_stopped_soon(global_step: int, cb, server, project: str, run: str) -
           f"({global_step - NAN_STEP} steps later at {PACE_S * 1000:.0f} ms a step)")
     detail = run_of(server, project, run)
     assert detail["status"] == "finished"
-    status, body = server.get(f"/api/v1/alerts?run_id={detail['id']}&rule=A1")
+    status, body = server.get(f"/api/v1/alerts?run={detail['id']}&rule=A1")
     assert status == 200 and [a["id"] for a in body["alerts"]] == [cb.stopped_by.id]
 
 

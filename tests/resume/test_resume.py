@@ -26,7 +26,7 @@ RESUME_RULES = set(RULE_OF.values())
 
 
 def alerts_of(server, run_id: int) -> list[dict]:
-    status, body = server.get(f"/api/v1/alerts?run_id={run_id}")
+    status, body = server.get(f"/api/v1/alerts?run={run_id}")
     assert status == 200, body
     return body["alerts"]
 
