@@ -88,6 +88,11 @@ class AgentConfig:
     skip_spikes: bool = False            # skip an update whose grad norm is > skip_sigma σ above the mean of
     skip_sigma: float = 6.0              # the last skip_window accepted steps (and, without a GradScaler,
     skip_window: int = 128               # a non-finite one): on the device, no sync
+    # early warning, attention and output logits (H2, H3; agent/collectors/early_logits.py)
+    attn_logits_every: int = 1           # per attention module, the max attention logit q·k·scale
+    output_logits_every: int = 1         # the output's max logit and mean log Z
+    attention_modules: Optional[str] = None   # attention modules the agent does not recognise by itself:
+                                         # "name[:heads], ..." (fnmatch patterns), docs/signals.md
 
     def __post_init__(self) -> None:
         problems = []
@@ -121,6 +126,15 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 problems.append(f"{name}={value!r}: must be a positive integer or None (inferred)")
+        # early warning, attention and output logits
+        for name in ("attn_logits_every", "output_logits_every"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
+        for item in (self.attention_modules or "").split(","):   # agent/collectors/early_logits.py reads it
+            heads = item.partition(":")[2].strip()
+            if item.strip() and (not item.partition(":")[0].strip() or (heads and not heads.isdigit())):
+                problems.append(f"attention_modules entry {item.strip()!r}: write NAME or NAME:HEADS (a module name "
+                                f"or fnmatch pattern, a positive head count), e.g. blocks.*.attn:8")
         if problems:
             raise ValueError("gradwatch agent configuration: " + "; ".join(problems))
         self.server = self.server.rstrip("/")
