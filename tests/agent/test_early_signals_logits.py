@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from gradwatch import agent
 from gradwatch.agent.collectors.early_logits import MAX_POSITIONS, find_attention
-from agent_helpers import RecordingTransport  # noqa: F401  (the recorder fixture's class)
 
 D, HEADS, T = 16, 4, 10
 

@@ -1,4 +1,4 @@
-"""Early-warning scenarios for H2 (attention-logit growth) and H3 (output-logit divergence).
+"""Early-warning scenarios for H2 (attention-logit growth); H3 (output-logit divergence) has none yet.
 
 Both instabilities are the ones Wortsman et al. (2023, "Small-scale proxies for large-scale Transformer
 training instabilities", arXiv:2309.14322) reproduce in small models:
@@ -9,13 +9,19 @@ training instabilities", arXiv:2309.14322) reproduce in small models:
   trains on;
 * without z-loss, the output logits' log-partition log Z drifts (the softmax is blind to a shift of
   all logits, Adam is not), and once the logits are large, bf16 rounds away their differences and
-  the loss jumps; z-loss 1e-4 · log²Z holds log Z near 0.
+  the loss jumps; z-loss 1e-4 · log²Z holds log Z near 0. No setting tried so far (Markov-chain LM,
+  bf16 autocast, AdamW lr up to 0.05, no weight decay, 600 steps) made log Z drift on CPU: it settles
+  near 6.4 and the loss trains on, so H3 has no fault scenario here yet (``lm_loss(z_loss=)`` and
+  ``markov_data`` are kept for one).
 
-Each fault run must warn ``min_lead`` steps before the loss shows it (``loss_onset``: the first loss
-NaN or above 3× the median of the 50 before). Show the pathology with plain PyTorch, no agent::
+Each fault run must warn ``min_lead`` steps before the loss shows it (:func:`loss_rise_onset`: the
+first step where the mean loss of the last 20 is non-finite or twice the lowest such mean before; an
+attention collapse degrades the loss over hundreds of steps, which ``loss_onset``'s single-step test
+misses). Show the pathology with plain PyTorch, no agent::
 
     python -m tests.scenarios.early_logits --dry                  # every scenario
     python -m tests.scenarios.early_logits --dry attention_logit_growth
+    python -m tests.scenarios.early_logits --dry attention_logit_growth --set lr=0.02   # a trial setting
 """
 from __future__ import annotations
 
@@ -134,13 +140,34 @@ def lm_loss(vocab: int, z_loss: float = 0.0) -> Callable[[torch.Tensor, torch.Te
     return loss
 
 
+def loss_rise_onset(losses: list[float], *, factor: float = 2.0, window: int = 20, start: int = 50) -> Optional[int]:
+    """The first step, from ``start`` on, whose mean loss over the last ``window`` steps is non-finite or above
+    ``factor`` times the lowest such mean before it. None: the loss never rose so.
+
+    An attention collapse degrades the loss over a few hundred steps rather than in one spike, so
+    :func:`loss_onset`'s "3x the median of the 50 before" misses it (each step is only a little worse
+    than the last); this finds where the trained loss has doubled.
+
+    >>> loss_rise_onset([1.0] * 60 + [3.0] * 40, window=5)
+    62
+    """
+    best = math.inf
+    for i in range(window - 1, len(losses)):
+        w = losses[i - window + 1:i + 1]
+        if not all(math.isfinite(v) for v in w):
+            return i if i >= start else None
+        m = sum(w) / window
+        if i >= start and m > factor * best:
+            return i
+        best = min(best, m)
+    return None
+
+
 # --------------------------------------------------------------------------- the runs
 
 SETTINGS = {
-    "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=3e-2, steps=600, seed=0, amp=None,
-                 warmup=0, used=None, wd=0.0, data="copy", period=4),
-    "out": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=3e-2, steps=600, seed=0,
-                amp=torch.bfloat16, warmup=0, used=None, wd=0.0, data="markov"),
+    "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=5e-2, steps=600, seed=0, amp=None,
+                 warmup=50, used=None, wd=0.0, data="copy", period=4),
 }
 
 
@@ -165,22 +192,11 @@ def attention_qk_norm() -> Loop:
     return build_loop("attn", qk_norm=True)
 
 
-def output_logit_divergence() -> Loop:
-    return build_loop("out")
-
-
-def output_z_loss() -> Loop:
-    return build_loop("out", z_loss=1e-4)
-
-
 SCENARIOS = [
     Scenario("attention_logit_growth", "H2", PROJECT, attention_logit_growth,
-             "Transformer LM at a high LR without qk-layernorm", onset=loss_onset, min_lead=50),
-    Scenario("output_logit_divergence", "H3", PROJECT, output_logit_divergence,
-             "Transformer LM, bf16 autocast, high LR, no z-loss", onset=loss_onset, min_lead=50),
+             "Transformer LM (copy task), AdamW lr 0.05, no qk-layernorm", onset=loss_rise_onset, min_lead=50),
     Scenario("healthy_attention_qk_norm", None, PROJECT, attention_qk_norm,
              "the H2 run with qk-layernorm, same LR"),
-    Scenario("healthy_output_z_loss", None, PROJECT, output_z_loss, "the H3 run with z-loss 1e-4"),
 ]
 
 
@@ -257,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"== {s.name} (target {s.target or 'none'}): {s.what}")
         t0 = time.perf_counter()
         losses = dry(s.build(), args.every)
-        onset = loss_onset(losses)
+        onset = (s.onset or loss_onset)(losses)
         print(f"== {s.name}: loss onset {onset} ({time.perf_counter() - t0:.1f} s)\n")
     return 0
 
