@@ -200,7 +200,7 @@ LAYER_STATS: tuple[LayerStat, ...] = (
 LAYER_STATS += (
     LayerStat("attn_logit_max", "modules", "", "per attention module, its largest attention logit q·k·scale "
               "(first sample, first 128 positions; null for other modules; sampled)",
-              heatmap="Per-module max attention logit"),
+              heatmap="Per-module max attention logit (log10)"),
 )
 
 EVENT_KINDS: tuple[EventKind, ...] = (

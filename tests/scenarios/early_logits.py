@@ -166,8 +166,8 @@ def loss_rise_onset(losses: list[float], *, factor: float = 2.0, window: int = 2
 # --------------------------------------------------------------------------- the runs
 
 SETTINGS = {
-    "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=5e-2, steps=600, seed=0, amp=None,
-                 warmup=50, used=None, wd=0.0, data="copy", period=4),
+    "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=4e-2, steps=800, seed=0, amp=None,
+                 warmup=100, used=None, wd=0.0, data="copy", period=4, clip=1.0),
 }
 
 
@@ -180,7 +180,7 @@ def build_loop(kind: str, *, qk_norm: bool = False, z_loss: float = 0.0, **over)
     data = {"copy": copy_data, "markov": markov_data}[s["data"]]
     extra = {"period": s["period"]} if s["data"] == "copy" else {}
     return Loop(model, opt, data(s["seed"], s["vocab"], s["batch"], s["seq"], s["used"], **extra),
-                lm_loss(s["vocab"], z_loss), steps=s["steps"], amp=s["amp"], clip=None, ema_decay=None,
+                lm_loss(s["vocab"], z_loss), steps=s["steps"], amp=s["amp"], clip=s["clip"] or None, ema_decay=None,
                 schedule=(lambda step: min(1.0, (step + 1) / warmup)) if warmup else None)
 
 
