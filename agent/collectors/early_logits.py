@@ -230,9 +230,43 @@ def _mha_qk(m: torch.nn.MultiheadAttention, args: tuple, kwargs: dict):
     return F.linear(query[:MAX_POSITIONS], wq, bq), F.linear(key[:MAX_POSITIONS], wk, bk)
 
 
+# one batched matmul scores at most this many logits (modules × heads × positions²): 16 MB in fp32
+_CHUNK_LOGITS = 1 << 22
+
+
+def max_logits(pairs: list, heads: int) -> torch.Tensor:
+    """``max_logit`` (without the scale) of several modules whose q and k have the same shapes, in a few
+    batched kernels instead of a few per module (the hooks' cost is per kernel launch, not per flop).
+    A pair is (q, k), or (qkv, None): a fused projection's [q | k | v] output, split here."""
+    fused = pairs[0][1] is None
+    t, width = pairs[0][0].shape
+    if fused:
+        width //= 3
+    d = width // heads
+    kv = heads if fused else pairs[0][1].shape[1] // d
+    per = max(1, _CHUNK_LOGITS // (heads * t * t))
+    out = []
+    for lo in range(0, len(pairs), per):
+        chunk = pairs[lo:lo + per]
+        n = len(chunk)
+        if fused:
+            x = torch.stack([p[0] for p in chunk]).float().view(n, t, 3, heads, d)
+            q, k = x[:, :, 0].transpose(1, 2), x[:, :, 1].transpose(1, 2)
+        else:
+            q = torch.stack([p[0] for p in chunk]).float().view(n, t, heads, d).transpose(1, 2)
+            k = torch.stack([p[1] for p in chunk]).float().view(n, -1, kv, d).transpose(1, 2)
+        if kv != heads:
+            k = k.repeat_interleave(heads // kv, dim=1)
+        out.append(torch.matmul(q, k.transpose(2, 3)).view(n, -1).amax(dim=1))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 class AttentionLogits(Collector):
     """Per attention module, the max attention logit (``layers.attn_logit_max``) and its max over the
-    modules (``attn_logit_max``), every ``attn_logits_every`` steps."""
+    modules (``attn_logit_max``), every ``attn_logits_every`` steps.
+
+    The hooks only keep views of the first sample's queries and keys (one slice each); the logits are
+    scored at the step's end, modules of one shape together in one batched matmul."""
 
     name = "attn_logits"
     every = "attn_logits_every"
@@ -244,9 +278,9 @@ class AttentionLogits(Collector):
             names = [n for n, _ in watched.modules]
             self.sites = find_attention(watched.model, names, getattr(watched.config, "attention_modules", None))
         self.handles: list[Any] = []
-        self.found: dict[int, torch.Tensor] = {}     # site position -> its max logit, this step
-        self.partial: dict[int, torch.Tensor] = {}   # site position -> its queries, until its keys come
-        self._index: Optional[torch.Tensor] = None
+        self.qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # site position -> (q, k), this step
+        self.partial: dict[int, torch.Tensor] = {}                    # site position -> its q, until its k
+        self.scales = [s.scale for s in self.sites]
 
     def wanted(self) -> bool:
         return self.interval > 0 and bool(self.sites)
@@ -270,7 +304,7 @@ class AttentionLogits(Collector):
         return None
 
     def _active(self, i: int) -> bool:
-        return i not in self.found and self.name not in self.guards.disabled
+        return i not in self.qk and self.name not in self.guards.disabled
 
     def _mha_hook(self, i: int):
         def hook(module, args, kwargs):
@@ -278,50 +312,56 @@ class AttentionLogits(Collector):
                 with self.guards.guard(self.name), torch.no_grad():
                     qk = _mha_qk(module, args, kwargs)
                     if qk is not None:
-                        self.found[i] = max_logit(qk[0], qk[1], self.sites[i].heads, None)
+                        self.qk[i] = qk
             return None
         return hook
 
     def _fused_hook(self, i: int):
         def hook(module, args, output):
-            if self._active(i) and isinstance(output, torch.Tensor):
-                with self.guards.guard(self.name), torch.no_grad():
-                    s = self.sites[i]
-                    x = output.detach()
-                    c = x.shape[-1] // 3
-                    q, k = _tokens(x[..., :c], s.heads), _tokens(x[..., c:2 * c], s.heads)
-                    if q is not None:
-                        self.found[i] = max_logit(q, k, s.heads, s.scale)
+            if self._active(i) and isinstance(output, torch.Tensor) and output.dim() in (2, 3):
+                with self.guards.guard(self.name):   # a view; scored (under no_grad) at the step's end
+                    self.qk[i] = (output[0, :MAX_POSITIONS] if output.dim() == 3 else output[:MAX_POSITIONS], None)
             return None
         return hook
 
     def _pair_hook(self, i: int, is_q: bool):
         def hook(module, args, output):
             if self._active(i) and isinstance(output, torch.Tensor):
-                with self.guards.guard(self.name), torch.no_grad():
-                    s = self.sites[i]
-                    x = _tokens(output.detach(), s.heads)
+                with self.guards.guard(self.name):
+                    x = _tokens(output, self.sites[i].heads)
                     if x is None:
                         return None
                     if is_q:
                         self.partial[i] = x
                     elif i in self.partial:
-                        self.found[i] = max_logit(self.partial.pop(i), x, s.heads, s.scale)
+                        self.qk[i] = (self.partial.pop(i), x)
             return None
         return hook
 
     def end_step(self, step, rec) -> None:
-        found, self.found = self.found, {}
-        if not found or not self.guards.on(self.name):
+        qk, self.qk = self.qk, {}
+        if not qk or not self.guards.on(self.name):
             return
-        with self.guards.guard(self.name):
-            order = sorted(found)
-            values = torch.stack([found[i] for i in order]).float()
+        with self.guards.guard(self.name), torch.no_grad():
+            groups: dict[tuple, list[int]] = {}
+            for i, (q, k) in qk.items():
+                groups.setdefault((tuple(q.shape), None if k is None else tuple(k.shape), q.dtype, q.device,
+                                   self.sites[i].heads),
+                                  []).append(i)
+            order: list[int] = []
+            parts = []
+            for key, members in groups.items():
+                order += members
+                parts.append(max_logits([qk[i] for i in members], key[-1]))
+            values = parts[0] if len(parts) == 1 else torch.cat(parts)
+            scale = [self.scales[i] if self.scales[i] is not None else
+                     1.0 / math.sqrt(qk[i][0].shape[1] // (1 if qk[i][1] is not None else 3) // self.sites[i].heads)
+                     for i in order]
+            values = values * torch.tensor(scale, dtype=values.dtype, device=values.device)
             rec.add("attn_logit_max", values.amax())
             n = len(self.watched.modules)
             full = torch.full((n,), _NULL_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
-            index = torch.tensor([self.sites[i].index for i in order], device=values.device)
-            full[index] = values
+            full[torch.tensor([self.sites[i].index for i in order], device=values.device)] = values
             rec.add("layers.attn_logit_max", full)
 
     def detach(self) -> None:

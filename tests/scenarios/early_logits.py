@@ -166,8 +166,8 @@ def loss_rise_onset(losses: list[float], *, factor: float = 2.0, window: int = 2
 # --------------------------------------------------------------------------- the runs
 
 SETTINGS = {
-    "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=4e-2, steps=800, seed=0, amp=None,
-                 warmup=100, used=None, wd=0.0, data="copy", period=4, clip=1.0),
+    "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=5e-2, steps=600, seed=0, amp=None,
+                 warmup=50, used=None, wd=0.0, data="copy", period=4, clip=0),
 }
 
 
