@@ -38,6 +38,7 @@ def default_spool_dir() -> str:
 # benchmark's "agent-full" mode).
 EVERY_STEP: Mapping[str, int] = {"weights_every": 1, "activations_every": 1, "inputs_every": 1, "ema_every": 1,
                                  "bn_every": 1}
+EVERY_STEP = {**EVERY_STEP, "attn_logits_every": 1, "output_logits_every": 1}   # early-warning logits (H2, H3)
 
 
 @dataclass
@@ -89,8 +90,8 @@ class AgentConfig:
     skip_sigma: float = 6.0              # the last skip_window accepted steps (and, without a GradScaler,
     skip_window: int = 128               # a non-finite one): on the device, no sync
     # early warning, attention and output logits (H2, H3; agent/collectors/early_logits.py)
-    attn_logits_every: int = 1           # per attention module, the max attention logit q·k·scale
-    output_logits_every: int = 1         # the output's max logit and mean log Z
+    attn_logits_every: int = 10          # per attention module, the max attention logit q·k·scale
+    output_logits_every: int = 10        # the output's max logit and mean log Z
     attention_modules: Optional[str] = None   # attention modules the agent does not recognise by itself:
                                          # "name[:heads], ..." (fnmatch patterns), docs/signals.md
 

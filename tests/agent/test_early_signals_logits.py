@@ -157,7 +157,7 @@ def run(model, recorder, settings, amp, steps=3, **kw):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_max_attention_logit_and_output_log_z_equal_plain_pytorch(form, amp, recorder, agent_settings):
     model = LM(FORMS[form])
-    expected, _ = run(model, recorder, agent_settings, amp)
+    expected, _ = run(model, recorder, agent_settings, amp, attn_logits_every=1, output_logits_every=1)
     names = recorder.meta()["module_names"]
     site = "attns.{}.mha" if form.startswith("MultiheadAttention") else "attns.{}"   # the attention module
     where = [names.index(site.format(i)) for i in range(2)]
@@ -204,7 +204,8 @@ class Unnamed(nn.Module):
 def test_an_unrecognised_fused_projection_is_measured_once_named(recorder, agent_settings):
     model = LM(Unnamed)
     assert find_attention(model, [n for n, _ in model.named_modules() if n]) == []
-    expected, _ = run(model, recorder, agent_settings, False, attention_modules="attns.*.proj_in:4")
+    expected, _ = run(model, recorder, agent_settings, False, attention_modules="attns.*.proj_in:4",
+                      attn_logits_every=1)
     names = recorder.meta()["module_names"]
     where = [names.index(f"attns.{i}.proj_in") for i in range(2)]
     for s, (per, _, _) in zip(recorder.steps, expected):

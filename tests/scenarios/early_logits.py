@@ -167,7 +167,7 @@ def loss_rise_onset(losses: list[float], *, factor: float = 2.0, window: int = 2
 
 SETTINGS = {
     "attn": dict(vocab=64, d=64, layers=2, heads=4, seq=32, batch=16, lr=5e-2, steps=600, seed=0, amp=None,
-                 warmup=50, used=None, wd=0.0, data="copy", period=4, clip=0),
+                 warmup=50, used=None, wd=0.0, data="copy", period=4, clip=0, lr_rest=0),
 }
 
 
@@ -175,7 +175,11 @@ def build_loop(kind: str, *, qk_norm: bool = False, z_loss: float = 0.0, **over)
     s = {**SETTINGS[kind], **over}
     torch.manual_seed(s["seed"])
     model = LM(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"], qk_norm)
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=s["wd"])
+    # lr_rest: the learning rate of every parameter but the queries' and keys' (None: the same lr)
+    qk = [p for n, p in model.named_parameters() if ".q_proj." in n or ".k_proj." in n]
+    rest = [p for n, p in model.named_parameters() if ".q_proj." not in n and ".k_proj." not in n]
+    opt = torch.optim.AdamW([{"params": qk, "lr": s["lr"]}, {"params": rest, "lr": s["lr_rest"] or s["lr"]}],
+                            weight_decay=s["wd"])
     warmup = s["warmup"]
     data = {"copy": copy_data, "markov": markov_data}[s["data"]]
     extra = {"period": s["period"]} if s["data"] == "copy" else {}

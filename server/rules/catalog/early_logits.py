@@ -37,7 +37,7 @@ class AttentionLogitGrowth(BatchRule):
         "longer_warmup": "Lengthen the learning-rate warm-up.",
     }
     params = {"factor": Float(4.0), "sigmas": Float(6.0, zero_ok=True), "min_logit": Float(50.0, zero_ok=True),
-              "consecutive": Int(5), "window": Int(200), "min_history": Int(20)}
+              "consecutive": Int(5), "window": Int(200), "min_history": Int(10)}
     needs = ("layers.attn_logit_max",)
     REFRESH = 8
     # State per module j: "m<j>" its RobustWindow, "s<j>" the run of flagged samples at the batch's end.
@@ -101,8 +101,8 @@ class OutputLogitDivergence(BatchRule):
         "lower_lr": "Lower the learning rate if the drift goes on.",
     }
     params = {"min_abs_log_z": Float(20.0, zero_ok=True), "min_drift": Float(10.0, zero_ok=True),
-              "sigmas": Float(6.0, zero_ok=True), "consecutive": Int(10), "window": Int(200),
-              "min_history": Int(20)}
+              "sigmas": Float(6.0, zero_ok=True), "consecutive": Int(5), "window": Int(200),
+              "min_history": Int(10)}
     needs = ("output_log_z",)
     REFRESH = 8
 
