@@ -279,7 +279,7 @@ class AttentionLogits(Collector):
             self.sites = find_attention(watched.model, names, getattr(watched.config, "attention_modules", None))
         self.handles: list[Any] = []
         self.qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # site position -> (q, k), this step
-        self.partial: dict[int, torch.Tensor] = {}                    # site position -> its q, until its k
+        self.partial: dict[int, tuple[bool, torch.Tensor]] = {}       # site position -> its q or k, until the other
         self.scales = [s.scale for s in self.sites]
 
     def wanted(self) -> bool:
@@ -331,10 +331,11 @@ class AttentionLogits(Collector):
                     x = _tokens(output, self.sites[i].heads)
                     if x is None:
                         return None
-                    if is_q:
-                        self.partial[i] = x
-                    elif i in self.partial:
-                        self.qk[i] = (self.partial.pop(i), x)
+                    other = self.partial.pop(i, None)   # (is_q, x) of the one of the two that ran first
+                    if other is None or other[0] == is_q:
+                        self.partial[i] = (is_q, x)
+                    else:
+                        self.qk[i] = (x, other[1]) if is_q else (other[1], x)
             return None
         return hook
 

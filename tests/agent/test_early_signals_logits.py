@@ -50,6 +50,18 @@ class PairAttention(nn.Module):
         return y.transpose(1, 2).reshape(b, t, D)
 
 
+class KeysFirst(PairAttention):
+    """Makes its keys before its queries (the agent pairs them in either order)."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, HEADS, self.head_dim)
+        q = self.q_proj(x).view(b, t, HEADS, self.head_dim)
+        v = self.v_proj(x).view(b, t, HEADS, self.head_dim)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return y.transpose(1, 2).reshape(b, t, D)
+
+
 class FusedAttention(nn.Module):
     """nanoGPT's form: one c_attn Linear making [q | k | v], ``n_head``."""
 
@@ -108,6 +120,7 @@ FORMS = {
     "q_proj/k_proj": lambda: PairAttention(),
     "grouped-query": lambda: PairAttention(kv_heads=2),
     "qk-layernorm": lambda: PairAttention(qk_norm=True),
+    "keys before queries": lambda: KeysFirst(),
     "fused c_attn": lambda: FusedAttention(),
     "MultiheadAttention batch_first": lambda: MHA(True),
     "MultiheadAttention seq first": lambda: MHA(False),
