@@ -15,7 +15,8 @@ actually used from above). Recognised attention forms (:func:`find_attention`):
   ``k_proj_weight``) and ``in_proj_bias`` on the module's own inputs;
 * a module with child Linears named ``q_proj``/``k_proj``, ``query``/``key``, ``wq``/``wk``,
   ``to_q``/``to_k``, ``q_lin``/``k_lin`` (their outputs; grouped-query attention too: fewer key heads);
-* a fused Linear ``c_attn``, ``qkv``, ``Wqkv``, ``qkv_proj`` whose output is [q | k | v];
+* a fused Linear ``c_attn``, ``qkv``, ``Wqkv``, ``qkv_proj`` whose output is [q | k | v] (GPT-2's
+  ``Conv1D`` ``c_attn`` in transformers too);
 
 with the head count read from the attention module (``num_heads``, ``n_head``, ``n_heads``, ``heads``,
 ``num_attention_heads``, ``nhead``, or ``head_dim``), its ``scaling`` / ``scale`` when it has a float
@@ -90,6 +91,16 @@ def _scale(m: torch.nn.Module) -> Optional[float]:
     return None
 
 
+def _out_features(m: Optional[torch.nn.Module]) -> Optional[int]:
+    """A projection's output width: an ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's ``c_attn``)."""
+    if isinstance(m, torch.nn.Linear):
+        return m.out_features
+    nf = getattr(m, "nf", None)
+    if type(m).__name__ == "Conv1D" and isinstance(nf, int):
+        return nf
+    return None
+
+
 def _site_of(name: str, m: torch.nn.Module, heads: Optional[int], index: int) -> Optional[Site]:
     """The site of one module when it has a recognised form (``heads``: the user's count, else read)."""
     if isinstance(m, torch.nn.MultiheadAttention):
@@ -108,9 +119,10 @@ def _site_of(name: str, m: torch.nn.Module, heads: Optional[int], index: int) ->
             return Site(name, index, "pair", h, _scale(m), q, k)
     for fn in FUSED:
         lin = children.get(fn)
-        if isinstance(lin, torch.nn.Linear) and lin.out_features % 3 == 0:
-            h = heads or _heads(m, lin.out_features // 3)
-            if h is None or (lin.out_features // 3) % h:
+        width = _out_features(lin)
+        if width and width % 3 == 0:
+            h = heads or _heads(m, width // 3)
+            if h is None or (width // 3) % h:
                 return None
             for nq, nk in NORMS:
                 if isinstance(children.get(nq), torch.nn.Module) and isinstance(children.get(nk), torch.nn.Module):
@@ -194,24 +206,6 @@ def _tokens(x: torch.Tensor, heads: int) -> Optional[torch.Tensor]:
     return x[:MAX_POSITIONS]
 
 
-def max_logit(q: torch.Tensor, k: torch.Tensor, heads: int, scale: Optional[float]) -> torch.Tensor:
-    """max over heads and (query, key) pairs of q·k·scale; q (t, heads·d), k (t, kv_heads·d), float32.
-
-    >>> q = torch.tensor([[1.0, 0.0], [0.0, 2.0]]); k = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
-    >>> float(max_logit(q, k, 1, None))      # 1·3 / sqrt(2)
-    2.1213202476501465
-    """
-    t, width = q.shape
-    d = width // heads
-    kv = k.shape[1] // d
-    qh = q.float().reshape(t, heads, d).transpose(0, 1)
-    kh = k.float().reshape(k.shape[0], kv, d).transpose(0, 1)
-    if kv != heads:                       # grouped-query attention: each key head serves heads/kv query heads
-        kh = kh.repeat_interleave(heads // kv, dim=0)
-    s = scale if scale is not None else 1.0 / math.sqrt(d)
-    return torch.matmul(qh, kh.transpose(1, 2)).amax() * s
-
-
 def _mha_qk(m: torch.nn.MultiheadAttention, args: tuple, kwargs: dict):
     """The queries and keys an ``nn.MultiheadAttention`` makes of its inputs, first sample only."""
     query = kwargs.get("query", args[0] if len(args) > 0 else None)
@@ -235,9 +229,15 @@ _CHUNK_LOGITS = 1 << 22
 
 
 def max_logits(pairs: list, heads: int) -> torch.Tensor:
-    """``max_logit`` (without the scale) of several modules whose q and k have the same shapes, in a few
-    batched kernels instead of a few per module (the hooks' cost is per kernel launch, not per flop).
-    A pair is (q, k), or (qkv, None): a fused projection's [q | k | v] output, split here."""
+    """Per module, max over heads and (query, key) pairs of q·k (unscaled), for several modules whose q and
+    k have the same shapes, in a few batched kernels instead of a few per module (the hooks' cost is per
+    kernel launch, not per flop). A pair is (q, k), each (positions, heads·head_dim; fewer key heads for
+    grouped-query attention), or (qkv, None): a fused projection's [q | k | v] output, split here.
+
+    >>> q = torch.tensor([[1.0, 0.0], [0.0, 2.0]]); k = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    >>> max_logits([(q, k), (q, 2 * k)], heads=1).tolist()
+    [3.0, 6.0]
+    """
     fused = pairs[0][1] is None
     t, width = pairs[0][0].shape
     if fused:

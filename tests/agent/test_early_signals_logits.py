@@ -241,3 +241,41 @@ def test_a_regression_output_has_no_log_z(recorder, agent_settings):
 def test_a_bad_attention_modules_entry_is_refused_at_attach():
     with pytest.raises(ValueError, match="attention_modules"):
         agent.attach(nn.Linear(2, 2), None, mode="disabled", attention_modules="blocks.*.attn:four")
+
+
+def test_a_transformers_gpt2_is_recognised_and_measured(recorder, agent_settings):
+    """GPT-2 in transformers: a Conv1D ``c_attn`` under ``GPT2Attention`` (num_heads, scaling), and a
+    ``CausalLMOutput`` whose ``.logits`` are the output."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=12, n_positions=T, n_embd=D, n_layer=2, n_head=HEADS,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    qkv: dict[int, torch.Tensor] = {}
+    for i, blk in enumerate(model.transformer.h):
+        blk.attn.c_attn.register_forward_hook(lambda m, a, out, i=i: qkv.__setitem__(i, out.detach()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = agent.attach(model, None, optimizer=opt, transport=recorder, attn_logits_every=1,
+                           output_logits_every=1, **agent_settings)
+    expected = []
+    for _ in range(2):
+        idx = torch.randint(0, 12, (3, T))
+        opt.zero_grad()
+        out = model(input_ids=idx, labels=idx)
+        per = []
+        for i in range(2):
+            q, k, _ = qkv[i][0].split(D, dim=-1)
+            q, k = q.view(T, HEADS, -1).transpose(0, 1), k.view(T, HEADS, -1).transpose(0, 1)
+            per.append(float((q @ k.transpose(1, 2)).amax()) / math.sqrt(D // HEADS))
+        lg = out.logits.detach().float()
+        expected.append((per, float(lg.amax()), float(lg.logsumexp(-1).mean())))
+        out.loss.backward()
+        opt.step()
+    monitor.close()
+    names = recorder.meta()["module_names"]
+    where = [names.index(f"transformer.h.{i}.attn") for i in range(2)]
+    assert [s["step"] for s in recorder.steps] == [0, 1]
+    for s, (per, out_max, log_z) in zip(recorder.steps, expected):
+        assert [s["layers"]["attn_logit_max"][i] for i in where] == pytest.approx(per, rel=1e-5)
+        assert s["output_logit_max"] == pytest.approx(out_max, rel=1e-5)
+        assert s["output_log_z"] == pytest.approx(log_z, rel=1e-5)
