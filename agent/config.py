@@ -133,7 +133,7 @@ class AgentConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
         for item in (self.attention_modules or "").split(","):   # agent/collectors/early_logits.py reads it
             heads = item.partition(":")[2].strip()
-            if item.strip() and (not item.partition(":")[0].strip() or (heads and not heads.isdigit())):
+            if item.strip() and (not item.partition(":")[0].strip() or (heads and not (heads.isdigit() and int(heads) > 0))):
                 problems.append(f"attention_modules entry {item.strip()!r}: write NAME or NAME:HEADS (a module name "
                                 f"or fnmatch pattern, a positive head count), e.g. blocks.*.attn:8")
         if problems:

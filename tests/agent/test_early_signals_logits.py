@@ -238,9 +238,10 @@ def test_a_regression_output_has_no_log_z(recorder, agent_settings):
     assert len(steps) == 2 and all(s.get("output_log_z") is None and s.get("attn_logit_max") is None for s in steps)
 
 
-def test_a_bad_attention_modules_entry_is_refused_at_attach():
+@pytest.mark.parametrize("entry", ["blocks.*.attn:four", "blocks.*.attn:0", ":4"])
+def test_a_bad_attention_modules_entry_is_refused_at_attach(entry):
     with pytest.raises(ValueError, match="attention_modules"):
-        agent.attach(nn.Linear(2, 2), None, mode="disabled", attention_modules="blocks.*.attn:four")
+        agent.attach(nn.Linear(2, 2), None, mode="disabled", attention_modules=entry)
 
 
 def test_a_transformers_gpt2_is_recognised_and_measured(recorder, agent_settings):
