@@ -38,6 +38,7 @@ def default_spool_dir() -> str:
 # benchmark's "agent-full" mode).
 EVERY_STEP: Mapping[str, int] = {"weights_every": 1, "activations_every": 1, "inputs_every": 1, "ema_every": 1,
                                  "bn_every": 1}
+EVERY_STEP = {**EVERY_STEP, "attn_logits_every": 1, "output_logits_every": 1}   # early-warning logits (H2, H3)
 
 
 @dataclass
@@ -91,6 +92,11 @@ class AgentConfig:
     # configuration advice at step 0 (docs/early-warning-advice.md)
     setup_advice: bool = True            # send the run's setup once (precision, clipping and its order, EMA
                                          # decay, cosine floor) for the server's notes H5-H9; no per-step cost
+    # early warning, attention and output logits (H2, H3; agent/collectors/early_logits.py)
+    attn_logits_every: int = 10          # per attention module, the max attention logit q·k·scale
+    output_logits_every: int = 10        # the output's max logit and mean log Z
+    attention_modules: Optional[str] = None   # attention modules the agent does not recognise by itself:
+                                         # "name[:heads], ..." (fnmatch patterns), docs/signals.md
 
     def __post_init__(self) -> None:
         problems = []
@@ -124,6 +130,15 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 problems.append(f"{name}={value!r}: must be a positive integer or None (inferred)")
+        # early warning, attention and output logits
+        for name in ("attn_logits_every", "output_logits_every"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
+        for item in (self.attention_modules or "").split(","):   # agent/collectors/early_logits.py reads it
+            heads = item.partition(":")[2].strip()
+            if item.strip() and (not item.partition(":")[0].strip() or (heads and not (heads.isdigit() and int(heads) > 0))):
+                problems.append(f"attention_modules entry {item.strip()!r}: write NAME or NAME:HEADS (a module name "
+                                f"or fnmatch pattern, a positive head count), e.g. blocks.*.attn:8")
         if problems:
             raise ValueError("gradwatch agent configuration: " + "; ".join(problems))
         self.server = self.server.rstrip("/")

@@ -107,6 +107,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("grad_zero_fraction", "Gradient elements exactly zero (share, after unscale)", include_zero=True),
 )
 
+# ---- early warning, attention and output logits (H2, H3: agent/collectors/early_logits.py)
+PANELS += (
+    Panel("early_logits", "Attention and output logits (max; output mean log Z)"),
+)
+
 STEP_SIGNALS: tuple[StepSignal, ...] = (
     StepSignal("loss", 0, "float", "", "the step's loss (summed over its micro-batches)", column=True,
                panel="loss", label="loss", compare="Loss", per_rank="Loss per rank",
@@ -161,6 +166,17 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
                panel="step_time", label="data time (before forward)", per_rank="Data time per rank (s)"),
 )
 
+# ---- early warning, attention and output logits (H2, H3: agent/collectors/early_logits.py)
+STEP_SIGNALS += (
+    StepSignal("attn_logit_max", 20, "float", "", "largest attention logit q·k·scale over the attention modules "
+               "(recomputed from their queries and keys: first sample, first 128 positions; sampled)",
+               panel="early_logits", label="max attention logit"),
+    StepSignal("output_logit_max", 21, "float", "", "largest logit of the model's output (a distribution over "
+               ">= 2 classes; sampled)", panel="early_logits", label="max output logit"),
+    StepSignal("output_log_z", 22, "float", "", "mean over positions of the output's log Z = logsumexp over "
+               "its classes (z-loss holds it near 0; sampled)", panel="early_logits", label="mean log Z"),
+)
+
 LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("grad_norm", "params", "", "per-parameter grad norm (unscaled, pre-clip)",
               heatmap="Per-parameter grad norm (log10)", combined=True),
@@ -194,6 +210,13 @@ LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("act_nonfinite", "modules", "values", "non-finite values in each module's output (sampled)"),
     LayerStat("bn_mean_norm", "bn", "", "norm of each BatchNorm layer's running mean (sampled)"),
     LayerStat("bn_var_norm", "bn", "", "norm of each BatchNorm layer's running variance (sampled)"),
+)
+
+# ---- early warning, attention logits (H2: agent/collectors/early_logits.py)
+LAYER_STATS += (
+    LayerStat("attn_logit_max", "modules", "", "per attention module, its largest attention logit q·k·scale "
+              "(first sample, first 128 positions; null for other modules; sampled)",
+              heatmap="Per-module max attention logit (log10)"),
 )
 
 EVENT_KINDS: tuple[EventKind, ...] = (

@@ -1,0 +1,439 @@
+"""Early-warning logits: each attention module's largest attention logit, and the output's logits.
+
+Both move before a divergence (Wortsman et al. 2023, arXiv:2309.14322; docs/early-warning-logits.md):
+without qk-layernorm at a high learning rate the largest attention logit q·k/√d grows until the
+softmax turns one-hot (rule H2); without z-loss the output logits' log-partition log Z drifts away
+from 0 until bf16 rounds away their differences (rule H3).
+
+Fused attention (``scaled_dot_product_attention``) never shows its logits, so they are recomputed
+from the queries and keys: on a sampled step's first forward, hooks read them where the model makes
+them and take the exact max of q·kᵀ·scale over all heads for the micro-batch's first sample and its
+first :data:`MAX_POSITIONS` positions (no mask applied: for a causal model this bounds the logits
+actually used from above). Recognised attention forms (:func:`find_attention`):
+
+* ``nn.MultiheadAttention``: q, k computed from ``in_proj_weight`` (or ``q_proj_weight`` /
+  ``k_proj_weight``) and ``in_proj_bias`` on the module's own inputs;
+* a module with child Linears named ``q_proj``/``k_proj``, ``query``/``key``, ``wq``/``wk``,
+  ``to_q``/``to_k``, ``q_lin``/``k_lin`` (their outputs; grouped-query attention too: fewer key heads);
+* a fused Linear ``c_attn``, ``qkv``, ``Wqkv``, ``qkv_proj`` whose output is [q | k | v] (GPT-2's
+  ``Conv1D`` ``c_attn`` in transformers too);
+
+with the head count read from the attention module (``num_heads``, ``n_head``, ``n_heads``, ``heads``,
+``num_attention_heads``, ``nhead``, or ``head_dim``), its ``scaling`` / ``scale`` when it has a float
+one (else 1/√head_dim), and, where it has children ``q_norm``/``k_norm`` (``q_layernorm``/``k_layernorm``,
+``q_ln``/``k_ln``), the queries and keys read after those norms (qk-layernorm). Other forms are named
+with ``attach(..., attention_modules="blocks.*.attn:8")`` (module names, fnmatch patterns, an optional
+``:heads``). Rotary embeddings are applied after the projections: the value is then the logit
+without the rotation (the same norms, so the same growth).
+
+The output: the model's output tensor (or ``output.logits``, ``output["logits"]``) when its last
+dimension has at least 2 classes: its max logit and the mean over positions of log Z = logsumexp.
+
+Cost on a sampled step: a handful of small kernels per attention module and one logsumexp over the
+output; nothing on other steps (the hooks exist only during sampled forwards).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from gradwatch.agent.collectors.base import Collector
+
+# positions of the first sample whose pairs are scored (128² pairs per head)
+MAX_POSITIONS = 128
+PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("to_q", "to_k"), ("q_lin", "k_lin"))
+NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("q_ln", "k_ln"))
+FUSED = ("c_attn", "qkv", "Wqkv", "qkv_proj")
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "heads", "num_attention_heads", "nhead")
+# the wire's "not measured" float32 (docs/wire-format.md) for a module that is no attention module
+_NULL_BITS = 0x7FC0DEAD
+
+
+@dataclass
+class Site:
+    """One attention module: where its queries and keys come from."""
+    name: str                       # the attention module's name (the evidence's module)
+    index: int                      # its place in the run's module list
+    kind: str                       # "mha" | "pair" | "fused"
+    heads: int
+    scale: Optional[float]          # None: 1/sqrt(head_dim)
+    q: torch.nn.Module              # the module whose output (input, for "mha") gives the queries
+    k: Optional[torch.nn.Module]    # ... the keys ("pair"); None otherwise
+
+
+def _int_attr(m: torch.nn.Module, names) -> Optional[int]:
+    for a in names:
+        v = getattr(m, a, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _heads(m: torch.nn.Module, width: Optional[int]) -> Optional[int]:
+    h = _int_attr(m, HEAD_ATTRS)
+    if h is None and width:
+        d = _int_attr(m, ("head_dim", "attention_head_size", "d_head"))
+        if d and width % d == 0:
+            h = width // d
+    return h
+
+
+def _scale(m: torch.nn.Module) -> Optional[float]:
+    for a in ("scaling", "scale"):
+        v = getattr(m, a, None)
+        if isinstance(v, float) and v > 0:
+            return v
+    return None
+
+
+def _out_features(m: Optional[torch.nn.Module]) -> Optional[int]:
+    """A projection's output width: an ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's ``c_attn``)."""
+    if isinstance(m, torch.nn.Linear):
+        return m.out_features
+    nf = getattr(m, "nf", None)
+    if type(m).__name__ == "Conv1D" and isinstance(nf, int):
+        return nf
+    return None
+
+
+def _site_of(name: str, m: torch.nn.Module, heads: Optional[int], index: int) -> Optional[Site]:
+    """The site of one module when it has a recognised form (``heads``: the user's count, else read)."""
+    if isinstance(m, torch.nn.MultiheadAttention):
+        return Site(name, index, "mha", heads or m.num_heads, None, m, None)
+    children = dict(m.named_children())
+    for qn, kn in PAIRS:
+        q, k = children.get(qn), children.get(kn)
+        if isinstance(q, torch.nn.Linear) and isinstance(k, torch.nn.Linear):
+            h = heads or _heads(m, q.out_features)
+            if h is None or q.out_features % h:
+                return None
+            for nq, nk in NORMS:   # qk-layernorm: the logits are those of the normalised queries and keys
+                if isinstance(children.get(nq), torch.nn.Module) and isinstance(children.get(nk), torch.nn.Module):
+                    q, k = children[nq], children[nk]
+                    break
+            return Site(name, index, "pair", h, _scale(m), q, k)
+    for fn in FUSED:
+        lin = children.get(fn)
+        width = _out_features(lin)
+        if width and width % 3 == 0:
+            h = heads or _heads(m, width // 3)
+            if h is None or (width // 3) % h:
+                return None
+            for nq, nk in NORMS:
+                if isinstance(children.get(nq), torch.nn.Module) and isinstance(children.get(nk), torch.nn.Module):
+                    return Site(name, index, "pair", h, _scale(m), children[nq], children[nk])
+            return Site(name, index, "fused", h, _scale(m), lin, None)
+    return None
+
+
+def parse_attention_modules(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
+    """``"blocks.*.attn:8, enc.mha"`` -> [("blocks.*.attn", 8), ("enc.mha", None)].
+
+    >>> parse_attention_modules("blocks.*.attn:8, enc.mha")
+    [('blocks.*.attn', 8), ('enc.mha', None)]
+    """
+    out: list[tuple[str, Optional[int]]] = []
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        pattern, _, heads = item.partition(":")
+        if heads and not (heads.isdigit() and int(heads) > 0):
+            raise ValueError(f"attention_modules entry {item!r}: write NAME or NAME:HEADS with HEADS a positive "
+                             f"integer, e.g. blocks.*.attn:8")
+        out.append((pattern.strip(), int(heads) if heads else None))
+    return out
+
+
+def find_attention(model: torch.nn.Module, module_names: list[str], named: Optional[str] = None) -> list[Site]:
+    """The attention modules of ``model`` in module order, each with its place in ``module_names``.
+
+    ``named``: the user's ``attention_modules`` (see the module docstring). A named fused Linear
+    (a module of its own) reads its head count from its parent or the ``:heads`` given.
+
+    >>> sites = find_attention(torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2)), ["0"])
+    >>> [(s.name, s.kind, s.heads) for s in sites]
+    [('0', 'mha', 2)]
+    """
+    position = {n: i for i, n in enumerate(module_names)}
+    mods = dict(model.named_modules())
+    wanted = parse_attention_modules(named)
+    sites: list[Site] = []
+    taken: set[int] = set()          # ids of q-source modules already in a site
+    for name, m in model.named_modules():
+        heads = next((h for pat, h in wanted if fnmatch.fnmatchcase(name, pat)), None)
+        named_here = any(fnmatch.fnmatchcase(name, pat) for pat, _ in wanted)
+        site = None
+        if isinstance(m, torch.nn.Linear) and named_here:
+            parent = mods.get(name.rsplit(".", 1)[0] if "." in name else "")
+            h = heads or (_heads(parent, m.out_features // 3) if parent is not None else None)
+            if h and m.out_features % 3 == 0 and (m.out_features // 3) % h == 0:
+                site = Site(name, -1, "fused", h, _scale(parent) if parent is not None else None, m, None)
+        elif not isinstance(m, torch.nn.Linear):
+            site = _site_of(name, m, heads, -1)
+        if site is None or id(site.q) in taken:
+            continue
+        # the attention module's own place; a root-level attention (no name) takes its q source's
+        site.index = position.get(name, position.get(_name_of(model, site.q), -1))
+        if site.index < 0:
+            continue
+        taken.add(id(site.q))
+        sites.append(site)
+    return sites
+
+
+def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
+    return next((n for n, m in model.named_modules() if m is target), "")
+
+
+def _tokens(x: torch.Tensor, heads: int) -> Optional[torch.Tensor]:
+    """A projection's (or norm's) output -> (positions, width) of the first sample, width = heads × head_dim.
+
+    (b, t, c) and (t, c); a per-head norm's (b, t, h, d), or (b, h, t, d) when dim 1 is the heads."""
+    if x.dim() == 4:
+        if x.shape[2] != heads and x.shape[1] == heads:
+            x = x.transpose(1, 2)
+        x = x[0].reshape(x.shape[1], -1)
+    elif x.dim() == 3:
+        x = x[0]
+    elif x.dim() != 2:
+        return None
+    return x[:MAX_POSITIONS]
+
+
+def _mha_qk(m: torch.nn.MultiheadAttention, args: tuple, kwargs: dict):
+    """The queries and keys an ``nn.MultiheadAttention`` makes of its inputs, first sample only."""
+    query = kwargs.get("query", args[0] if len(args) > 0 else None)
+    key = kwargs.get("key", args[1] if len(args) > 1 else None)
+    if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
+        return None
+    if query.dim() == 3:
+        query, key = (query[0], key[0]) if m.batch_first else (query[:, 0], key[:, 0])
+    e = m.embed_dim
+    if m._qkv_same_embed_dim:
+        wq, wk = m.in_proj_weight[:e], m.in_proj_weight[e:2 * e]
+    else:
+        wq, wk = m.q_proj_weight, m.k_proj_weight
+    b = m.in_proj_bias
+    bq, bk = (b[:e], b[e:2 * e]) if b is not None else (None, None)
+    return F.linear(query[:MAX_POSITIONS], wq, bq), F.linear(key[:MAX_POSITIONS], wk, bk)
+
+
+# one batched matmul scores at most this many logits (modules × heads × positions²): 16 MB in fp32
+_CHUNK_LOGITS = 1 << 22
+
+
+def max_logits(pairs: list, heads: int) -> torch.Tensor:
+    """Per module, max over heads and (query, key) pairs of q·k (unscaled), for several modules whose q and
+    k have the same shapes, in a few batched kernels instead of a few per module (the hooks' cost is per
+    kernel launch, not per flop). A pair is (q, k), each (positions, heads·head_dim; fewer key heads for
+    grouped-query attention), or (qkv, None): a fused projection's [q | k | v] output, split here.
+
+    >>> q = torch.tensor([[1.0, 0.0], [0.0, 2.0]]); k = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    >>> max_logits([(q, k), (q, 2 * k)], heads=1).tolist()
+    [3.0, 6.0]
+    """
+    fused = pairs[0][1] is None
+    t, width = pairs[0][0].shape
+    if fused:
+        width //= 3
+    d = width // heads
+    kv = heads if fused else pairs[0][1].shape[1] // d
+    per = max(1, _CHUNK_LOGITS // (heads * t * t))
+    out = []
+    for lo in range(0, len(pairs), per):
+        chunk = pairs[lo:lo + per]
+        n = len(chunk)
+        if fused:
+            x = torch.stack([p[0] for p in chunk]).float().view(n, t, 3, heads, d)
+            q, k = x[:, :, 0].transpose(1, 2), x[:, :, 1].transpose(1, 2)
+        else:
+            q = torch.stack([p[0] for p in chunk]).float().view(n, t, heads, d).transpose(1, 2)
+            k = torch.stack([p[1] for p in chunk]).float().view(n, -1, kv, d).transpose(1, 2)
+        if kv != heads:
+            k = k.repeat_interleave(heads // kv, dim=1)
+        out.append(torch.matmul(q, k.transpose(2, 3)).view(n, -1).amax(dim=1))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class AttentionLogits(Collector):
+    """Per attention module, the max attention logit (``layers.attn_logit_max``) and its max over the
+    modules (``attn_logit_max``), every ``attn_logits_every`` steps.
+
+    The hooks only keep views of the first sample's queries and keys (one slice each); the logits are
+    scored at the step's end, modules of one shape together in one batched matmul."""
+
+    name = "attn_logits"
+    every = "attn_logits_every"
+
+    def __init__(self, watched, guards):
+        super().__init__(watched, guards)
+        self.sites: list[Site] = []
+        if self.interval > 0:
+            names = [n for n, _ in watched.modules]
+            self.sites = find_attention(watched.model, names, getattr(watched.config, "attention_modules", None))
+        self.handles: list[Any] = []
+        self.qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # site position -> (q, k), this step
+        self.partial: dict[int, tuple[bool, torch.Tensor]] = {}       # site position -> its q or k, until the other
+        self.scales = [s.scale for s in self.sites]
+
+    def wanted(self) -> bool:
+        return self.interval > 0 and bool(self.sites)
+
+    def on_first_forward(self, step, args, kwargs) -> None:
+        self.handles.append(self.watched.model.register_forward_hook(self._done))
+        for i, s in enumerate(self.sites):
+            if s.kind == "mha":
+                self.handles.append(s.q.register_forward_pre_hook(self._mha_hook(i), with_kwargs=True))
+            elif s.kind == "fused":
+                self.handles.append(s.q.register_forward_hook(self._fused_hook(i)))
+            else:
+                self.handles.append(s.q.register_forward_hook(self._pair_hook(i, True)))
+                self.handles.append(s.k.register_forward_hook(self._pair_hook(i, False)))
+
+    def _done(self, module, args, output):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.partial = {}
+        return None
+
+    def _active(self, i: int) -> bool:
+        return i not in self.qk and self.name not in self.guards.disabled
+
+    def _mha_hook(self, i: int):
+        def hook(module, args, kwargs):
+            if self._active(i):
+                with self.guards.guard(self.name), torch.no_grad():
+                    qk = _mha_qk(module, args, kwargs)
+                    if qk is not None:
+                        self.qk[i] = qk
+            return None
+        return hook
+
+    def _fused_hook(self, i: int):
+        def hook(module, args, output):
+            if self._active(i) and isinstance(output, torch.Tensor) and output.dim() in (2, 3):
+                with self.guards.guard(self.name):   # a view; scored (under no_grad) at the step's end
+                    self.qk[i] = (output[0, :MAX_POSITIONS] if output.dim() == 3 else output[:MAX_POSITIONS], None)
+            return None
+        return hook
+
+    def _pair_hook(self, i: int, is_q: bool):
+        def hook(module, args, output):
+            if self._active(i) and isinstance(output, torch.Tensor):
+                with self.guards.guard(self.name):
+                    x = _tokens(output, self.sites[i].heads)
+                    if x is None:
+                        return None
+                    other = self.partial.pop(i, None)   # (is_q, x) of the one of the two that ran first
+                    if other is None or other[0] == is_q:
+                        self.partial[i] = (is_q, x)
+                    else:
+                        self.qk[i] = (x, other[1]) if is_q else (other[1], x)
+            return None
+        return hook
+
+    def end_step(self, step, rec) -> None:
+        qk, self.qk = self.qk, {}
+        if not qk or not self.guards.on(self.name):
+            return
+        with self.guards.guard(self.name), torch.no_grad():
+            groups: dict[tuple, list[int]] = {}
+            for i, (q, k) in qk.items():
+                groups.setdefault((tuple(q.shape), None if k is None else tuple(k.shape), q.dtype, q.device,
+                                   self.sites[i].heads),
+                                  []).append(i)
+            order: list[int] = []
+            parts = []
+            for key, members in groups.items():
+                order += members
+                parts.append(max_logits([qk[i] for i in members], key[-1]))
+            values = parts[0] if len(parts) == 1 else torch.cat(parts)
+            scale = [self.scales[i] if self.scales[i] is not None else
+                     1.0 / math.sqrt(qk[i][0].shape[1] // (1 if qk[i][1] is not None else 3) // self.sites[i].heads)
+                     for i in order]
+            values = values * torch.tensor(scale, dtype=values.dtype, device=values.device)
+            rec.add("attn_logit_max", values.amax())
+            n = len(self.watched.modules)
+            full = torch.full((n,), _NULL_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
+            full[torch.tensor([self.sites[i].index for i in order], device=values.device)] = values
+            rec.add("layers.attn_logit_max", full)
+
+    def detach(self) -> None:
+        for h in self.handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self.handles = []
+
+
+def output_logits(output: Any) -> Optional[torch.Tensor]:
+    """The logits in a model's output: the tensor, ``.logits`` or ``["logits"]``, when its last dimension
+    holds at least 2 classes (a floating tensor); else None.
+
+    >>> output_logits(torch.zeros(2, 5)).shape, output_logits(torch.zeros(4, 1))
+    (torch.Size([2, 5]), None)
+    """
+    t = output
+    if not isinstance(t, torch.Tensor):
+        t = getattr(output, "logits", None)
+        if t is None and isinstance(output, dict):
+            t = output.get("logits")
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2 \
+            and t.numel() > 0:
+        return t
+    return None
+
+
+class OutputLogits(Collector):
+    """The output's max logit (``output_logit_max``) and mean log Z (``output_log_z``), every
+    ``output_logits_every`` steps."""
+
+    name = "output_logits"
+    every = "output_logits_every"
+
+    def __init__(self, watched, guards):
+        super().__init__(watched, guards)
+        self.handle: Any = None
+        self.stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def wanted(self) -> bool:
+        return self.interval > 0
+
+    def on_first_forward(self, step, args, kwargs) -> None:
+        if self.handle is None:
+            self.handle = self.watched.model.register_forward_hook(self._on_output)
+
+    def _on_output(self, module, args, output):
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+        if self.name in self.guards.disabled:
+            return None
+        with self.guards.guard(self.name), torch.no_grad():
+            t = output_logits(output)
+            if t is not None:
+                x = t.detach().float()
+                self.stats = (x.amax(), x.logsumexp(-1).mean())
+        return None
+
+    def end_step(self, step, rec) -> None:
+        stats, self.stats = self.stats, None
+        if stats is not None and self.guards.on(self.name):
+            rec.add("output_logit_max", stats[0])
+            rec.add("output_log_z", stats[1])
+
+    def detach(self) -> None:
+        if self.handle is not None:
+            try:
+                self.handle.remove()
+            except Exception:  # noqa: BLE001
+                pass
+            self.handle = None

@@ -1,0 +1,136 @@
+"""Early warnings from the logits: attention-logit growth (H2), output-logit divergence (H3).
+
+Both watch a value that moves *before* the loss does (Wortsman et al. 2023, arXiv:2309.14322;
+docs/early-warning-logits.md) and judge it against its own history with a robust baseline
+(:class:`~server.rules.windows.RobustWindow`: median / MAD, a flagged value kept out of it) and ask
+for a sustained rise — ``consecutive`` samples in a row past the bar — so one spike says nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gradwatch.server.rules.batch import layer_array
+from gradwatch.server.rules.registry import register
+from gradwatch.server.rules.rule import BatchRule, Outcome, name_of, streaks
+from gradwatch.server.rules.spec import Float, Hit, Int
+from gradwatch.server.rules.stats import fmt
+from gradwatch.server.rules.windows import RobustWindow
+
+
+def _bar(factor: float, sigmas: float, floor: float):
+    """The test of one arrival: past ``floor``, ``factor`` × its median and ``sigmas`` MADs above it."""
+    return lambda x, med, mad: (x >= floor) & (x >= factor * med) & (x > med + sigmas * np.nan_to_num(mad))
+
+
+@register
+class AttentionLogitGrowth(BatchRule):
+    id, name, severity, checklist = "H2", "attention_logit_growth", "warning", "5.2"
+    fires_when = ("an attention module's max attention logit stays >= {min_logit:g}, >= {factor:g}x its median and "
+                  "{sigmas:g} MADs above it (its last {window} samples) for {consecutive} samples in a row")
+    diagnosis = ("Attention-logit growth: the queries and keys of this attention module grow until its softmax turns "
+                 "one-hot (attention entropy collapse); the loss diverges after it. Check: (1) is qk-layernorm used? "
+                 "(2) is the learning rate high for this model size? (3) is the warm-up short or absent?")
+    actions = {
+        "qk_layernorm": "Add qk-layernorm: a LayerNorm on each head's queries and keys before q·k (Dehghani et al. "
+                        "2023; Wortsman et al. 2023).",
+        "lower_lr": "Lower the learning rate (÷2-÷10); the growth rate follows it.",
+        "longer_warmup": "Lengthen the learning-rate warm-up.",
+    }
+    params = {"factor": Float(4.0), "sigmas": Float(6.0, zero_ok=True), "min_logit": Float(50.0, zero_ok=True),
+              "consecutive": Int(5), "window": Int(200), "min_history": Int(10)}
+    needs = ("layers.attn_logit_max",)
+    REFRESH = 8
+    # State per module j: "m<j>" its RobustWindow, "s<j>" the run of flagged samples at the batch's end.
+
+    def evaluate(self, batch, state, cfg):
+        out = Outcome.quiet(batch.n)
+        carriers = batch.carriers("attn_logit_max")
+        if not carriers:
+            return out
+        rows = [layer_array(batch.steps[i], "attn_logit_max") for i in carriers]
+        width = max(len(r) for r in rows)
+        X = np.full((len(rows), width), np.nan)
+        for k, r in enumerate(rows):
+            X[k, :len(r)] = r
+        flags = _bar(cfg["factor"], cfg["sigmas"], cfg["min_logit"])
+        judged_any = np.zeros(len(rows), dtype=bool)
+        worst: dict[int, tuple] = {}                      # carrier -> (ratio, module, value, median, run)
+        for j in np.flatnonzero(np.isfinite(X).any(axis=0)).tolist():
+            col = X[:, j]
+            at = np.flatnonzero(np.isfinite(col))
+            win = RobustWindow(state, f"m{j}", int(cfg["window"]), refresh=self.REFRESH,
+                               min_len=int(cfg["min_history"]), want_mad=True)
+            s = win.screen(col[at], np.ones(len(at), dtype=bool), flags, monotone=True)
+            win.save()
+            run = streaks(s.flagged, int(state.get(f"s{j}", 0)))
+            state[f"s{j}"] = int(run[-1]) if len(run) else int(state.get(f"s{j}", 0))
+            judged_any[at[s.judged]] = True
+            for k in np.flatnonzero(run >= cfg["consecutive"]).tolist():
+                x, med = float(col[at[k]]), float(s.med[k])
+                ratio = x / med if med > 0 else np.inf
+                c = int(at[k])
+                if c not in worst or ratio > worst[c][0]:
+                    worst[c] = (ratio, j, x, med, float(s.mad[k]), int(run[k]))
+        for k, i in enumerate(carriers):
+            if k in worst:
+                ratio, j, x, med, mad, n = worst[k]
+                module = name_of(batch.ctx.module_names, j)
+                out.hits[i] = Hit({"module": module, "attn_logit_max": x, "median": med, "mad": mad,
+                                   "ratio": ratio, "samples_in_a_row": n},
+                                  f"Max attention logit of {module} is {fmt(x)}, {ratio:.1f}x its median {fmt(med)}, "
+                                  f"for {n} samples in a row")
+            elif judged_any[k]:
+                out.clear[i] = True
+        return out
+
+
+@register
+class OutputLogitDivergence(BatchRule):
+    id, name, severity, checklist = "H3", "output_logit_divergence", "warning", "6.2"
+    fires_when = ("the output's mean log Z is >= {min_abs_log_z:g} in size, has moved >= {min_drift:g} and "
+                  "{sigmas:g} MADs from its median (its last {window} samples) and stays there for {consecutive} "
+                  "samples in a row")
+    diagnosis = ("Output-logit divergence: the log-partition log Z of the output logits drifts away from 0 (softmax "
+                 "cross-entropy is blind to a shift of every logit, the optimizer is not); once the logits are "
+                 "large, bf16 rounds away their differences and the loss jumps. Check: (1) is a z-loss used? "
+                 "(2) is there weight decay on the output layer? (3) is the learning rate high?")
+    actions = {
+        "z_loss": "Add a z-loss: loss + 1e-4 * logsumexp(logits, -1).pow(2).mean() holds log Z near 0 "
+                  "(PaLM; Wortsman et al. 2023).",
+        "weight_decay": "Add weight decay (e.g. AdamW weight_decay=0.1), on the output layer too.",
+        "lower_lr": "Lower the learning rate if the drift goes on.",
+    }
+    params = {"min_abs_log_z": Float(20.0, zero_ok=True), "min_drift": Float(10.0, zero_ok=True),
+              "sigmas": Float(6.0, zero_ok=True), "consecutive": Int(5), "window": Int(200),
+              "min_history": Int(10)}
+    needs = ("output_log_z",)
+    REFRESH = 8
+
+    def evaluate(self, batch, state, cfg):
+        z = batch.values("output_log_z")
+        at = np.flatnonzero(np.isfinite(z))
+        out = Outcome.quiet(batch.n)
+        if not len(at):
+            return out
+        xs = z[at]
+        lo, drift, sigmas = cfg["min_abs_log_z"], cfg["min_drift"], cfg["sigmas"]
+
+        def flags(x, med, mad):
+            return (np.abs(x) >= lo) & (np.abs(x - med) >= drift) & (np.abs(x - med) > sigmas * np.nan_to_num(mad))
+        win = RobustWindow(state, "z", int(cfg["window"]), refresh=self.REFRESH, min_len=int(cfg["min_history"]),
+                           want_mad=True)
+        s = win.screen(xs, np.ones(len(xs), dtype=bool), flags)
+        win.save()
+        run = streaks(s.flagged, int(state.get("s", 0)))
+        state["s"] = int(run[-1])
+        for k in range(len(xs)):
+            i = int(at[k])
+            if run[k] >= cfg["consecutive"]:
+                x, med = float(xs[k]), float(s.med[k])
+                out.hits[i] = Hit({"output_log_z": x, "median": med, "mad": float(s.mad[k]),
+                                   "samples_in_a_row": int(run[k])},
+                                  f"Output mean log Z is {fmt(x)}, {fmt(abs(x - med))} from its median {fmt(med)}, "
+                                  f"for {int(run[k])} samples in a row")
+            elif s.judged[k]:
+                out.clear[i] = True
+        return out

@@ -1,0 +1,93 @@
+"""H2 (attention-logit growth) and H3 (output-logit divergence) on step sequences through the real ingest
+path: a steady rise fires and names its module, a single spike and a trained model's ordinary rise do not.
+
+The sequences are sampled every 10 steps, the agent's default cadence for these signals; the real
+training runs that show the failure are tests/scenarios/early_logits.py.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+from tests.rules.conftest import step, run_name
+
+MODULES = ["tok", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "head"]
+META = {"param_names": ["w"], "module_names": MODULES}
+EVERY = 10
+
+
+def attn_steps(values_of, n: int = 400, seed: int = 0) -> list[dict]:
+    """Steps with a loss; every EVERY-th carries the per-module max attention logit (None: no attention)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        st = step(i, loss=1.0 + rng.gauss(0, 0.01))
+        if i % EVERY == 0:
+            a, b = values_of(i, rng)
+            st["layers"] = {"attn_logit_max": [None, a, None, b, None]}
+            st["attn_logit_max"] = max(a, b)
+        out.append(st)
+    return out
+
+
+def healthy_logits(i, rng):
+    """The ordinary rise as attention learns: from ~2 to ~13, with noise."""
+    return 2 + 11 * (1 - math.exp(-i / 80)) + rng.gauss(0, 0.3), 1.5 + 8 * (1 - math.exp(-i / 80)) + rng.gauss(0, 0.3)
+
+
+def test_h2_fires_on_a_steady_rise_and_names_the_module(rdb):
+    name = run_name()
+
+    def growing(i, rng):
+        a, b = healthy_logits(i, rng)
+        return a, (b if i < 150 else b * 1.03 ** ((i - 150) / EVERY * 4))   # blocks.1.attn grows from step 150
+    rdb.feed(name, attn_steps(growing), batch=37, meta=META)
+    alerts = rdb.rules(name)
+    assert set(alerts) == {"H2"}, alerts
+    a = alerts["H2"]
+    assert a.severity == "warning" and a.evidence["module"] == "blocks.1.attn"
+    assert a.evidence["attn_logit_max"] >= 50 and a.evidence["ratio"] >= 4 and a.evidence["samples_in_a_row"] >= 5
+    assert "qk-layernorm" in a.diagnosis and any("warm-up" in x for x in a.actions)
+
+
+def test_h2_stays_quiet_on_the_ordinary_rise_and_on_one_spike(rdb):
+    quiet = run_name()
+    rdb.feed(quiet, attn_steps(healthy_logits), batch=50, meta=META)
+    spike = run_name()
+
+    def one_spike(i, rng):
+        a, b = healthy_logits(i, rng)
+        return (500.0 if i == 200 else a), b
+    rdb.feed(spike, attn_steps(one_spike), batch=50, meta=META)
+    assert rdb.alerts(quiet) == [] and rdb.alerts(spike) == []
+
+
+def z_steps(z_of, n: int = 500, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    return [step(i, loss=2.0 * math.exp(-i / 300) + 0.3 + rng.gauss(0, 0.01), **({"output_log_z": z_of(i, rng)} if i % EVERY == 0 else {}))
+            for i in range(n)]
+
+
+def trained_z(i, rng):
+    """log Z from log(64) at init up to ~13 as the model grows confident (the scenarios' LM)."""
+    return 4.2 + 9 * (1 - math.exp(-i / 60)) + rng.gauss(0, 0.2)
+
+
+def test_h3_fires_when_log_z_drifts_away_and_stays(rdb):
+    name = run_name()
+    rdb.feed(name, z_steps(lambda i, rng: trained_z(i, rng) + (0.0 if i < 200 else -0.25 * (i - 200))),
+             batch=43)
+    alerts = rdb.rules(name)
+    assert set(alerts) == {"H3"}, alerts
+    a = alerts["H3"]
+    assert a.evidence["output_log_z"] <= -20 and a.evidence["samples_in_a_row"] >= 5
+    assert any("z-loss" in x for x in a.actions) and any("weight decay" in x.lower() for x in a.actions)
+    # where it started: |log Z| past 20 and 10 from its median (~13) at step ~340; 5 samples later
+    assert 330 <= a.first_step <= 420
+
+
+def test_h3_stays_quiet_on_a_trained_models_log_z_and_on_one_spike(rdb):
+    quiet, spike = run_name(), run_name()
+    rdb.feed(quiet, z_steps(trained_z), batch=50)
+    rdb.feed(spike, z_steps(lambda i, rng: -80.0 if i == 300 else trained_z(i, rng)), batch=50)
+    assert rdb.alerts(quiet) == [] and rdb.alerts(spike) == []
