@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from tests.conftest import wait_until
 from tests.integrations.conftest import require, run_of
 
 NAN_STEP = 25
@@ -29,8 +30,10 @@ def _assert_stopped_soon(global_step: int, cb, server, project: str, run: str) -
     assert global_step - NAN_STEP < 400, f"stopped {global_step - NAN_STEP} steps after the NaN"
     print(f"\n{project}: NaN at step {NAN_STEP}, stopped at global step {global_step} "
           f"({global_step - NAN_STEP} steps later at {PACE_S * 1000:.0f} ms a step)")
-    detail = run_of(server, project, run)
-    assert detail["status"] == "finished"
+    # the callback's close() sends the final batch (status "finished") within exit_timeout; on a loaded
+    # machine that batch may still be on its way when close() returns, so wait for it, do not race it
+    detail = wait_until(lambda: (d := run_of(server, project, run))["status"] == "finished" and d, timeout=20,
+                        what="the run's final batch (status finished)")
     status, body = server.get(f"/api/v1/alerts?run={detail['id']}&rule=A1")
     assert status == 200 and [a["id"] for a in body["alerts"]] == [cb.stopped_by.id]
 
