@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import wait_until
 from tests.integrations.conftest import assert_close, require, run_of, series
 
 transformers = require("transformers")
@@ -98,8 +99,9 @@ def test_trainer_steps_and_loss_match_the_trainers_own_log(gw_server, tmp_path, 
     assert cb.monitor is None, "the monitor is closed when training ends"
     assert "training_step" not in trainer.__dict__, "the training_step wrapper is removed after train()"
 
-    run = run_of(gw_server, "hf", run_name)
-    assert run["status"] == "finished"
+    # the final batch (status finished) may still be on its way on a loaded machine: wait, do not race it
+    run = wait_until(lambda: (r := run_of(gw_server, "hf", run_name))["status"] == "finished" and r, timeout=20,
+                     what="the run's final batch")
     loss = series(gw_server, run["id"], "loss")
     # one gradwatch step per optimizer step, numbered from 0, however many micro-batches each had
     assert sorted(loss) == list(range(max_steps))
