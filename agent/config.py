@@ -37,7 +37,7 @@ def default_spool_dir() -> str:
 # The sampling intervals that put every collector on every step (``AgentConfig.every_step``, the
 # benchmark's "agent-full" mode).
 EVERY_STEP: Mapping[str, int] = {"weights_every": 1, "activations_every": 1, "inputs_every": 1, "ema_every": 1,
-                                 "bn_every": 1}
+                                 "bn_every": 1, "adam_every": 1, "linear_every": 1}
 
 
 @dataclass
@@ -88,6 +88,9 @@ class AgentConfig:
     skip_spikes: bool = False            # skip an update whose grad norm is > skip_sigma σ above the mean of
     skip_sigma: float = 6.0              # the last skip_window accepted steps (and, without a GradScaler,
     skip_window: int = 128               # a non-finite one): on the device, no sync
+    # early warning H1 / H4 (docs/early-warning-adam.md): cadences measured with bench/agent_overhead.py
+    adam_every: int = 1                  # Adam's g² / v̂ per parameter (one fused L1 norm of exp_avg_sq)
+    linear_every: int = 10               # output RMS of every nn.Linear module (forward hooks on those steps)
 
     def __post_init__(self) -> None:
         problems = []
@@ -109,7 +112,8 @@ class AgentConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: must be at least 1")
         if self.spool_max_mb < 0:
             problems.append(f"spool_max_mb={self.spool_max_mb!r}: must be >= 0 (0 disables the spool)")
-        for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps"):
+        for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps",
+                     "adam_every", "linear_every"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
         if not (isinstance(self.skip_sigma, (int, float)) and self.skip_sigma > 0):

@@ -1,0 +1,196 @@
+"""Adam's second moment going stale (H1): per parameter, this step's mean(g²) over Adam's mean(v̂).
+
+Adam divides each update by √v̂, an exponential average of g² that, with β2 = 0.999 or 0.9999,
+remembers a thousand steps or more. When a layer's gradients suddenly grow past what v̂ remembers,
+the update m̂ / (√v̂ + ε) grows with them, and the loss spikes a few steps later ("consistently 1-8
+iterations after", Wortsman et al. 2023, arXiv:2304.13013). What this collector records, for every
+parameter tensor Adam holds state for::
+
+    adam_g2_over_v = mean(g²) / (mean(v̂_prev) + ε²)      v̂_prev = exp_avg_sq / (1 - β2^step)
+
+where g is the gradient the optimizer is about to use (unscaled, after clipping) and ``exp_avg_sq``
+and ``step`` are read from ``optimizer.state[p]`` right before the optimizer step (``max_exp_avg_sq``
+with ``amsgrad``). A healthy layer sits near 1; a stale one reads 100 or more.
+
+Cost: one fused ``torch._foreach_norm(exp_avg_sq, 1)`` (v ≥ 0, so its L1 norm is its sum) before the
+step and a handful of kernels on vectors of one value per parameter after it; no weight or state is
+copied, and ‖g‖² comes from the grad norms :class:`~agent.collectors.grads.GradNorms` measured anyway
+(the clipping factor ``min(1, max_norm / (norm + 1e-6))`` is applied as ``clip_grad_norm_`` does).
+No host sync: the step counters Adam keeps on the CPU are read there, device ones are used on the
+device.
+
+Composed for optimizers whose state holds ``exp_avg_sq`` and ``step`` (torch.optim.Adam / AdamW, in
+their for-loop, foreach and fused forms); another optimizer turns it off at its first step. Not on
+sharded runs (FSDP / DTensor): the clipping factor there needs the global norm (docs/signals.md).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gradwatch.agent.collectors.base import Collector
+
+# the wire's "not measured" float32 (docs/wire-format.md): a parameter without Adam state or grad
+_NULL_BITS = 0x7FC0DEAD
+
+
+def adam_like(optimizer) -> bool:
+    """An optimizer whose per-parameter state this collector can read (betas and eps in its defaults).
+
+    >>> m = torch.nn.Linear(2, 1)
+    >>> adam_like(torch.optim.AdamW(m.parameters())), adam_like(torch.optim.SGD(m.parameters(), lr=0.1))
+    (True, False)
+    """
+    defaults = getattr(optimizer, "defaults", None)
+    return isinstance(defaults, dict) and "betas" in defaults and "eps" in defaults
+
+
+def _dev_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a sync: through pinned memory, non-blocking, on CUDA
+    (``torch.tensor(values, device="cuda")`` would wait for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class AdamStaleness(Collector):
+    name = "adam_state"
+    needs = ("optimizer",)
+    every = "adam_every"
+
+    def __init__(self, watched, guards):
+        super().__init__(watched, guards)
+        self.pending = None       # (mean v̂ + eps² per kept parameter, kept indices) between the hooks
+        self._groups: Optional[tuple] = None   # (optimizer id, param-group count, {param id: group})
+        self._index_cache: dict[tuple, tuple] = {}
+        self._consts: dict[tuple, tuple] = {}   # ([sizes, eps²], β2) per kept parameter, on the device
+
+    def wanted(self) -> bool:
+        w = self.watched
+        if self.interval <= 0 or w.local or not super().wanted():
+            return False
+        return w.optimizer is None or adam_like(w.optimizer)   # a scaler may hand the optimizer over later
+
+    def _group_of(self, optimizer) -> dict:
+        groups = optimizer.param_groups
+        key = (id(optimizer), len(groups), sum(len(g["params"]) for g in groups))
+        if self._groups is None or self._groups[0] != key:
+            self._groups = (key, {id(p): g for g in groups for p in g["params"]})
+        return self._groups[1]
+
+    def before_optimizer_step(self, step) -> None:
+        if self.pending is not None or not self.due(step) or not self.guards.on(self.name):
+            return
+        with self.guards.guard(self.name), torch.no_grad():
+            opt = self.watched.optimizer
+            if opt is None or not adam_like(opt):
+                self.guards.disabled.add(self.name)   # not an Adam: the signal does not exist
+                return
+            group_of = self._group_of(opt)
+            state = opt.state
+            keep: list[int] = []
+            vs: list[torch.Tensor] = []
+            host_steps: list[float] = []
+            dev_steps: list[tuple[int, torch.Tensor]] = []
+            beta2s: list[float] = []
+            eps2: list[float] = []
+            sizes: list[int] = []
+            for i, p in enumerate(self.watched.params):
+                st = state.get(p)
+                g = group_of.get(id(p))
+                if not st or g is None:
+                    continue          # no state yet (Adam's first step) or not this optimizer's
+                v = st.get("max_exp_avg_sq" if g.get("amsgrad") else "exp_avg_sq")
+                s = st.get("step")
+                if v is None or s is None or v.numel() == 0:
+                    continue
+                if isinstance(s, torch.Tensor) and s.device.type != "cpu":
+                    dev_steps.append((len(keep), s))   # capturable / fused on the device: not read here
+                    host_steps.append(0.0)
+                else:
+                    host_steps.append(float(s))        # a CPU tensor (Adam's default) or a number: no sync
+                beta2s.append(float(g["betas"][1]))
+                keep.append(i)
+                vs.append(v)
+                eps2.append(float(g["eps"]) ** 2)
+                sizes.append(v.numel())
+            if not vs:
+                return
+            l1 = torch.stack(torch._foreach_norm(vs, 1))
+            if l1.dtype != torch.float32:
+                l1 = l1.float()
+            dev = l1.device
+            ckey = (tuple(keep), tuple(eps2), tuple(beta2s), str(dev))
+            consts = self._consts.get(ckey)
+            if consts is None:
+                if len(self._consts) > 8:
+                    self._consts.clear()
+                # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
+                consts = self._consts[ckey] = (_dev_tensor([sizes, eps2], torch.float32, dev),
+                                               _dev_tensor(beta2s, torch.float64, dev))
+            sizes_eps, beta2_t = consts
+            if len(set(host_steps)) == 1 and not dev_steps:
+                bc = 1.0 - beta2_t ** host_steps[0]   # the usual case: one step count, a Python exponent
+            else:
+                steps = _dev_tensor(host_steps, torch.float64, dev)
+                if dev_steps:
+                    where = _dev_tensor([k for k, _ in dev_steps], torch.long, dev)
+                    steps = steps.index_copy(0, where, torch.stack([s.reshape(()).to(dev, torch.float64)
+                                                                    for _, s in dev_steps]))
+                bc = 1.0 - beta2_t ** steps
+            # mean(v̂) + eps²: the denominator, computed before the step changes v
+            self.pending = (l1 / (sizes_eps[0] * bc.float()) + sizes_eps[1], keep, sizes_eps[0])
+
+    def end_step(self, step, rec) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None or not self.guards.on(self.name):
+            return
+        with self.guards.guard(self.name):
+            denom, keep, sizes = pending
+            parts = dict(rec.parts)    # GradNorms (composed first) added this step's grad norms already
+            per, total = parts.get("grad_norms"), parts.get("grad_norm")
+            grad_index = rec.host.get("grad_index")
+            if per is None or total is None or grad_index is None:
+                return
+            rows, cols, scatter = self._indices(tuple(keep), grad_index, per.device)
+            if rows is None:
+                return
+            g2 = per.index_select(0, cols).float() ** 2
+            max_norm = rec.host.get("clip_max_norm")
+            if max_norm is not None:
+                coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
+                g2 = g2 * coef * coef
+            ratio = g2 / sizes.index_select(0, rows) / denom.index_select(0, rows)
+            out = ratio
+            if scatter is not None:    # some parameters without state or grad: "not measured" there
+                n = len(self.watched.params)
+                out = torch.full((n,), _NULL_BITS, dtype=torch.int32, device=ratio.device).view(torch.float32)
+                out = out.index_copy(0, scatter, ratio)
+            rec.add("adam_g2_over_v_max", ratio.max())
+            rec.add("layers.adam_g2_over_v", out)
+
+    def _indices(self, keep: tuple, grad_index: list, device) -> tuple:
+        """(positions in the kept list, positions in the grad-norm vector, positions among all parameters
+        or None when that is every parameter in order) of the parameters that have both Adam state and a
+        grad this step; cached, since it is the same step after step."""
+        key = (keep, tuple(grad_index), str(device))
+        hit = self._index_cache.get(key)
+        if hit is None:
+            at = {p: k for k, p in enumerate(grad_index)}
+            both = [(r, at[p], p) for r, p in enumerate(keep) if p in at]
+            if not both:
+                hit = (None, None, None)
+            else:
+                def index(values):
+                    return _dev_tensor(values, torch.long, device)
+                full = [p for _, _, p in both] == list(range(len(self.watched.params)))
+                hit = (index([r for r, _, _ in both]), index([c for _, c, _ in both]),
+                       None if full else index([p for _, _, p in both]))
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            self._index_cache[key] = hit
+        return hit
