@@ -57,6 +57,21 @@ def _dev_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch
     return t.to(device, non_blocking=True)
 
 
+def _step_counts(steps: list, device: torch.device) -> torch.Tensor:
+    """Adam's step counters as one float64 vector on ``device``, without reading a device value: CPU
+    tensors (Adam's default) are stacked there and sent through pinned memory; device ones (capturable,
+    fused on CUDA) are stacked on the device."""
+    if all(isinstance(t, torch.Tensor) for t in steps):
+        where = steps[0].device
+        if all(t.device == where for t in steps):
+            stacked = torch.stack([t.reshape(()) for t in steps]).to(torch.float64)
+            if where == device or device.type == "cpu":
+                return stacked.to(device)
+            return (stacked.pin_memory() if device.type == "cuda" else stacked).to(device, non_blocking=True)
+        return torch.stack([t.reshape(()).to(device, torch.float64, non_blocking=True) for t in steps])
+    return _dev_tensor([float(t) for t in steps], torch.float64, device)   # plain numbers
+
+
 class AdamStaleness(Collector):
     name = "adam_state"
     needs = ("optimizer",)
@@ -65,9 +80,8 @@ class AdamStaleness(Collector):
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
         self.pending = None       # (mean v̂ + eps² per kept parameter, kept indices) between the hooks
-        self._groups: Optional[tuple] = None   # (optimizer id, param-group count, {param id: group})
+        self._cached: Optional[tuple] = None   # (key, layout) of :meth:`_layout`
         self._index_cache: dict[tuple, tuple] = {}
-        self._consts: dict[tuple, tuple] = {}   # ([sizes, eps²], β2) per kept parameter, on the device
 
     def wanted(self) -> bool:
         w = self.watched
@@ -75,12 +89,46 @@ class AdamStaleness(Collector):
             return False
         return w.optimizer is None or adam_like(w.optimizer)   # a scaler may hand the optimizer over later
 
-    def _group_of(self, optimizer) -> dict:
-        groups = optimizer.param_groups
-        key = (id(optimizer), len(groups), sum(len(g["params"]) for g in groups))
-        if self._groups is None or self._groups[0] != key:
-            self._groups = (key, {id(p): g for g in groups for p in g["params"]})
-        return self._groups[1]
+    def _layout(self, opt) -> Optional[tuple]:
+        """(kept parameter indices, their second moments, their step counters, [sizes, eps²] and β2 on the
+        device), rebuilt only when the optimizer's state or settings change: Adam updates its state
+        tensors in place, so step after step they are the same objects (a ``load_state_dict`` replaces
+        ``optimizer.state``, a parameter's first step adds an entry, a β2 / eps change shows in the key)."""
+        state, groups = opt.state, opt.param_groups
+        key = (id(opt), id(state), len(state), len(groups),
+               tuple((g["betas"][1], g["eps"], bool(g.get("amsgrad")), len(g["params"])) for g in groups))
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        group_of = {id(p): g for g in groups for p in g["params"]}
+        keep: list[int] = []
+        vs: list[torch.Tensor] = []
+        steps: list = []
+        beta2s: list[float] = []
+        eps2: list[float] = []
+        sizes: list[int] = []
+        for i, p in enumerate(self.watched.params):
+            st = state.get(p)
+            g = group_of.get(id(p))
+            if not st or g is None:
+                continue          # no state yet (Adam's first step) or not this optimizer's
+            v = st.get("max_exp_avg_sq" if g.get("amsgrad") else "exp_avg_sq")
+            t = st.get("step")
+            if v is None or t is None or v.numel() == 0:
+                continue
+            keep.append(i)
+            vs.append(v)
+            steps.append(t)
+            beta2s.append(float(g["betas"][1]))
+            eps2.append(float(g["eps"]) ** 2)
+            sizes.append(v.numel())
+        layout = None
+        if vs:
+            dev = vs[0].device
+            # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
+            layout = (keep, vs, steps, _dev_tensor([sizes, eps2], torch.float32, dev),
+                      _dev_tensor(beta2s, torch.float64, dev), dev)
+        self._cached = (key, layout)
+        return layout
 
     def before_optimizer_step(self, step) -> None:
         if self.pending is not None or not self.due(step) or not self.guards.on(self.name):
@@ -90,58 +138,14 @@ class AdamStaleness(Collector):
             if opt is None or not adam_like(opt):
                 self.guards.disabled.add(self.name)   # not an Adam: the signal does not exist
                 return
-            group_of = self._group_of(opt)
-            state = opt.state
-            keep: list[int] = []
-            vs: list[torch.Tensor] = []
-            host_steps: list[float] = []
-            dev_steps: list[tuple[int, torch.Tensor]] = []
-            beta2s: list[float] = []
-            eps2: list[float] = []
-            sizes: list[int] = []
-            for i, p in enumerate(self.watched.params):
-                st = state.get(p)
-                g = group_of.get(id(p))
-                if not st or g is None:
-                    continue          # no state yet (Adam's first step) or not this optimizer's
-                v = st.get("max_exp_avg_sq" if g.get("amsgrad") else "exp_avg_sq")
-                s = st.get("step")
-                if v is None or s is None or v.numel() == 0:
-                    continue
-                if isinstance(s, torch.Tensor) and s.device.type != "cpu":
-                    dev_steps.append((len(keep), s))   # capturable / fused on the device: not read here
-                    host_steps.append(0.0)
-                else:
-                    host_steps.append(float(s))        # a CPU tensor (Adam's default) or a number: no sync
-                beta2s.append(float(g["betas"][1]))
-                keep.append(i)
-                vs.append(v)
-                eps2.append(float(g["eps"]) ** 2)
-                sizes.append(v.numel())
-            if not vs:
+            layout = self._layout(opt)
+            if layout is None:
                 return
-            l1 = torch.stack(torch._foreach_norm(vs, 1))
+            keep, vs, steps, sizes_eps, beta2_t, dev = layout
+            l1 = torch.stack(torch._foreach_norm(vs, 1))    # v >= 0: its L1 norm is its sum
             if l1.dtype != torch.float32:
                 l1 = l1.float()
-            dev = l1.device
-            ckey = (tuple(keep), tuple(eps2), tuple(beta2s), str(dev))
-            consts = self._consts.get(ckey)
-            if consts is None:
-                if len(self._consts) > 8:
-                    self._consts.clear()
-                # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
-                consts = self._consts[ckey] = (_dev_tensor([sizes, eps2], torch.float32, dev),
-                                               _dev_tensor(beta2s, torch.float64, dev))
-            sizes_eps, beta2_t = consts
-            if len(set(host_steps)) == 1 and not dev_steps:
-                bc = 1.0 - beta2_t ** host_steps[0]   # the usual case: one step count, a Python exponent
-            else:
-                steps = _dev_tensor(host_steps, torch.float64, dev)
-                if dev_steps:
-                    where = _dev_tensor([k for k, _ in dev_steps], torch.long, dev)
-                    steps = steps.index_copy(0, where, torch.stack([s.reshape(()).to(dev, torch.float64)
-                                                                    for _, s in dev_steps]))
-                bc = 1.0 - beta2_t ** steps
+            bc = 1.0 - beta2_t ** _step_counts(steps, dev)
             # mean(v̂) + eps²: the denominator, computed before the step changes v
             self.pending = (l1 / (sizes_eps[0] * bc.float()) + sizes_eps[1], keep, sizes_eps[0])
 
