@@ -12,10 +12,14 @@ where g is the gradient the optimizer is about to use (unscaled, after clipping)
 and ``step`` are read from ``optimizer.state[p]`` right before the optimizer step (``max_exp_avg_sq``
 with ``amsgrad``). A healthy layer sits near 1; a stale one reads 100 or more.
 
-Cost: one fused ``torch._foreach_norm(exp_avg_sq, 1)`` (v ≥ 0, so its L1 norm is its sum) before the
-step and a handful of kernels on vectors of one value per parameter after it; no weight or state is
-copied, and ‖g‖² comes from the grad norms :class:`~agent.collectors.grads.GradNorms` measured anyway
-(the clipping factor ``min(1, max_norm / (norm + 1e-6))`` is applied as ``clip_grad_norm_`` does).
+Cost: a handful of kernels on vectors of one value per parameter, no weight or state copied. sum(v)
+comes from Adam's own recursion, sum(v) = β2·sum(v) + (1 - β2)·‖g‖² (exact: v ≥ 0 is updated element by
+element), carried in float64 from step to step, where a parameter's step counter says Adam updated it;
+it is read from the state with one fused ``torch._foreach_norm(exp_avg_sq, 1)`` (v ≥ 0: its L1 norm is its
+sum) on the first measured step, after any change of the optimizer's state, after a step not measured,
+with ``amsgrad`` (a running max) and every :attr:`AdamStaleness.EXACT_EVERY` steps. ‖g‖² comes from the
+grad norms :class:`~agent.collectors.grads.GradNorms` measures anyway (the clipping factor
+``min(1, max_norm / (norm + 1e-6))`` applied as ``clip_grad_norm_`` does).
 No host sync: the step counters Adam keeps on the CPU are read there, device ones are used on the
 device.
 
@@ -76,11 +80,17 @@ class AdamStaleness(Collector):
     name = "adam_state"
     needs = ("optimizer",)
     every = "adam_every"
+    # sum(v) is read from the state (one fused L1 norm) on the first measured step, after any change of
+    # the optimizer's state, after a step not measured, and every EXACT_EVERY steps; in between it is
+    # carried forward with Adam's own recursion (float64), which bounds any drift to EXACT_EVERY steps
+    EXACT_EVERY = 100
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
         self.pending = None       # (mean v̂ + eps² per kept parameter, kept indices) between the hooks
         self._cached: Optional[tuple] = None   # (key, layout) of :meth:`_layout`
+        # (layout, step, sum(v) per kept parameter before that step, Adam's counters then, that step's g²)
+        self.carry: Optional[tuple] = None
         self._index_cache: dict[tuple, tuple] = {}
 
     def wanted(self) -> bool:
@@ -106,6 +116,7 @@ class AdamStaleness(Collector):
         beta2s: list[float] = []
         eps2: list[float] = []
         sizes: list[int] = []
+        exact_only = False    # amsgrad: v̂ is a running max, which no recursion of sums follows
         for i, p in enumerate(self.watched.params):
             st = state.get(p)
             g = group_of.get(id(p))
@@ -118,6 +129,7 @@ class AdamStaleness(Collector):
             keep.append(i)
             vs.append(v)
             steps.append(t)
+            exact_only = exact_only or bool(g.get("amsgrad"))
             beta2s.append(float(g["betas"][1]))
             eps2.append(float(g["eps"]) ** 2)
             sizes.append(v.numel())
@@ -126,7 +138,7 @@ class AdamStaleness(Collector):
             dev = vs[0].device
             # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
             layout = (keep, vs, steps, _dev_tensor([sizes, eps2], torch.float32, dev),
-                      _dev_tensor(beta2s, torch.float64, dev), dev)
+                      _dev_tensor(beta2s, torch.float64, dev), dev, exact_only)
         self._cached = (key, layout)
         return layout
 
@@ -141,20 +153,28 @@ class AdamStaleness(Collector):
             layout = self._layout(opt)
             if layout is None:
                 return
-            keep, vs, steps, sizes_eps, beta2_t, dev = layout
-            l1 = torch.stack(torch._foreach_norm(vs, 1))    # v >= 0: its L1 norm is its sum
-            if l1.dtype != torch.float32:
-                l1 = l1.float()
-            bc = 1.0 - beta2_t ** _step_counts(steps, dev)
+            keep, vs, steps, sizes_eps, beta2_t, dev, exact_only = layout
+            counts = _step_counts(steps, dev)          # Adam's counters now: after the previous update
+            carry, self.carry = self.carry, None
+            if (carry is not None and carry[0] is layout and carry[1] == step - 1 and step % self.EXACT_EVERY
+                    and not exact_only):
+                # sum(v) after the previous update, from the one before: v = β2 v + (1 - β2) g² element by
+                # element, so sum(v) = β2 sum(v) + (1 - β2) ‖g‖², where the counter says Adam updated it
+                _, _, sums, before, g2 = carry
+                sums = torch.where(counts > before, beta2_t * sums + (1.0 - beta2_t) * g2, sums)
+            else:
+                sums = torch.stack(torch._foreach_norm(vs, 1)).to(torch.float64)   # v >= 0: L1 norm = sum
+            bc = 1.0 - beta2_t ** counts
             # mean(v̂) + eps²: the denominator, computed before the step changes v
-            self.pending = (l1 / (sizes_eps[0] * bc.float()) + sizes_eps[1], keep, sizes_eps[0])
+            denom = (sums / (sizes_eps[0].double() * bc)).float() + sizes_eps[1]
+            self.pending = (denom, keep, sizes_eps[0], layout, sums, counts)
 
     def end_step(self, step, rec) -> None:
         pending, self.pending = self.pending, None
         if pending is None or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name):
-            denom, keep, sizes = pending
+            denom, keep, sizes, layout, sums, counts = pending
             parts = dict(rec.parts)    # GradNorms (composed first) added this step's grad norms already
             per, total = parts.get("grad_norms"), parts.get("grad_norm")
             grad_index = rec.host.get("grad_index")
@@ -169,6 +189,11 @@ class AdamStaleness(Collector):
                 coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
                 g2 = g2 * coef * coef
             ratio = g2 / sizes.index_select(0, rows) / denom.index_select(0, rows)
+            # what the next step needs to advance sum(v) without reading v (a parameter without a grad:
+            # Adam skipped it, its counter did not move, so its g² is never used)
+            g2_kept = g2.double() if len(keep) == int(rows.numel()) else \
+                torch.zeros(len(keep), dtype=torch.float64, device=g2.device).index_copy(0, rows, g2.double())
+            self.carry = (layout, step, sums, counts, g2_kept)
             out = ratio
             if scatter is not None:    # some parameters without state or grad: "not measured" there
                 n = len(self.watched.params)

@@ -147,3 +147,37 @@ def test_linear_out_rms_equals_each_linear_outputs_rms_on_sampled_steps(amp, rec
         for k, name in ((0, "fc1"), (3, "fc2")):
             y = outs[name][i]
             assert got[k] == pytest.approx(float(y.pow(2).mean().sqrt()), rel=1e-5)
+
+
+def test_the_carried_second_moment_sum_follows_adam_through_skipped_steps_and_resyncs(recorder, agent_settings,
+                                                                                     monkeypatch):
+    """Between exact reads of the state, sum(v) is carried with Adam's own recursion: it must stay equal to
+    the state's through steps the GradScaler skips (an inf gradient) and across the periodic exact reads."""
+    from gradwatch.agent.collectors.adam import AdamStaleness
+
+    monkeypatch.setattr(AdamStaleness, "EXACT_EVERY", 7)
+    torch.manual_seed(5)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    monitor = agent.attach(model, scaler, optimizer=opt, transport=recorder, **agent_settings)
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    expected, skipped = {}, {10, 11, 19}
+    for i, (x, y) in enumerate(batches(30)):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i in skipped:
+            model.fc2.bias.grad[0] = float("inf")     # an fp16-style overflow: the scaler skips the step
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        expected[i] = _expected_ratios(model, opt, group_of)
+        scaler.step(opt)
+        scaler.update()
+    monitor.close()
+    compared = 0
+    for s in recorder.steps[1:]:
+        if s["step"] in skipped:
+            continue
+        assert s["layers"]["adam_g2_over_v"] == pytest.approx(expected[s["step"]], rel=1e-5), s["step"]
+        compared += 1
+    assert compared == 26
