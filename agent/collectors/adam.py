@@ -20,8 +20,8 @@ sum) on the first measured step, after any change of the optimizer's state, afte
 with ``amsgrad`` (a running max) and every :attr:`AdamStaleness.EXACT_EVERY` steps. ‖g‖² comes from the
 grad norms :class:`~agent.collectors.grads.GradNorms` measures anyway (the clipping factor
 ``min(1, max_norm / (norm + 1e-6))`` applied as ``clip_grad_norm_`` does).
-No host sync: the step counters Adam keeps on the CPU are read there, device ones are used on the
-device.
+No host sync: the step counters are stacked where they live (CPU tensors by default, sent on through
+pinned memory; device ones, capturable or fused, stay on the device).
 
 Composed for optimizers whose state holds ``exp_avg_sq`` and ``step`` (torch.optim.Adam / AdamW, in
 their for-loop, foreach and fused forms); another optimizer turns it off at its first step. Not on
@@ -61,17 +61,22 @@ def _dev_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch
     return t.to(device, non_blocking=True)
 
 
-def _step_counts(steps: list, device: torch.device) -> torch.Tensor:
+def _stackable(steps: list) -> bool:
+    """Adam's step counters are 0-d tensors on one device (the usual case): one ``torch.stack`` reads them."""
+    return (all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in steps)
+            and len({t.device for t in steps}) == 1)
+
+
+def _step_counts(steps: list, device: torch.device, stackable: bool) -> torch.Tensor:
     """Adam's step counters as one float64 vector on ``device``, without reading a device value: CPU
     tensors (Adam's default) are stacked there and sent through pinned memory; device ones (capturable,
     fused on CUDA) are stacked on the device."""
+    if stackable:
+        stacked = torch.stack(steps).to(torch.float64)
+        if stacked.device == device or device.type == "cpu":
+            return stacked.to(device)
+        return (stacked.pin_memory() if device.type == "cuda" else stacked).to(device, non_blocking=True)
     if all(isinstance(t, torch.Tensor) for t in steps):
-        where = steps[0].device
-        if all(t.device == where for t in steps):
-            stacked = torch.stack([t.reshape(()) for t in steps]).to(torch.float64)
-            if where == device or device.type == "cpu":
-                return stacked.to(device)
-            return (stacked.pin_memory() if device.type == "cuda" else stacked).to(device, non_blocking=True)
         return torch.stack([t.reshape(()).to(device, torch.float64, non_blocking=True) for t in steps])
     return _dev_tensor([float(t) for t in steps], torch.float64, device)   # plain numbers
 
@@ -138,7 +143,7 @@ class AdamStaleness(Collector):
             dev = vs[0].device
             # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
             layout = (keep, vs, steps, _dev_tensor([sizes, eps2], torch.float32, dev),
-                      _dev_tensor(beta2s, torch.float64, dev), dev, exact_only)
+                      _dev_tensor(beta2s, torch.float64, dev), dev, exact_only, _stackable(steps))
         self._cached = (key, layout)
         return layout
 
@@ -153,8 +158,8 @@ class AdamStaleness(Collector):
             layout = self._layout(opt)
             if layout is None:
                 return
-            keep, vs, steps, sizes_eps, beta2_t, dev, exact_only = layout
-            counts = _step_counts(steps, dev)          # Adam's counters now: after the previous update
+            keep, vs, steps, sizes_eps, beta2_t, dev, exact_only, stackable = layout
+            counts = _step_counts(steps, dev, stackable)   # Adam's counters now: after the previous update
             carry, self.carry = self.carry, None
             if (carry is not None and carry[0] is layout and carry[1] == step - 1 and step % self.EXACT_EVERY
                     and not exact_only):
@@ -180,19 +185,24 @@ class AdamStaleness(Collector):
             grad_index = rec.host.get("grad_index")
             if per is None or total is None or grad_index is None:
                 return
-            rows, cols, scatter = self._indices(tuple(keep), grad_index, per.device)
-            if rows is None:
+            found = self._indices(tuple(keep), grad_index, per.device)
+            if found is None:
                 return
-            g2 = per.index_select(0, cols).float() ** 2
+            rows, cols, scatter = found      # None: every position, in order (the usual step)
+            g2 = (per if cols is None else per.index_select(0, cols)).float() ** 2
             max_norm = rec.host.get("clip_max_norm")
             if max_norm is not None:
                 coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
-                g2 = g2 * coef * coef
-            ratio = g2 / sizes.index_select(0, rows) / denom.index_select(0, rows)
+                g2 = g2 * (coef * coef)
+            if rows is None:
+                ratio = g2 / sizes / denom
+                g2_kept = g2.double()
+            else:
+                ratio = g2 / sizes.index_select(0, rows) / denom.index_select(0, rows)
+                g2_kept = torch.zeros(len(keep), dtype=torch.float64, device=g2.device).index_copy(
+                    0, rows, g2.double())
             # what the next step needs to advance sum(v) without reading v (a parameter without a grad:
             # Adam skipped it, its counter did not move, so its g² is never used)
-            g2_kept = g2.double() if len(keep) == int(rows.numel()) else \
-                torch.zeros(len(keep), dtype=torch.float64, device=g2.device).index_copy(0, rows, g2.double())
             self.carry = (layout, step, sums, counts, g2_kept)
             out = ratio
             if scatter is not None:    # some parameters without state or grad: "not measured" there
@@ -202,24 +212,22 @@ class AdamStaleness(Collector):
             rec.add("adam_g2_over_v_max", ratio.max())
             rec.add("layers.adam_g2_over_v", out)
 
-    def _indices(self, keep: tuple, grad_index: list, device) -> tuple:
-        """(positions in the kept list, positions in the grad-norm vector, positions among all parameters
-        or None when that is every parameter in order) of the parameters that have both Adam state and a
-        grad this step; cached, since it is the same step after step."""
+    def _indices(self, keep: tuple, grad_index: list, device) -> Optional[tuple]:
+        """(positions in the kept list, positions in the grad-norm vector, positions among all parameters)
+        of the parameters that have both Adam state and a grad this step, each None where it is every
+        position in order; None when there are none. Cached: it is the same step after step."""
         key = (keep, tuple(grad_index), str(device))
-        hit = self._index_cache.get(key)
-        if hit is None:
-            at = {p: k for k, p in enumerate(grad_index)}
-            both = [(r, at[p], p) for r, p in enumerate(keep) if p in at]
-            if not both:
-                hit = (None, None, None)
-            else:
-                def index(values):
-                    return _dev_tensor(values, torch.long, device)
-                full = [p for _, _, p in both] == list(range(len(self.watched.params)))
-                hit = (index([r for r, _, _ in both]), index([c for _, c, _ in both]),
-                       None if full else index([p for _, _, p in both]))
-            if len(self._index_cache) > 64:
-                self._index_cache.clear()
-            self._index_cache[key] = hit
+        if key in self._index_cache:
+            return self._index_cache[key]
+        at = {p: k for k, p in enumerate(grad_index)}
+        both = [(r, at[p], p) for r, p in enumerate(keep) if p in at]
+        hit = None
+        if both:
+            def index(values: list, n: int):
+                return None if values == list(range(n)) else _dev_tensor(values, torch.long, device)
+            hit = (index([r for r, _, _ in both], len(keep)), index([c for _, c, _ in both], len(grad_index)),
+                   index([p for _, _, p in both], len(self.watched.params)))
+        if len(self._index_cache) > 64:
+            self._index_cache.clear()
+        self._index_cache[key] = hit
         return hit
