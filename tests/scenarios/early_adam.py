@@ -122,7 +122,8 @@ def dry(name: str) -> None:
                 line += f"  inp.weight g²/v̂ {float(p.grad.pow(2).mean() / v_hat.mean()):10.3g}"
             before = p.detach().clone()
             scaler.step(opt)
-            line += f"  update RMS / lr {float((p.detach() - before).pow(2).mean().sqrt()) / opt.param_groups[0]['lr']:6.2f}"
+            update_rms = float((p.detach() - before).pow(2).mean().sqrt())
+            line += f"  update RMS / lr {update_rms / opt.param_groups[0]['lr']:6.2f}"
         else:
             scaler.step(opt)
             line += f"  lr {opt.param_groups[0]['lr']:.3g}  " + " ".join(
