@@ -142,8 +142,10 @@ class AdamStaleness(Collector):
         if vs:
             dev = vs[0].device
             # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
-            layout = (keep, vs, steps, _dev_tensor([sizes, eps2], torch.float32, dev),
-                      _dev_tensor(beta2s, torch.float64, dev), dev, exact_only, _stackable(steps))
+            # float64 throughout: 1 - β2^t loses digits to cancellation in float32 (early steps)
+            beta2_t = _dev_tensor(beta2s, torch.float64, dev)
+            n_eps2 = _dev_tensor([n * e for n, e in zip(sizes, eps2)], torch.float64, dev)
+            layout = (keep, vs, steps, n_eps2, beta2_t, 1.0 - beta2_t, dev, exact_only, _stackable(steps))
         self._cached = (key, layout)
         return layout
 
@@ -158,7 +160,7 @@ class AdamStaleness(Collector):
             layout = self._layout(opt)
             if layout is None:
                 return
-            keep, vs, steps, sizes_eps, beta2_t, dev, exact_only, stackable = layout
+            keep, vs, steps, n_eps2, beta2_t, one_minus_beta2, dev, exact_only, stackable = layout
             counts = _step_counts(steps, dev, stackable)   # Adam's counters now: after the previous update
             carry, self.carry = self.carry, None
             if (carry is not None and carry[0] is layout and carry[1] == step - 1 and step % self.EXACT_EVERY
@@ -166,20 +168,20 @@ class AdamStaleness(Collector):
                 # sum(v) after the previous update, from the one before: v = β2 v + (1 - β2) g² element by
                 # element, so sum(v) = β2 sum(v) + (1 - β2) ‖g‖², where the counter says Adam updated it
                 _, _, sums, before, g2 = carry
-                sums = torch.where(counts > before, beta2_t * sums + (1.0 - beta2_t) * g2, sums)
+                sums = torch.where(counts > before, torch.addcmul(g2 * one_minus_beta2, beta2_t, sums), sums)
             else:
                 sums = torch.stack(torch._foreach_norm(vs, 1)).to(torch.float64)   # v >= 0: L1 norm = sum
-            bc = 1.0 - beta2_t ** counts
-            # mean(v̂) + eps²: the denominator, computed before the step changes v
-            denom = (sums / (sizes_eps[0].double() * bc)).float() + sizes_eps[1]
-            self.pending = (denom, keep, sizes_eps[0], layout, sums, counts)
+            # n · (mean(v̂) + eps²) = sum(v) / (1 - β2^t) + n · eps²: the denominator of
+            # mean(g²) / (mean(v̂) + eps²) = ‖g‖² / that, computed before the step changes v
+            denom = (sums / (1.0 - beta2_t ** counts) + n_eps2).float()
+            self.pending = (denom, keep, layout, sums, counts)
 
     def end_step(self, step, rec) -> None:
         pending, self.pending = self.pending, None
         if pending is None or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name):
-            denom, keep, sizes, layout, sums, counts = pending
+            denom, keep, layout, sums, counts = pending
             parts = dict(rec.parts)    # GradNorms (composed first) added this step's grad norms already
             per, total = parts.get("grad_norms"), parts.get("grad_norm")
             grad_index = rec.host.get("grad_index")
@@ -195,10 +197,10 @@ class AdamStaleness(Collector):
                 coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
                 g2 = g2 * (coef * coef)
             if rows is None:
-                ratio = g2 / sizes / denom
-                g2_kept = g2.double()
+                ratio = g2 / denom
+                g2_kept = g2            # float32: the float64 recursion promotes it
             else:
-                ratio = g2 / sizes.index_select(0, rows) / denom.index_select(0, rows)
+                ratio = g2 / denom.index_select(0, rows)
                 g2_kept = torch.zeros(len(keep), dtype=torch.float64, device=g2.device).index_copy(
                     0, rows, g2.double())
             # what the next step needs to advance sum(v) without reading v (a parameter without a grad:
