@@ -36,7 +36,7 @@ def _expected_ratios(model, opt, group_of) -> list:
 
 def _train(model, opt, recorder, settings, steps=8, max_norm=2.0, scaler=True, jump_at=None, **kw):
     scaler_obj = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
-    monitor = agent.attach(model, scaler_obj, optimizer=opt, transport=recorder, **{**settings, **kw})
+    monitor = agent.attach(model, scaler_obj, optimizer=opt, transport=recorder, **{"adam_every": 1, **settings, **kw})
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     expected = {}
     for i, (x, y) in enumerate(batches(steps)):
@@ -160,7 +160,7 @@ def test_the_carried_second_moment_sum_follows_adam_through_skipped_steps_and_re
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    monitor = agent.attach(model, scaler, optimizer=opt, transport=recorder, **agent_settings)
+    monitor = agent.attach(model, scaler, optimizer=opt, transport=recorder, adam_every=1, **agent_settings)
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     expected, skipped = {}, {10, 11, 19}
     for i, (x, y) in enumerate(batches(30)):

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.scenarios.training import Loop, Scenario, loss_onset, regression_data
+from tests.scenarios.training import AGENT_CONFIG, Loop, Scenario, loss_onset, regression_data
 
 PROJECT = "scenarios"
 STALE_AT = 200          # the step the gradient shrink is removed
@@ -59,7 +59,8 @@ def stale_adam() -> Loop:
             loop.model.alpha = 1.0
 
     return Loop(model, torch.optim.AdamW(model.parameters(), lr=5e-2, betas=(0.9, 0.999)), regression_data(0),
-                F.mse_loss, steps=STALE_AT + 40, ema_decay=None, before_step=remove_shrink)
+                F.mse_loss, steps=STALE_AT + 40, ema_decay=None, before_step=remove_shrink,
+                agent_config=dict(AGENT_CONFIG, adam_every=1))   # every step: H1's full lead
 
 
 def lr_never_capped() -> Loop:
