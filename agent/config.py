@@ -37,7 +37,7 @@ def default_spool_dir() -> str:
 # The sampling intervals that put every collector on every step (``AgentConfig.every_step``, the
 # benchmark's "agent-full" mode).
 EVERY_STEP: Mapping[str, int] = {"weights_every": 1, "activations_every": 1, "inputs_every": 1, "ema_every": 1,
-                                 "bn_every": 1}
+                                 "bn_every": 1, "adam_every": 1, "linear_every": 1}
 EVERY_STEP = {**EVERY_STEP, "attn_logits_every": 1, "output_logits_every": 1}   # early-warning logits (H2, H3)
 
 
@@ -97,6 +97,10 @@ class AgentConfig:
     output_logits_every: int = 10        # the output's max logit and mean log Z
     attention_modules: Optional[str] = None   # attention modules the agent does not recognise by itself:
                                          # "name[:heads], ..." (fnmatch patterns), docs/signals.md
+    # early warning H1 / H4 (docs/early-warning-adam.md): cadences measured with bench/agent_overhead.py
+    adam_every: int = 10                 # Adam's g² / v̂ per parameter; 1 gives H1 its full 1-8 step lead (~2 % of a
+                                         # CPU step measured, over the 1.03x budget with the rest: not the default)
+    linear_every: int = 10               # output RMS of every nn.Linear module (forward hooks on those steps)
 
     def __post_init__(self) -> None:
         problems = []
@@ -118,7 +122,8 @@ class AgentConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: must be at least 1")
         if self.spool_max_mb < 0:
             problems.append(f"spool_max_mb={self.spool_max_mb!r}: must be >= 0 (0 disables the spool)")
-        for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps"):
+        for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps",
+                     "adam_every", "linear_every"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
         if not (isinstance(self.skip_sigma, (int, float)) and self.skip_sigma > 0):

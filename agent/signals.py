@@ -239,6 +239,25 @@ EVENT_KINDS += (
                            "stage at them, EMA decay, a cosine schedule's base and final LRs (H5-H9)"),
 )
 
+# ---- issue 18, early warning H1 / H4 (docs/early-warning-adam.md): Adam's second moment going stale, and
+# the output RMS of the linear layers. Appended here so that each early-warning family stays one block.
+PANELS += (Panel("adam_g2_over_v", "Adam: largest per-parameter mean(g²) / mean(v̂) (stale second moment)",
+                 log_y=True),)
+STEP_SIGNALS += (
+    StepSignal("adam_g2_over_v_max", 18, "float", "", "the largest per-parameter mean(g²) / (mean(v̂) + ε²) of the "
+               "step: g the unscaled, clipped gradient Adam is about to use, v̂ its bias-corrected second moment "
+               "from before the step (AdamW's optimizer state; H1 adam_stale)",
+               panel="adam_g2_over_v", label="max over parameters",
+               nonfinite="kept: an fp16 overflow the scaler skips reads as NaN here (H1 leaves those steps out)"),
+)
+LAYER_STATS += (
+    LayerStat("adam_g2_over_v", "params", "", "per-parameter mean(g²) / (mean(v̂) + ε²): this step's squared "
+              "gradient (unscaled, clipped) over Adam's bias-corrected second moment from before the step "
+              "(every adam_every steps; H1)", heatmap="Per-parameter Adam g² / v̂ (log10)"),
+    LayerStat("linear_out_rms", "modules", "", "output RMS ‖y‖ / √n of each nn.Linear module's forward "
+              "(every linear_every steps; other modules: not measured; H4)"),
+)
+
 _BY_NAME = {s.name: s for s in STEP_SIGNALS}
 _LAYER_BY_NAME = {s.name: s for s in LAYER_STATS}
 _PANEL_BY_KEY = {p.key: p for p in PANELS}

@@ -46,6 +46,8 @@ RELEVANT = {
     "E2": ("layer_faults",),
     "E3": ("layer_faults", "overflow_storm"),
     "B6": ("grad_underflow", "scale_collapse"),
+    "H1": ("adam_stale", "overflow_storm", "dead", "gn_nonfinite_no_scaler"),
+    "H4": ("linear_growth", "layer_faults"),
 }
 SEEDS = (0, 1)
 
@@ -172,6 +174,21 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
         seg["underflow"] = (a, a + length)
         underflowing = [k for k in range(LAYERS) if zero_levels[k] < 0.1][: zrng.randint(1, 6)]
 
+    # the early-warning arrays (H1 Adam g² / v̂, H4 Linear output RMS) draw from their own generator as well
+    erng = random.Random(f"{scenario}/{seed}/{short}/{calm}/early")
+    adam_levels = [erng.uniform(0.3, 2.0) for _ in range(LAYERS)]
+    rms_levels = [erng.uniform(0.2, 3.0) for _ in range(MODULES)]
+    stale: dict[int, tuple[list[int], float]] = {}
+    if "adam_stale" in faults:
+        # some just around the default ratio of 100, some far past it, on one to three parameters
+        stale = {erng.randrange(n): (erng.sample(range(LAYERS), erng.randint(1, 3)),
+                                     erng.choice([erng.uniform(60, 160), erng.uniform(1e3, 1e6)]))
+                 for _ in range(erng.randint(1, 5))}
+    if "linear_growth" in faults:
+        seg["linear_growth"] = _segment(erng, n, 40, 300, earliest=calm if short else 50)
+        growing = erng.sample(range(MODULES), erng.randint(1, 3))
+        growth_rate = erng.choice([1.01, 1.03, 1.08])
+
     def inside(name: str, i: int) -> bool:
         return name in seg and seg[name][0] <= i < seg[name][1]
 
@@ -257,6 +274,14 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
                         for k in layers_off:
                             values[k] = None if as_null else 0.0
             layers["grad_norm"] = values
+            ratios: list = [v * math.exp(0.4 * erng.gauss(0, 1)) if math.isfinite(gn) else math.nan
+                            for v in adam_levels]
+            for k in stale.get(i, ((), 1.0))[0]:
+                ratios[k] *= stale[i][1]
+            for k, g in enumerate(values):
+                if g is None:
+                    ratios[k] = None             # no grad, no Adam update: not measured
+            layers["adam_g2_over_v"] = ratios
         if stats_every and i % stats_every == 0:
             for k in range(LAYERS):
                 weight_scale[k] *= 1.02 if inside("weight_growth", i) and k % 3 == 0 else 1.0 + 0.001 * rng.gauss(0, 1)
@@ -280,6 +305,13 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
             if zrng.random() < 0.05:
                 zeros[zrng.randrange(LAYERS)] = zrng.choice([None, math.nan])
             layers["grad_zero_fraction"] = zeros
+            rms = [v * (1 + 0.03 * erng.gauss(0, 1)) for v in rms_levels]
+            if inside("linear_growth", i):
+                for k in growing:
+                    rms[k] *= growth_rate ** (i - seg["linear_growth"][0])
+            if erng.random() < 0.05:
+                rms[erng.randrange(MODULES)] = erng.choice([None, math.nan])
+            layers["linear_out_rms"] = rms
         st["layers"] = layers
         if gaps:
             for key in ("loss", "grad_norm", "lr", "loss_scale", "overflow", "clipped", "ema_divergence"):
@@ -348,6 +380,8 @@ def configs(rule_id: str) -> list[dict]:
         "E2": {"growth": 0.05, "window": 200, "min_samples": 3},
         "E3": {"high": 2e-3, "window": 30, "min_samples": 2},
         "B6": {"share": 0.3, "baseline": 0.25, "history": 5, "min_samples": 2},
+        "H1": {"ratio": 20.0, "sigma": 3.0, "window": 30, "min_history": 5},
+        "H4": {"factor": 1.5, "growth": 1.1, "rising": 3, "history": 10, "min_samples": 4},
     }.get(rule_id)
     return [base] + ([{**base, **tight}] if tight else [])
 
@@ -371,4 +405,6 @@ TINY = {
     "E2": {"growth": 0.02, "window": 30, "min_samples": 3},
     "E3": {"high": 2e-3, "window": 10, "min_samples": 2},
     "B6": {"share": 0.3, "baseline": 0.25, "history": 4, "min_samples": 2},
+    "H1": {"ratio": 20.0, "window": 8, "min_history": 3},
+    "H4": {"factor": 1.5, "growth": 1.1, "rising": 2, "history": 5, "min_samples": 3},
 }

@@ -200,7 +200,7 @@ def _ack_and_rule_overrides_api(srv):
 # the catalogue by id (docs/rules.md): a rule added or dropped shows here by name, not as a changed count
 CATALOGUE_IDS = ("A1", "A2", "A3", "A4", "A5", "B1", "B2", "B3", "B4", "B5", "B6", "C1", "C2", "C3",
                  "D1", "D2", "D3", "E1", "E2", "E3", "F1", "F2", "F3", "F4", "F5",
-                 "G1", "G2", "G3", "G4", "G5", "G6", "H2", "H3", "H5", "H6", "H7", "H8", "H9")
+                 "G1", "G2", "G3", "G4", "G5", "G6", "H1", "H2", "H3", "H4", "H5", "H6", "H7", "H8", "H9")
 
 
 def test_bad_rules_file_refuses_to_start(tmp_path, sqlite_url):
