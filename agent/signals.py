@@ -161,7 +161,7 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
                panel="grad_norm", label="update skipped (guard)", draw="flag", marker="x"),
     # F3 under DDP: the all-reduce makes every rank's step time the slowest one's, but the time before the
     # forward (data loader, host work) stays each rank's own (docs/rules.md, F3)
-    StepSignal("data_time", 24, "float", "s", "seconds from the end of the previous step to this step's first "
+    StepSignal("data_time", 19, "float", "s", "seconds from the end of the previous step to this step's first "
                "training forward: the data loader and whatever else the loop does between steps (host clock)",
                panel="step_time", label="data time (before forward)", per_rank="Data time per rank (s)"),
 )
