@@ -48,6 +48,8 @@ RELEVANT = {
     "B6": ("grad_underflow", "scale_collapse"),
     "H1": ("adam_stale", "overflow_storm", "dead", "gn_nonfinite_no_scaler"),
     "H4": ("linear_growth", "layer_faults"),
+    "H2": ("attn_growth", "layer_faults"),
+    "H3": ("logz_drift", "nan_loss"),
 }
 SEEDS = (0, 1)
 
@@ -189,6 +191,18 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
         growing = erng.sample(range(MODULES), erng.randint(1, 3))
         growth_rate = erng.choice([1.01, 1.03, 1.08])
 
+    # H2 attention logits per module, H3 the output's log Z: a generator of their own too
+    lrng = random.Random(f"{scenario}/{seed}/{short}/{calm}/logits")
+    logit_levels = [lrng.uniform(3.0, 30.0) for _ in range(MODULES)]
+    log_z0 = lrng.uniform(-3.0, 8.0)
+    if "attn_growth" in faults:
+        seg["attn_growth"] = _segment(lrng, n, 40, 300, earliest=calm if short else 50)
+        attn_growing = lrng.sample(range(MODULES), lrng.randint(1, 2))
+        attn_rate = lrng.choice([1.02, 1.05, 1.15])
+    if "logz_drift" in faults:
+        seg["logz_drift"] = _segment(lrng, n, 40, 300, earliest=calm if short else 50)
+        logz_rate = lrng.choice([-1.0, 0.3, 2.0])
+
     def inside(name: str, i: int) -> bool:
         return name in seg and seg[name][0] <= i < seg[name][1]
 
@@ -312,6 +326,17 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
             if erng.random() < 0.05:
                 rms[erng.randrange(MODULES)] = erng.choice([None, math.nan])
             layers["linear_out_rms"] = rms
+            logits = [v * (1 + 0.05 * lrng.gauss(0, 1)) for v in logit_levels]
+            if inside("attn_growth", i):
+                for k in attn_growing:
+                    logits[k] *= attn_rate ** (i - seg["attn_growth"][0])
+            if lrng.random() < 0.05:
+                logits[lrng.randrange(MODULES)] = lrng.choice([None, math.nan])
+            layers["attn_logit_max"] = logits
+            z = log_z0 + 0.3 * lrng.gauss(0, 1)
+            if inside("logz_drift", i):
+                z += logz_rate * (i - seg["logz_drift"][0])
+            st["output_log_z"] = z if lrng.random() > 0.03 else lrng.choice([None, math.nan])
         st["layers"] = layers
         if gaps:
             for key in ("loss", "grad_norm", "lr", "loss_scale", "overflow", "clipped", "ema_divergence"):
@@ -382,6 +407,9 @@ def configs(rule_id: str) -> list[dict]:
         "B6": {"share": 0.3, "baseline": 0.25, "history": 5, "min_samples": 2},
         "H1": {"ratio": 20.0, "sigma": 3.0, "window": 30, "min_history": 5},
         "H4": {"factor": 1.5, "growth": 1.1, "rising": 3, "history": 10, "min_samples": 4},
+        "H2": {"factor": 2.0, "sigmas": 3.0, "min_logit": 20.0, "consecutive": 3, "window": 50, "min_history": 5},
+        "H3": {"min_abs_log_z": 10.0, "min_drift": 4.0, "sigmas": 3.0, "consecutive": 3, "window": 50,
+               "min_history": 5},
     }.get(rule_id)
     return [base] + ([{**base, **tight}] if tight else [])
 
@@ -407,4 +435,7 @@ TINY = {
     "B6": {"share": 0.3, "baseline": 0.25, "history": 4, "min_samples": 2},
     "H1": {"ratio": 20.0, "window": 8, "min_history": 3},
     "H4": {"factor": 1.5, "growth": 1.1, "rising": 2, "history": 5, "min_samples": 3},
+    "H2": {"factor": 2.0, "sigmas": 3.0, "min_logit": 20.0, "consecutive": 2, "window": 12, "min_history": 3},
+    "H3": {"min_abs_log_z": 10.0, "min_drift": 4.0, "sigmas": 3.0, "consecutive": 2, "window": 12,
+           "min_history": 3},
 }

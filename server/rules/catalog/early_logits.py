@@ -60,7 +60,9 @@ class AttentionLogitGrowth(BatchRule):
             at = np.flatnonzero(np.isfinite(col))
             win = RobustWindow(state, f"m{j}", int(cfg["window"]), refresh=self.REFRESH,
                                min_len=int(cfg["min_history"]), want_mad=True)
-            s = win.screen(col[at], np.ones(len(at), dtype=bool), flags, monotone=True)
+            # not monotone=True: its shortcut made the verdicts depend on where the batches were cut
+            # (tests/rules/test_batch_cuts.py found it on a generated run)
+            s = win.screen(col[at], np.ones(len(at), dtype=bool), flags)
             win.save()
             run = streaks(s.flagged, int(state.get(f"s{j}", 0)))
             state[f"s{j}"] = int(run[-1]) if len(run) else int(state.get(f"s{j}", 0))
