@@ -56,6 +56,7 @@ class AgentConfig:
     mode: str = "online"                 # online | offline (spool only) | disabled
     # delivery
     flush_interval: float = 0.5          # seconds between batches
+    live_flush_interval: float = 0.1     # ... while a dashboard page is watching the run (the server says so)
     max_batch_steps: int = 500           # a batch is shipped when it holds this many steps
     queue_size: int = 10_000             # steps held in memory before the sender; more are dropped and counted
     spool_dir: str = field(default_factory=default_spool_dir)
@@ -112,7 +113,7 @@ class AgentConfig:
                 problems.append(f"{name}={value!r}: give a non-empty name of at most 200 characters")
         if self.mode not in MODES:
             problems.append(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
-        for name in ("flush_interval", "http_timeout", "exit_timeout"):
+        for name in ("flush_interval", "live_flush_interval", "http_timeout", "exit_timeout"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r}: must be a positive number of seconds")
         if not (isinstance(self.seal_grace, (int, float)) and self.seal_grace >= 0):

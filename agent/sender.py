@@ -61,6 +61,10 @@ log = logging.getLogger("gradwatch.agent")
 # lost (tests/checkpoints/test_crash_tail.py); a faster loop loses at most its last ~100 ms of steps.
 TAIL_MIN_GAP = 0.01
 TAIL_LAG_S = 0.1
+# How long one reply's "live" (a run page is watching; server/live_news.py) keeps the sender at
+# live_flush_interval: a few batches, so a page closed meanwhile costs the server little, and a
+# watched run's replies keep renewing it.
+LIVE_HOLD_S = 2.0
 
 
 class _Marker:
@@ -146,6 +150,8 @@ class Sender:
         # the server's word on this process's step numbers (agent/resume.py, server/resume.py)
         self.step_shift = 0
         self.already_stored = 0
+        # until when (sender clock) a run page is watching the run, by the server's replies
+        self._live_until = 0.0
 
     # ------------------------------------------------------------------ training thread side
 
@@ -234,7 +240,7 @@ class Sender:
                 now = self.clock()
                 if now >= next_tick or len(self._steps) >= self.config.max_batch_steps:
                     self._ship()
-                    next_tick = now + self.config.flush_interval
+                    next_tick = now + self._flush_interval(now)
                 self._write_journal()   # what waits for the next batch
                 if self._retry_at and self.clock() >= self._retry_at:
                     self._replay()
@@ -250,6 +256,13 @@ class Sender:
                         self._wake.set()
             except Exception as e:  # noqa: BLE001 - the sender must outlive any bug of its own
                 self.warn.warning("sender:" + type(e).__name__, "gradwatch: sender error (continuing): %r", e)
+
+    def _flush_interval(self, now: float) -> float:
+        """Seconds to the next batch: ``live_flush_interval`` while a run page watches the run (the
+        last reply said so, within LIVE_HOLD_S), else ``flush_interval``."""
+        if now < self._live_until:
+            return min(self.config.live_flush_interval, self.config.flush_interval)
+        return self.config.flush_interval
 
     def _drain_queue(self) -> bool:
         """Take everything submitted so far; True when a stop marker was handled."""
@@ -393,7 +406,7 @@ class Sender:
         """A reply, parsed once: the run's alerts for the inbox, and what the server did with this
         process's step numbers."""
         alerts = self.inbox is not None and '"alerts_cursor"' in text
-        if not alerts and "step_shift" not in text and "already_stored" not in text:
+        if not alerts and "step_shift" not in text and "already_stored" not in text and '"live"' not in text:
             return
         try:
             reply = json.loads(text)
@@ -402,6 +415,9 @@ class Sender:
         if not isinstance(reply, dict):
             return
         self._numbering_reply(reply)
+        if reply.get("live") is True:
+            # an open run page is watching: send every live_flush_interval for a while (server/live_news.py)
+            self._live_until = self.clock() + LIVE_HOLD_S
         if alerts:
             self._heard(reply)
 

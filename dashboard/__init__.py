@@ -54,10 +54,11 @@ def _import_pages() -> None:
     _callback.GLOBAL_CALLBACK_LIST.clear()
 
 
-def create_dash(sessionmaker, settings, *, deliveries_queued=None):
+def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=None):
     """The dashboard app, reading through ``sessionmaker``; mount ``app.server`` at "/".
 
     ``deliveries_queued``: called (from any thread) after the dashboard queues a webhook delivery.
+    ``live_news``: the server's :class:`~gradwatch.server.live_news.LiveNews` (None: run pages poll).
     """
     import dash
     from dash import dcc, html
@@ -65,7 +66,7 @@ def create_dash(sessionmaker, settings, *, deliveries_queued=None):
 
     from gradwatch.dashboard import gateway
 
-    gateway.configure(sessionmaker, settings, deliveries_queued=deliveries_queued)
+    gateway.configure(sessionmaker, settings, deliveries_queued=deliveries_queued, live_news=live_news)
     # Our own Flask app, told its instance folder (never used): left to find it, Flask walks the
     # top-level package's search path, and `gradwatch` is a namespace package whose editable-install
     # path holds no folder it can match (StopIteration: the dashboard would not load).

@@ -16,14 +16,16 @@ from typing import Any, Iterator, Optional, Sequence
 _sessionmaker = None
 _settings = None
 _deliveries_queued = None   # the server's "send due webhook deliveries now" (None: it polls every second)
+_live_news = None           # the server's LiveNews: run pages wait for new steps (None: they poll)
 
 
-def configure(sessionmaker, settings, *, deliveries_queued=None) -> None:
+def configure(sessionmaker, settings, *, deliveries_queued=None, live_news=None) -> None:
     """Called once by ``create_dash``: every later call reads through this sessionmaker."""
-    global _sessionmaker, _settings, _deliveries_queued
+    global _sessionmaker, _settings, _deliveries_queued, _live_news
     _sessionmaker = sessionmaker
     _settings = settings
     _deliveries_queued = deliveries_queued
+    _live_news = live_news
 
 
 def settings():
@@ -154,6 +156,22 @@ def get_run(run_id: int) -> Optional[dict]:
         return _plain(queries.get_run(s, run_id=run_id, stall_seconds=_stall_seconds()))
 
 
+def wait_for_steps(run_id: int, cursor: Optional[float]) -> Optional[bool]:
+    """Park until ``run_id`` holds steps after ``cursor`` (server/live_news.py): True when it does, False
+    after the wait (about a second); None at once when this process cannot park the caller (no LiveNews,
+    too many pages waiting): it polls instead. Also marks the run as watched, so its agents send faster."""
+    if _live_news is None:
+        return None
+
+    def stored_after() -> bool:   # also the steps another replica stored: no wake-up reaches here for them
+        last = (get_run(run_id) or {}).get("last_step")
+        return last is not None and (cursor is None or last > cursor)
+    if stored_after():
+        _live_news.watch(run_id)
+        return True
+    return _live_news.wait(run_id, recheck=stored_after)
+
+
 def _one_series(run_id: int, signal: str, start, end, max_points: int, since, rank: int = 0) -> dict:
     from gradwatch.server import queries
     with _session() as s:
@@ -162,12 +180,13 @@ def _one_series(run_id: int, signal: str, start, end, max_points: int, since, ra
 
 
 def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = None, end: Optional[float] = None,
-               max_points: int = 1000, since: Optional[int] = None, rank: int = 0,
-               sources: Optional[dict[str, int]] = None) -> dict[str, dict]:
+               max_points: int = 1000, since: Optional[int] = None, since_by: Optional[dict[str, int]] = None,
+               rank: int = 0, sources: Optional[dict[str, int]] = None) -> dict[str, dict]:
     """``{signal: {"bucket_size": n, "steps": [bucket, ...]}}`` for several signals of one run.
 
     ``start`` / ``end`` may be floats (a zoomed chart's range); ``since``
-    returns the raw steps after that step (a live tail). Signals are read
+    returns the raw steps after that step (a live tail; ``since_by`` gives
+    some signals their own, each signal's tail is its own query). Signals are read
     from ``rank``, or from the rank ``sources`` names for them (a sharded
     run's grad norm from its combined row, -1).
 
@@ -198,9 +217,11 @@ def get_series(run_id: int, signals: Sequence[str], *, start: Optional[float] = 
                                                max_points=max_points, rank=r)
                 got.update({sig: _series(one) for sig, one in zip(sigs, out)})
         return {sig: got[sig] for sig in signals}
+    after = {sig: (since_by or {}).get(sig, since) for sig in signals}
     if len(signals) == 1:
-        return {signals[0]: _one_series(run_id, signals[0], start, end, max_points, since, source[signals[0]])}
-    futures = {sig: _pool().submit(_one_series, run_id, sig, start, end, max_points, since, source[sig])
+        return {signals[0]: _one_series(run_id, signals[0], start, end, max_points, after[signals[0]],
+                                        source[signals[0]])}
+    futures = {sig: _pool().submit(_one_series, run_id, sig, start, end, max_points, after[sig], source[sig])
                for sig in signals}
     return {sig: f.result() for sig, f in futures.items()}
 

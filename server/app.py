@@ -10,6 +10,7 @@ from fastapi.openapi.utils import get_openapi
 
 from .api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
 from .db import Database, open_database, schema_problem
+from .live_news import DASHBOARD_THREADS, LiveNews
 from .metrics import IngestMetrics
 from .schemas import IngestBatchIn
 from .settings import Settings
@@ -69,6 +70,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.database = database
     app.state.auth = None
     app.state.metrics = IngestMetrics()
+    app.state.live_news = LiveNews()
     app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(database.engine.dialect.name))
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
@@ -133,7 +135,8 @@ def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> No
             if worker is not None:
                 worker.wake()
 
-        dash_app = create_dash(database.sessionmaker, settings, deliveries_queued=deliveries_queued)
+        dash_app = create_dash(database.sessionmaker, settings, deliveries_queued=deliveries_queued,
+                               live_news=app.state.live_news)
     except Exception as e:  # noqa: BLE001 - the API must keep serving even if the dashboard cannot load
         log.exception("dashboard failed to load; serving the API only")
         from fastapi.responses import PlainTextResponse
@@ -146,4 +149,5 @@ def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> No
 
         app.router.routes.append(Mount("/", app=unavailable))
         return
-    app.mount("/", WSGIMiddleware(dash_app.server))
+    # more threads than a2wsgi's 10: the run pages' live callbacks park in them (server/live_news.py)
+    app.mount("/", WSGIMiddleware(dash_app.server, workers=DASHBOARD_THREADS))

@@ -145,6 +145,9 @@ class IngestResult(BaseModel):
     step_shift: int = 0
     # steps of the batch not written: steps of those numbers were stored already (never overwritten)
     already_stored: int = 0
+    # an open run page is watching the run: the agent sends every live_flush_interval meanwhile
+    # (server/live_news.py)
+    live: bool = False
     # Only when the batch asked (``alerts_after``): the run's alerts created or changed since then, newest
     # first, and the cursor to send next (docs/alerts-in-the-loop.md, "On the wire").
     alerts: Optional[list["AlertOut"]] = None

@@ -11,8 +11,10 @@ Data flow (all ids start with ``run-``):
   shared step range (``run-head``); :func:`load_charts` then draws the other
   charts, which sets ``run-layers-range`` and so loads the heatmaps last.
   Each stage's response is drawn while the next one is on the server.
-- ``run-interval`` ticks twice a second; :func:`append_live` asks for the
-  steps after ``run-live.cursor`` only and appends them with ``Patch`` (the
+- ``run-interval`` ticks; :func:`wait_news` waits on the server until the
+  run has steps after ``run-live.cursor`` (a long poll, server/live_news.py)
+  and sets ``run-news``; :func:`append_live` then asks for the steps after the
+  cursor only and appends them with ``Patch`` (the
   history is never fetched again). After many appended points it redraws once
   from a downsampled query so the browser never holds an unbounded tail.
 - :func:`refresh_summary` keeps the header, the NaN origin and the alerts
@@ -35,7 +37,12 @@ from gradwatch.dashboard.figures import ALL_RANKS, HEADLINE, HEATMAPS, PANELS, R
     format_number
 from gradwatch.dashboard.ticks import pause_while_running
 
-LIVE_MS = 500
+# The live tick: wait_news parks up to about a second on the server while nothing is new
+# (server/live_news.py), so a short tick costs no queries; it is only the gap after the charts are
+# patched before the next wait. A page the server cannot park (too many pages waiting) polls every
+# POLL_MS instead, as every page did before the long poll.
+LIVE_MS = 20
+POLL_MS = 500
 SUMMARY_MS = 1000
 LAYERS_MS = 5000
 MAX_POINTS = 600           # buckets per chart (drawn as max + min: ~2 points per pixel column of a half-width chart)
@@ -47,6 +54,8 @@ HEATMAP_LAYERS = 48
 HEAD_PANELS = tuple(p for p in PANELS if p.key in HEADLINE)
 REST_PANELS = tuple(p for p in PANELS if p.key not in HEADLINE)
 HEAD_IDS = [f"run-graph-{p.key}" for p in HEAD_PANELS]
+HEAD_SIGNALS = figures.panel_signals(HEAD_PANELS)
+REST_EVERY_S = 1.0         # live: the charts below the headline are patched at most this often
 REST_IDS = [f"run-graph-{p.key}" for p in REST_PANELS]
 PANEL_IDS = [f"run-graph-{p.key}" for p in PANELS]
 HEATMAP_IDS = [f"run-heatmap-{stat}" for stat, _ in HEATMAPS]
@@ -85,11 +94,12 @@ def layout(run_id=None, **_query):
         dcc.Store(id="run-range", data=None),
         dcc.Store(id="run-head", data=None),
         dcc.Store(id="run-live", data=None),
+        dcc.Store(id="run-news", data=None),
         dcc.Store(id="run-summary-sig", data=None),
         dcc.Store(id="run-layers-sig", data=None),
         dcc.Store(id="run-layers-range", data=None),
         dcc.Store(id="run-ack-done", data=0),
-        dcc.Interval(id="run-interval", interval=LIVE_MS),
+        dcc.Interval(id="run-interval", interval=POLL_MS),
         dcc.Interval(id="run-summary-interval", interval=SUMMARY_MS),
         dcc.Interval(id="run-layers-interval", interval=LAYERS_MS),
         # max_intervals=0: a one-rank run's never ticks (pause_while_running re-enables it after each call)
@@ -236,30 +246,60 @@ def load_charts(head, run_id, smoothing):
 
 
 @callback(
+    Output("run-news", "data"),
+    Output("run-interval", "interval"),
+    Input("run-interval", "n_intervals"),
+    State("run-id", "data"),
+    State("run-live", "data"),
+    prevent_initial_call=True,
+    running=pause_while_running("run-interval"),
+)
+def wait_news(tick, run_id, live):
+    """Park on the server until the run holds steps after the page's cursor (a long poll, about a
+    second; server/live_news.py), then tell :func:`append_live` to fetch them; it also answers after
+    the wait without news, so the alert marks stay current. Only a counter comes back: the chart
+    state this callback read may be stale by then (a zoom meanwhile), append_live reads it fresh.
+    The tick after it: LIVE_MS while the server parks this page, POLL_MS when it could not."""
+    if not live:
+        return no_update, POLL_MS
+    parked = gateway.wait_for_steps(run_id, live.get("cursor")) is not None
+    return tick, LIVE_MS if parked else POLL_MS
+
+
+@callback(
     [Output(gid, "figure", allow_duplicate=True) for gid in PANEL_IDS],
     Output("run-live", "data", allow_duplicate=True),
-    Input("run-interval", "n_intervals"),
+    Input("run-news", "data"),
     State("run-id", "data"),
     State("run-live", "data"),
     State("run-smoothing", "value"),
     prevent_initial_call=True,
+    # no news waits while the charts are patched: a second answer would be dropped by the page (ticks.py)
     running=pause_while_running("run-interval"),
 )
-def append_live(_tick, run_id, live, smoothing):
+def append_live(_news, run_id, live, smoothing):
     nothing = [no_update] * (len(PANEL_IDS) + 1)
     if not live:
         return nothing
     cursor = live.get("cursor")
+    # One cheap query says whether there is anything new; most idle answers of wait_news stop here.
+    last = (gateway.get_run(run_id) or {}).get("last_step")
+    fresh_steps = last is not None and (cursor is None or last > cursor)
     alerts = gateway.list_alerts(run_id=run_id)
     sig = figures.alerts_signature(alerts)
     checkpoints = gateway.list_checkpoints(run_id)
     ckpt_sig = figures.checkpoints_signature(checkpoints)
     # a new checkpoint redraws the step-axis marks as a new or changed alert does
     alerts_changed = sig != live.get("alerts") or ckpt_sig != live.get("checkpoints")
-    # One cheap query says whether there is anything new; most ticks stop here.
-    last = (gateway.get_run(run_id) or {}).get("last_step")
-    fresh_steps = last is not None and (cursor is None or last > cursor)
-    if not fresh_steps and not alerts_changed:
+    # The headline charts are patched with every batch; the others at most every REST_EVERY_S (and at
+    # once when the alert / checkpoint marks change): patching a dozen charts made each live round
+    # in the browser ~2x longer, and a round in progress is what a new step waits for
+    # (bench/live_latency.py, docs/performance.md "Live latency").
+    now = time.time()
+    rest_cursor = live.get("rest_cursor", cursor)
+    rest_fresh = last is not None and (rest_cursor is None or last > rest_cursor)
+    everything = alerts_changed or (rest_fresh and now - live.get("rest_at", 0.0) >= REST_EVERY_S)
+    if not fresh_steps and not everything:
         return nothing
     behind = 0 if not fresh_steps else last - (cursor if cursor is not None else -1)
     if live.get("range") is None and live.get("appended", 0) + behind > MAX_APPENDED:
@@ -267,12 +307,28 @@ def append_live(_tick, run_id, live, smoothing):
         figs, fresh = _chart_figures(run_id, None, smoothing, alerts, source=live.get("source"))
         return *figs, fresh
     source = live.get("source") or _source(None, None)
-    new = (gateway.get_series(run_id, SERIES_SIGNALS, since=-1 if cursor is None else cursor,
+    panels, signals = (PANELS, SERIES_SIGNALS) if everything else (HEAD_PANELS, HEAD_SIGNALS)
+    # Each signal continues from the last step it has drawn: the tails are read one query per signal,
+    # not in one snapshot, so a batch committed between two of them would be past the cursor of the
+    # signals read before it -- one cursor for all lost those steps from the live charts (seen with
+    # batches every 0.1 s). A signal read from another rank (a sharded run's combined row, which waits
+    # for every rank) may lag the others for the same reason. A signal without a cursor of its own
+    # continues from where the charts were drawn (``base``).
+    cursors = dict(live.get("cursors") or {})
+    base = live.get("base", cursor)
+    new = (gateway.get_series(run_id, signals, since=-1 if base is None else base, since_by=cursors,
                               max_points=MAX_APPENDED, rank=source["rank"], sources=source["sources"])
-           if fresh_steps else {})
+           if fresh_steps or (everything and rest_fresh) else {})
+    for signal, one in new.items():
+        if one and one.get("steps"):
+            cursors[signal] = one["steps"][-1]["step"]
     new_cursor = figures.last_step(new)
     appended = live.get("appended", 0) + max((len(s.get("steps", [])) for s in new.values() if s), default=0)
-    live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended, checkpoints=ckpt_sig)
+    live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended, checkpoints=ckpt_sig,
+                cursors=cursors, base=base)
+    if everything:
+        live["rest_at"] = now
+        live["rest_cursor"] = last if last is not None else rest_cursor   # read before the tails: all stored
     if new_cursor is not None:
         live["cursor"] = new_cursor if cursor is None else max(new_cursor, cursor)
         if live.get("first") is None:
@@ -283,6 +339,9 @@ def append_live(_tick, run_id, live, smoothing):
             if live.get("range") is None and new_cursor is not None and live.get("first") is not None else None)
     out = []
     for panel in PANELS:
+        if panel not in panels:
+            out.append(no_update)
+            continue
         ext, state = figures.series_append(panel, new, smoothing=smoothing or 0.0,
                                            state=live["states"].get(panel.key))
         live["states"][panel.key] = state

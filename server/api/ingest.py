@@ -154,14 +154,16 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
             raise HTTPException(403, f"project: this token is for project {token_project!r}, "
                                      f"not {batch.project!r}")
         with app.state.write_gate:
-            return _write(app, batch, settings)
+            return (*_write(app, batch, settings), batch.rank)
 
     metrics = app.state.metrics
     try:
-        outcome, news = await run_in_threadpool(work)
+        outcome, news, rank = await run_in_threadpool(work)
     except HTTPException:
         metrics.observe_batch(seconds=time.perf_counter() - started, rejected=True)
         raise
+    if not outcome.duplicate:
+        app.state.live_news.published(outcome.run_id)   # committed: wake the run pages waiting on it
     if outcome.alerts_enqueued or outcome.alerts_routed:
         # outbox rows to send now, or a group that comes due after its group_wait: the worker's next
         # round reads the earliest due time and sleeps until exactly then, not for its whole poll interval
@@ -169,7 +171,10 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
     metrics.observe_batch(seconds=time.perf_counter() - started, steps=outcome.accepted,
                           values=outcome.values_written, rows=outcome.rows_written, duplicate=outcome.duplicate)
     result = IngestResult(run_id=outcome.run_id, accepted=outcome.accepted, duplicate=outcome.duplicate,
-                          step_shift=outcome.step_shift, already_stored=outcome.already_stored)
+                          step_shift=outcome.step_shift, already_stored=outcome.already_stored,
+                          # rank 0 only: the headline charts read it, and a watched 256-rank run sending
+                          # 10 batches/s per rank would be a load no page is worth (server/live_news.py)
+                          live=rank == 0 and app.state.live_news.watching(outcome.run_id))
     if news is not None:
         result.alerts, result.alerts_cursor = news
     return result

@@ -48,17 +48,26 @@ def make_steps(n: int, *, start: int = 0, seed: int = 0, overflow_every: int = 0
             "mem_peak": 2.5 * (1 << 30) + rng.random() * (1 << 26),
             "ema_divergence": 0.01 * math.exp(-i / 300) + 1e-4,
             "input_nonfinite": 0,
+            "data_time": 0.004 + 0.001 * math.sin(i / 10),
         }
         if overflow:
             scale /= 2
         if layers_every and i % layers_every == 0:
             step["grad_zero_fraction"] = 0.01 + 0.001 * (i % 7)
+            # the early-warning signals, sampled on the same steps as the agent samples them (healthy values)
+            step["attn_logit_max"] = 6.0 + 0.2 * math.sin(i / 20)
+            step["output_logit_max"] = 9.0 + 0.3 * math.sin(i / 30)
+            step["output_log_z"] = 4.2 + 0.05 * math.sin(i / 25)
+            step["adam_g2_over_v_max"] = 1.5 + 0.1 * math.sin(i / 15)
             step["layers"] = {
                 "grad_norm": [grad * (0.2 + 0.1 * k) for k in range(len(PARAM_NAMES))],
                 "weight_norm": [10.0 + k + i * 0.001 for k in range(len(PARAM_NAMES))],
                 "update_ratio": [1e-3 * (1 + 0.1 * k) for k in range(len(PARAM_NAMES))],
                 "act_std": [1.0 + 0.05 * k for k in range(len(MODULE_NAMES))],
                 "grad_zero_fraction": [0.005 * k for k in range(len(PARAM_NAMES))],
+                "adam_g2_over_v": [0.8 + 0.05 * k for k in range(len(PARAM_NAMES))],
+                "linear_out_rms": [0.9 + 0.02 * k for k in range(len(MODULE_NAMES))],
+                "attn_logit_max": [5.0 + 0.1 * k for k in range(len(MODULE_NAMES))],
             }
         out.append(step)
     return out
