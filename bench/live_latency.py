@@ -5,8 +5,8 @@
     .venv/bin/python bench/live_latency.py --base /tmp/base         # REV and this checkout, alternated
 
 Per round and checkout: a real ``gradwatch serve`` on an empty SQLite file; a real training loop
-(``bench/live_loop.py``: a tiny MLP under a GradScaler, ``--rate`` steps/s, 10 by default, with
-that checkout's agent) writing each step's end time; Debian's headless Chromium on the run page.
+(``bench/live_loop.py``: a tiny MLP under a GradScaler, ``--rate`` steps/s, 10 by default, the
+time spent inside each step or, ``--pace idle``, after it; with that checkout's agent) writing each step's end time; Debian's headless Chromium on the run page.
 A script in the page reads the loss chart every 20 ms and records, by the page's clock
 (``Date.now()``, the same wall clock as the loop's ``time.time()`` on one machine), when each step
 first appears in it. Measured: the steps after the page has drawn and ``--settle`` seconds more
@@ -87,7 +87,7 @@ def one_round(root: Path, label: str, args, tmp: Path, k: int) -> list[float]:
         wait_healthy(base, server)
         run = f"live-{label}-{k}"
         loop = subprocess.Popen([sys.executable, str(ROOT / "bench" / "live_loop.py"), base, run, str(args.steps),
-                                 str(args.rate), str(ends_file)], cwd=tmp, env=env)
+                                 str(args.rate), str(ends_file), args.pace], cwd=tmp, env=env)
         run_id = None
         for _ in range(300):
             runs = _get(f"{base}/api/v1/runs?project=live-latency")
@@ -147,13 +147,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per checkout, alternated")
     ap.add_argument("--steps", type=int, default=250, help="steps per round")
     ap.add_argument("--rate", type=float, default=10.0, help="steps per second")
+    ap.add_argument("--pace", choices=("compute", "idle"), default="compute",
+                    help="where the loop spends a step's time: in the step (compute) or after it (idle: the "
+                         "worst case for the agent's hand-over of an ended step; bench/live_loop.py)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after the page is drawn before measuring")
     ap.add_argument("--port", type=int, default=8490)
     args = ap.parse_args()
     sides = [("base", args.base.resolve())] if args.base else []
     sides.append(("this", ROOT))
     lat: dict[str, list[float]] = {label: [] for label, _ in sides}
-    print(f"live latency at {args.rate:g} steps/s, {args.steps} steps x {args.rounds} rounds per checkout; "
+    print(f"live latency at {args.rate:g} steps/s ({args.pace}), {args.steps} steps x {args.rounds} rounds per checkout; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gw-live-") as tmp:
         k = 0
