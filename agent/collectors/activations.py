@@ -7,15 +7,13 @@ returns, so other steps pay nothing for them.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from gradwatch.agent.capture.activations import activation_stats, first_tensor
-from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.collectors.base import OneForwardHooks
 
 
-class ActivationStats(Collector):
+class ActivationStats(OneForwardHooks):
     name = "activations"
     every = "activations_every"
     while_hunting = True
@@ -24,21 +22,10 @@ class ActivationStats(Collector):
         super().__init__(watched, guards)
         self.acts: list[tuple[int, torch.Tensor]] = []
         self.seen: set[int] = set()
-        self.handles: list[Any] = []
 
     def on_first_forward(self, step, args, kwargs) -> None:
-        # Removes these hooks after this forward; installed only on such steps, so the
-        # usual forward has no post hook to run.
-        self.handles.append(self.watched.model.register_forward_hook(self._on_forward_post))
-        for i, (_, m) in enumerate(self.watched.modules):
-            self.handles.append(m.register_forward_hook(self._hook(i)))
-
-    def _on_forward_post(self, module, args, output):
-        if self.handles:
-            for h in self.handles:
-                h.remove()
-            self.handles = []
-        return None
+        modules = self.watched.modules
+        self.hook_this_forward([m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(modules)])
 
     def _hook(self, index: int):
         def hook(module, args, output):
@@ -60,11 +47,3 @@ class ActivationStats(Collector):
             rec.add("act", torch.stack([s for _, s in acts]))
         elif self.seen:
             self.seen = set()
-
-    def detach(self) -> None:
-        for h in self.handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
-        self.handles = []

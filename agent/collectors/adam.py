@@ -33,10 +33,7 @@ from typing import Optional
 
 import torch
 
-from gradwatch.agent.collectors.base import Collector
-
-# the wire's "not measured" float32 (docs/wire-format.md): a parameter without Adam state or grad
-_NULL_BITS = 0x7FC0DEAD
+from gradwatch.agent.collectors.base import NULL_F32_BITS, Collector, to_device
 
 
 def adam_like(optimizer) -> bool:
@@ -48,17 +45,6 @@ def adam_like(optimizer) -> bool:
     """
     defaults = getattr(optimizer, "defaults", None)
     return isinstance(defaults, dict) and "betas" in defaults and "eps" in defaults
-
-
-def _dev_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without a sync: through pinned memory, non-blocking, on CUDA
-    (``torch.tensor(values, device="cuda")`` would wait for the stream)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return t
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def _stackable(steps: list) -> bool:
@@ -78,7 +64,7 @@ def _step_counts(steps: list, device: torch.device, stackable: bool) -> torch.Te
         return (stacked.pin_memory() if device.type == "cuda" else stacked).to(device, non_blocking=True)
     if all(isinstance(t, torch.Tensor) for t in steps):
         return torch.stack([t.reshape(()).to(device, torch.float64, non_blocking=True) for t in steps])
-    return _dev_tensor([float(t) for t in steps], torch.float64, device)   # plain numbers
+    return to_device([float(t) for t in steps], torch.float64, device)   # plain numbers
 
 
 class AdamStaleness(Collector):
@@ -143,8 +129,8 @@ class AdamStaleness(Collector):
             dev = vs[0].device
             # β2 in float64: 1 - β2^t loses digits to cancellation in float32 (early steps)
             # float64 throughout: 1 - β2^t loses digits to cancellation in float32 (early steps)
-            beta2_t = _dev_tensor(beta2s, torch.float64, dev)
-            n_eps2 = _dev_tensor([n * e for n, e in zip(sizes, eps2)], torch.float64, dev)
+            beta2_t = to_device(beta2s, torch.float64, dev)
+            n_eps2 = to_device([n * e for n, e in zip(sizes, eps2)], torch.float64, dev)
             layout = (keep, vs, steps, n_eps2, beta2_t, 1.0 - beta2_t, dev, exact_only, _stackable(steps))
         self._cached = (key, layout)
         return layout
@@ -209,7 +195,7 @@ class AdamStaleness(Collector):
             out = ratio
             if scatter is not None:    # some parameters without state or grad: "not measured" there
                 n = len(self.watched.params)
-                out = torch.full((n,), _NULL_BITS, dtype=torch.int32, device=ratio.device).view(torch.float32)
+                out = torch.full((n,), NULL_F32_BITS, dtype=torch.int32, device=ratio.device).view(torch.float32)
                 out = out.index_copy(0, scatter, ratio)
             rec.add("adam_g2_over_v_max", ratio.max())
             rec.add("layers.adam_g2_over_v", out)
@@ -226,7 +212,7 @@ class AdamStaleness(Collector):
         hit = None
         if both:
             def index(values: list, n: int):
-                return None if values == list(range(n)) else _dev_tensor(values, torch.long, device)
+                return None if values == list(range(n)) else to_device(values, torch.long, device)
             hit = (index([r for r, _, _ in both], len(keep)), index([c for _, c, _ in both], len(grad_index)),
                    index([p for _, _, p in both], len(self.watched.params)))
         if len(self._index_cache) > 64:

@@ -1,6 +1,7 @@
 """The collector protocol, and :class:`Watched`: what a monitor watches.
 
-Leaf of the collectors: imports torch, :mod:`agent.capture.activations` and :mod:`agent.capture.shards` only.
+Leaf of the collectors: imports torch, :mod:`agent.capture.activations`, :mod:`agent.capture.shards` and
+:mod:`agent.nonfinite` only.
 
 A collector is one kind of measurement. It declares
 
@@ -29,12 +30,13 @@ Each hook starts with a cheap early return (``self.due(step)``,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
 from gradwatch.agent.capture.activations import CONTAINERS
 from gradwatch.agent.capture.shards import local_grads, local_tensors, shard_layout
+from gradwatch.agent.nonfinite import NULL_F32_BITS  # the wire's "not measured" float32 (docs/wire-format.md)
 
 
 class Watched:
@@ -136,19 +138,89 @@ class Collector:
         """Remove whatever the collector installed (at ``close()``)."""
 
 
-# the wire's "not measured" float32 (docs/wire-format.md), for a parameter a per-parameter array has no value of
-NULL_F32_BITS = 0x7FC0DEAD
+class OneForwardHooks(Collector):
+    """A collector whose module hooks live for one forward: installed on a sampled step's first forward
+    (:meth:`hook_this_forward`, from ``on_first_forward``) and removed by a model-level post hook when
+    that forward returns, so the steps between samples run no hook of it (not even the post hook).
+
+    Subclasses register their module hooks and hand the handles over; :meth:`forward_returned` is
+    where they forget what only that forward needed::
+
+        def on_first_forward(self, step, args, kwargs):
+            self.hook_this_forward([m.register_forward_hook(self._hook(i)) for i, m in self.targets])
+    """
+
+    def __init__(self, watched: Watched, guards: Any):
+        super().__init__(watched, guards)
+        self.handles: list[Any] = []
+
+    def hook_this_forward(self, handles: list) -> None:
+        self.handles.append(self.watched.model.register_forward_hook(self._forward_returned))
+        self.handles.extend(handles)
+
+    def _forward_returned(self, module, args, output):
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.remove()
+        self.forward_returned()
+        return None
+
+    def forward_returned(self) -> None:
+        """The hooked forward returned (its hooks are removed)."""
+
+    def detach(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001 - close() goes on whatever a hook handle does
+                pass
 
 
-def by_param(values: torch.Tensor, index: list, n: int) -> torch.Tensor:
-    """``values`` of the parameters at ``index`` as one float32 array over all ``n`` parameters, the rest
-    "not measured" (on the values' device: no sync)."""
+# Index tensors on their devices, by (positions, device): a collector scatters the same positions step
+# after step. Bounded: a model whose set of measured positions keeps changing refills it.
+_INDEX_CACHE: dict[tuple, torch.Tensor] = {}
+_INDEX_CACHE_MAX = 64
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without a host sync: on CUDA through pinned memory,
+    non-blocking (``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for
+    the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``index`` as a long tensor on ``device``, without a host sync: on CUDA through pinned memory,
+    non-blocking (``torch.tensor(index, device="cuda")`` copies from pageable memory, which waits for
+    the stream). Cached per (index, device)."""
+    key = (tuple(index), str(device))
+    t = _INDEX_CACHE.get(key)
+    if t is None:
+        t = to_device(key[0], torch.long, device)
+        if len(_INDEX_CACHE) >= _INDEX_CACHE_MAX:
+            _INDEX_CACHE.clear()
+        _INDEX_CACHE[key] = t
+    return t
+
+
+def scatter_measured(values: torch.Tensor, index: Sequence[int], n: int) -> torch.Tensor:
+    """``values[k]`` of the slot ``index[k]`` (a parameter or a module) as one float32 array over all
+    ``n`` slots, the rest the wire's "not measured" float32; on the values' device, no sync.
+
+    >>> scatter_measured(torch.tensor([1.0, 2.0]), [2, 0], 3).tolist()[::2]
+    [2.0, 1.0]
+    """
     values = values.to(torch.float32)
-    if len(index) == n:
+    if len(index) == n and all(i == k for k, i in enumerate(index)):
         return values
     full = torch.full((n,), NULL_F32_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
-    full[torch.tensor(index, device=values.device)] = values
-    return full
+    return full.index_copy(0, device_index(index, values.device), values)
 
 
 def overrides(collector: Collector, hook: str) -> bool:

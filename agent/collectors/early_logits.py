@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.collectors.base import Collector, OneForwardHooks, scatter_measured, to_device
 
 # positions of the first sample whose pairs are scored (128² pairs per head)
 MAX_POSITIONS = 128
@@ -50,8 +50,6 @@ PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("to_q", "to_k"),
 NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("q_ln", "k_ln"))
 FUSED = ("c_attn", "qkv", "Wqkv", "qkv_proj")
 HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "heads", "num_attention_heads", "nhead")
-# the wire's "not measured" float32 (docs/wire-format.md) for a module that is no attention module
-_NULL_BITS = 0x7FC0DEAD
 
 
 @dataclass
@@ -261,7 +259,7 @@ def max_logits(pairs: list, heads: int) -> torch.Tensor:
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-class AttentionLogits(Collector):
+class AttentionLogits(OneForwardHooks):
     """Per attention module, the max attention logit (``layers.attn_logit_max``) and its max over the
     modules (``attn_logit_max``), every ``attn_logits_every`` steps.
 
@@ -277,7 +275,6 @@ class AttentionLogits(Collector):
         if self.interval > 0:
             names = [n for n, _ in watched.modules]
             self.sites = find_attention(watched.model, names, getattr(watched.config, "attention_modules", None))
-        self.handles: list[Any] = []
         self.qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # site position -> (q, k), this step
         self.partial: dict[int, tuple[bool, torch.Tensor]] = {}       # site position -> its q or k, until the other
         self.scales = [s.scale for s in self.sites]
@@ -286,22 +283,19 @@ class AttentionLogits(Collector):
         return self.interval > 0 and bool(self.sites)
 
     def on_first_forward(self, step, args, kwargs) -> None:
-        self.handles.append(self.watched.model.register_forward_hook(self._done))
+        handles = []
         for i, s in enumerate(self.sites):
             if s.kind == "mha":
-                self.handles.append(s.q.register_forward_pre_hook(self._mha_hook(i), with_kwargs=True))
+                handles.append(s.q.register_forward_pre_hook(self._mha_hook(i), with_kwargs=True))
             elif s.kind == "fused":
-                self.handles.append(s.q.register_forward_hook(self._fused_hook(i)))
+                handles.append(s.q.register_forward_hook(self._fused_hook(i)))
             else:
-                self.handles.append(s.q.register_forward_hook(self._pair_hook(i, True)))
-                self.handles.append(s.k.register_forward_hook(self._pair_hook(i, False)))
+                handles.append(s.q.register_forward_hook(self._pair_hook(i, True)))
+                handles.append(s.k.register_forward_hook(self._pair_hook(i, False)))
+        self.hook_this_forward(handles)
 
-    def _done(self, module, args, output):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self.partial = {}
-        return None
+    def forward_returned(self) -> None:
+        self.partial = {}   # a q without its k (or a k without its q) in that forward: nothing to score
 
     def _active(self, i: int) -> bool:
         return i not in self.qk and self.name not in self.guards.disabled
@@ -358,20 +352,10 @@ class AttentionLogits(Collector):
             scale = [self.scales[i] if self.scales[i] is not None else
                      1.0 / math.sqrt(qk[i][0].shape[1] // (1 if qk[i][1] is not None else 3) // self.sites[i].heads)
                      for i in order]
-            values = values * torch.tensor(scale, dtype=values.dtype, device=values.device)
+            values = values * to_device(scale, values.dtype, values.device)
             rec.add("attn_logit_max", values.amax())
-            n = len(self.watched.modules)
-            full = torch.full((n,), _NULL_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
-            full[torch.tensor([self.sites[i].index for i in order], device=values.device)] = values
-            rec.add("layers.attn_logit_max", full)
-
-    def detach(self) -> None:
-        for h in self.handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
-        self.handles = []
+            rec.add("layers.attn_logit_max", scatter_measured(values, [self.sites[i].index for i in order],
+                                                              len(self.watched.modules)))
 
 
 def output_logits(output: Any) -> Optional[torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 from gradwatch.agent.capture.ema import EmaMatcher, ema_divergence
 from gradwatch.agent.capture.ema_worker import BARRIER_TIMEOUT, EmaWorker
-from gradwatch.agent.collectors.base import Collector, by_param
+from gradwatch.agent.collectors.base import Collector, scatter_measured
 
 
 class _NoStream:
@@ -68,8 +68,8 @@ class EmaDivergence(Collector):
             # sharded: this rank's pieces per parameter, for the server to combine into the full
             # parameters' divergence (server/ranks.py); parameters the EMA does not hold: "not measured"
             diff_norms, weight_norms, index = got[2:]
-            rec.add("layers.ema_diff_local", by_param(diff_norms, index, len(w.params)))
-            rec.add("layers.ema_ref_local", by_param(weight_norms, index, len(w.params)))
+            rec.add("layers.ema_diff_local", scatter_measured(diff_norms, index, len(w.params)))
+            rec.add("layers.ema_ref_local", scatter_measured(weight_norms, index, len(w.params)))
 
     def _offload(self) -> bool:
         """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights

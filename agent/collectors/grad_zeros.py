@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gradwatch.agent.collectors.base import Collector, by_param
+from gradwatch.agent.collectors.base import Collector, scatter_measured
 
 
 class GradZeroFraction(Collector):
@@ -51,11 +51,11 @@ class GradZeroFraction(Collector):
             frac = counts.to(torch.float32) / size_t
             rec.add("grad_zero_fraction", counts.sum().to(torch.float32) / float(sum(sizes)))
             index = [i for i, h in enumerate(have) if h]
-            rec.add("layers.grad_zero_fraction", by_param(frac, index, len(params)))
+            rec.add("layers.grad_zero_fraction", scatter_measured(frac, index, len(params)))
             if self.watched.local:
                 # sharded: this rank's zero counts and element counts per parameter, which the server adds
                 # up over the distinct pieces into the full parameters' share (server/ranks.py). An empty
                 # piece counts 0 of 0 there (``sizes`` above counts it as 1 only to divide by it here).
                 numel = torch.tensor([float(p.numel()) for p, h in zip(params, have) if h], device=counts.device)
-                rec.add("layers.grad_zero_count_local", by_param(counts.to(torch.float32), index, len(params)))
-                rec.add("layers.numel_local", by_param(numel, index, len(params)))
+                rec.add("layers.grad_zero_count_local", scatter_measured(counts, index, len(params)))
+                rec.add("layers.numel_local", scatter_measured(numel, index, len(params)))

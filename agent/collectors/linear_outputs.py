@@ -13,14 +13,11 @@ Cost on a sampled step: one norm kernel per Linear output; no host sync.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from gradwatch.agent.capture.shards import local_tensor
-from gradwatch.agent.collectors.base import Collector
-
-_NULL_BITS = 0x7FC0DEAD   # the wire's "not measured" float32 (docs/wire-format.md)
+from gradwatch.agent.collectors.base import OneForwardHooks, scatter_measured
 
 
 def output_rms(out: torch.Tensor) -> torch.Tensor:
@@ -33,7 +30,7 @@ def output_rms(out: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(max(x.numel(), 1))
 
 
-class LinearOutputs(Collector):
+class LinearOutputs(OneForwardHooks):
     name = "linear_outputs"
     every = "linear_every"
 
@@ -41,23 +38,13 @@ class LinearOutputs(Collector):
         super().__init__(watched, guards)
         self.linears = [i for i, (_, m) in enumerate(watched.modules) if isinstance(m, torch.nn.Linear)]
         self.values: dict[int, torch.Tensor] = {}
-        self.handles: list[Any] = []
-        self._scatter: dict[tuple, torch.Tensor] = {}
 
     def wanted(self) -> bool:
         return self.interval > 0 and bool(self.linears)
 
     def on_first_forward(self, step, args, kwargs) -> None:
-        self.handles.append(self.watched.model.register_forward_hook(self._on_forward_post))
         modules = self.watched.modules
-        for i in self.linears:
-            self.handles.append(modules[i][1].register_forward_hook(self._hook(i)))
-
-    def _on_forward_post(self, module, args, output):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        return None
+        self.hook_this_forward([modules[i][1].register_forward_hook(self._hook(i)) for i in self.linears])
 
     def _hook(self, index: int):
         def hook(module, args, output):
@@ -74,27 +61,6 @@ class LinearOutputs(Collector):
         if not values or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name):
-            order = tuple(sorted(values))
-            vec = torch.stack([values[i] for i in order])
-            n = len(self.watched.modules)
-            if len(order) == n:
-                rec.add("layers.linear_out_rms", vec)
-                return
-            where = self._scatter.get(order)
-            if where is None or where.device != vec.device:
-                t = torch.tensor(order, dtype=torch.long)
-                where = t.to(vec.device, non_blocking=True) if vec.device.type != "cuda" else \
-                    t.pin_memory().to(vec.device, non_blocking=True)
-                if len(self._scatter) > 16:
-                    self._scatter.clear()
-                self._scatter[order] = where
-            full = torch.full((n,), _NULL_BITS, dtype=torch.int32, device=vec.device).view(torch.float32)
-            rec.add("layers.linear_out_rms", full.index_copy(0, where, vec))
-
-    def detach(self) -> None:
-        for h in self.handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
-        self.handles = []
+            order = sorted(values)
+            rec.add("layers.linear_out_rms", scatter_measured(torch.stack([values[i] for i in order]), order,
+                                                              len(self.watched.modules)))

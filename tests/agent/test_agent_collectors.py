@@ -343,3 +343,22 @@ def test_the_zero_gradient_share_equals_pytorchs_count_per_parameter_and_overall
         assert per[0] > 0.5 and per[-1] is None          # the embedding's unused rows; the unused layer
         seen += 1
     assert seen == 3
+
+
+def test_scatter_measured_places_each_value_at_its_slot_in_any_order():
+    """The per-layer arrays' "not measured" scatter (collectors.base): the values of a subset of slots, or
+    of every slot in another order (attention sites grouped by shape), each land on their own slot."""
+    import struct
+
+    from gradwatch.agent.collectors.base import device_index, scatter_measured
+    from gradwatch.agent.nonfinite import NULL_F32_BITS
+
+    def bits(x: float) -> int:
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+    everything = scatter_measured(torch.tensor([1.0, 2.0, 3.0]), [2, 0, 1], 3)
+    assert everything.tolist() == [2.0, 3.0, 1.0]
+    ordered = torch.tensor([4.0, 5.0], dtype=torch.float64)
+    assert scatter_measured(ordered, [0, 1], 2).dtype == torch.float32
+    some = scatter_measured(torch.tensor([7.0, 9.0]), [3, 1], 5)
+    assert [bits(v) for v in some.tolist()] == [NULL_F32_BITS, bits(9.0), NULL_F32_BITS, bits(7.0), NULL_F32_BITS]
+    assert device_index([3, 1], torch.device("cpu")) is device_index((3, 1), torch.device("cpu"))   # cached
