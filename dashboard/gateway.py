@@ -162,11 +162,17 @@ def wait_for_steps(run_id: int, cursor: Optional[float]) -> Optional[bool]:
     too many pages waiting): it polls instead. Also marks the run as watched, so its agents send faster."""
     if _live_news is None:
         return None
+    run = get_run(run_id)
+    if run is None:   # no such run, or another project's (auth): nothing to wait for, nobody to speed up
+        return None
+    if run.get("status") in ("finished", "crashed"):
+        return None   # an ended run's page polls (a resumed run starts sending again), holding no thread
 
     def stored_after() -> bool:   # also the steps another replica stored: no wake-up reaches here for them
         last = (get_run(run_id) or {}).get("last_step")
         return last is not None and (cursor is None or last > cursor)
-    if stored_after():
+    last = run.get("last_step")
+    if last is not None and (cursor is None or last > cursor):
         _live_news.watch(run_id)
         return True
     return _live_news.wait(run_id, recheck=stored_after)

@@ -6,6 +6,7 @@ training loop with the agent. The latency itself is measured by bench/live_laten
 assertions here)."""
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 from gradwatch import agent
-from gradwatch.server import live_news
 from tests.conftest import wait_until
 from tests.dashboard.conftest import WAIT, same_page, mark_page, severe_console_entries, wait_trace
 from tests.dashboard.runs_feed import ingest, make_steps
@@ -53,18 +53,19 @@ def test_steps_sent_one_per_batch_all_reach_the_open_page_in_order(shared_server
 
 
 def test_the_server_says_live_to_rank_0_while_a_page_watches_the_run(shared_server, browser):
-    steps = make_steps(40, seed=22, layers_every=0)
+    steps = make_steps(11, seed=22, layers_every=0)
     run_id = ingest(shared_server, project="push", run="watched", steps=steps[:10])
     assert _post(shared_server, "watched", [steps[10]])["live"] is False     # nobody looks yet
     browser.get(f"{shared_server.url}/runs/{run_id}")
     wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 11, what="the page drawn")
-    nxt = iter(steps[11:])
-    wait_until(lambda: _post(shared_server, "watched", [next(nxt)])["live"], timeout=WAIT,
-               what="the reply to rank 0 says live")
-    assert _post(shared_server, "watched", [dict(steps[0], step=0)], rank=1)["live"] is False   # rank 0 only
+    numbers = itertools.count(11)
+
+    def next_step_live(rank: int = 0) -> bool:   # one more step of rank 0 (or rank 1): does the reply say live?
+        return _post(shared_server, "watched", [dict(steps[-1], step=next(numbers))], rank=rank)["live"]
+    wait_until(next_step_live, timeout=WAIT, interval=0.2, what="the reply to rank 0 says live")
+    assert next_step_live(rank=1) is False   # rank 0 only
     browser.get("about:blank")   # the page is closed: after the hold the run is not watched any more
-    time.sleep(live_news.WATCH_HOLD_S + live_news.WAIT_S)
-    assert _post(shared_server, "watched", [next(nxt)])["live"] is False
+    wait_until(lambda: not next_step_live(), timeout=WAIT, interval=0.2, what="the reply no longer live")
 
 
 def test_the_agent_sends_faster_while_its_run_page_is_open(shared_server, browser):
