@@ -156,6 +156,16 @@ def get_run(run_id: int) -> Optional[dict]:
         return _plain(queries.get_run(s, run_id=run_id, stall_seconds=_stall_seconds()))
 
 
+def steps_after(last: Optional[int], cursor: Optional[float]) -> bool:
+    """Whether a run whose last step is ``last`` holds steps after a page's ``cursor`` (None: none
+    drawn yet).
+
+    >>> steps_after(None, None), steps_after(5, None), steps_after(5, 5), steps_after(6, 5)
+    (False, True, False, True)
+    """
+    return last is not None and (cursor is None or last > cursor)
+
+
 def wait_for_steps(run_id: int, cursor: Optional[float]) -> Optional[bool]:
     """Park until ``run_id`` holds steps after ``cursor`` (server/live_news.py): True when it does, False
     after the wait (about a second); None at once when this process cannot park the caller (no LiveNews,
@@ -168,14 +178,11 @@ def wait_for_steps(run_id: int, cursor: Optional[float]) -> Optional[bool]:
     if run.get("status") in ("finished", "crashed"):
         return None   # an ended run's page polls (a resumed run starts sending again), holding no thread
 
-    def stored_after() -> bool:   # also the steps another replica stored: no wake-up reaches here for them
-        last = (get_run(run_id) or {}).get("last_step")
-        return last is not None and (cursor is None or last > cursor)
-    last = run.get("last_step")
-    if last is not None and (cursor is None or last > cursor):
+    if steps_after(run.get("last_step"), cursor):
         _live_news.watch(run_id)
         return True
-    return _live_news.wait(run_id, recheck=stored_after)
+    # the recheck also finds the steps another replica stored: no wake-up reaches this process for them
+    return _live_news.wait(run_id, recheck=lambda: steps_after((get_run(run_id) or {}).get("last_step"), cursor))
 
 
 def _one_series(run_id: int, signal: str, start, end, max_points: int, since, rank: int = 0) -> dict:

@@ -48,7 +48,12 @@ class LiveNews:
 
     def watch(self, run_id: int) -> None:
         """An open page is looking at ``run_id`` now (every live tick says so, parked or not)."""
-        self._watched[run_id] = self._clock()
+        now = self._clock()
+        self._watched[run_id] = now
+        if len(self._watched) > 4 * MAX_WAITERS:   # forget runs nobody has watched for a while
+            for rid, seen in list(self._watched.items()):
+                if now - seen > WATCH_HOLD_S:
+                    self._watched.pop(rid, None)
 
     def watching(self, run_id: int) -> bool:
         """Whether an open page waited on ``run_id`` within the last :data:`WATCH_HOLD_S` seconds."""
@@ -60,13 +65,9 @@ class LiveNews:
         """Park until a batch of ``run_id`` is stored here or ``recheck()`` (called every
         :data:`RECHECK_S`) says there is news: True then, False after ``timeout`` without either;
         None at once when :data:`MAX_WAITERS` callbacks are parked already (the caller polls)."""
+        self.watch(run_id)
         now = self._clock()
         with self._cond:
-            self._watched[run_id] = now
-            if len(self._watched) > 4 * MAX_WAITERS:   # forget runs nobody has watched for a while
-                for rid, seen in list(self._watched.items()):
-                    if now - seen > WATCH_HOLD_S:
-                        del self._watched[rid]
             if self._waiters >= MAX_WAITERS:
                 return None
             self._waiters += 1
@@ -88,4 +89,4 @@ class LiveNews:
         finally:
             with self._cond:
                 self._waiters -= 1
-                self._watched[run_id] = self._clock()
+            self.watch(run_id)

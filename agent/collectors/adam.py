@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from gradwatch.agent.collectors.base import NULL_F32_BITS, Collector, to_device
+from gradwatch.agent.collectors.base import Collector, place_measured, to_device
 
 
 def adam_like(optimizer) -> bool:
@@ -194,9 +194,7 @@ class AdamStaleness(Collector):
             self.carry = (layout, step, sums, counts, g2_kept)
             out = ratio
             if scatter is not None:    # some parameters without state or grad: "not measured" there
-                n = len(self.watched.params)
-                out = torch.full((n,), NULL_F32_BITS, dtype=torch.int32, device=ratio.device).view(torch.float32)
-                out = out.index_copy(0, scatter, ratio)
+                out = place_measured(ratio, scatter, len(self.watched.params))
             rec.add("adam_g2_over_v_max", ratio.max())
             rec.add("layers.adam_g2_over_v", out)
 

@@ -219,8 +219,14 @@ def scatter_measured(values: torch.Tensor, index: Sequence[int], n: int) -> torc
     values = values.to(torch.float32)
     if len(index) == n and all(i == k for k, i in enumerate(index)):
         return values
+    return place_measured(values, device_index(index, values.device), n)
+
+
+def place_measured(values: torch.Tensor, where: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 ``values`` at the positions ``where`` (a long tensor on their device) of an array of ``n``,
+    the rest the wire's "not measured" float32."""
     full = torch.full((n,), NULL_F32_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
-    return full.index_copy(0, device_index(index, values.device), values)
+    return full.index_copy(0, where, values)
 
 
 def overrides(collector: Collector, hook: str) -> bool:

@@ -284,7 +284,7 @@ def append_live(_news, run_id, live, smoothing):
     cursor = live.get("cursor")
     # One cheap query says whether there is anything new; most idle answers of wait_news stop here.
     last = (gateway.get_run(run_id) or {}).get("last_step")
-    fresh_steps = last is not None and (cursor is None or last > cursor)
+    fresh_steps = gateway.steps_after(last, cursor)
     alerts = gateway.list_alerts(run_id=run_id)
     sig = figures.alerts_signature(alerts)
     checkpoints = gateway.list_checkpoints(run_id)
@@ -297,7 +297,7 @@ def append_live(_news, run_id, live, smoothing):
     # (bench/live_latency.py, docs/performance.md "Live latency").
     now = time.time()
     rest_cursor = live.get("rest_cursor", cursor)
-    rest_fresh = last is not None and (rest_cursor is None or last > rest_cursor)
+    rest_fresh = gateway.steps_after(last, rest_cursor)
     everything = alerts_changed or (rest_fresh and now - live.get("rest_at", 0.0) >= REST_EVERY_S)
     if not fresh_steps and not everything:
         return nothing
