@@ -261,6 +261,10 @@ class SetupWatch:
             pass
         return False, None
 
+    def on_clip_with_norm(self, parameters, max_norm) -> None:
+        """The ``clip_grads_with_norm_`` patch's observer protocol (accelerate's clip): note the call."""
+        self.on_clip(parameters, max_norm, 2.0, False, None, None)
+
     def event(self, step: int, module_clip: Optional[float] = None) -> dict:
         """The event, with the first step's number. ``module_clip``: the ``max_norm`` the grad-norm
         collector saw the model's own ``clip_grad_norm_`` (FSDP1) called with, which the patch does not see."""

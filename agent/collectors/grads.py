@@ -64,6 +64,12 @@ class GradNorms(Collector):
         return True, original(parameters, max_norm, norm_type=norm_type,
                               error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
+    def on_clip_with_norm(self, parameters: list, max_norm) -> None:
+        """Called by the ``clip_grads_with_norm_`` patch (a clip with a norm the caller computed, e.g.
+        accelerate's): note the threshold and measure the grads before they are scaled in place."""
+        if parameters and id(parameters[0]) in self.watched.param_ids:
+            self.before_module_clip(max_norm)
+
     def before_module_clip(self, max_norm) -> None:
         """The model's own ``clip_grad_norm_`` (FSDP1) is about to clip: measure the grads first."""
         if self.guards.on("clip"):

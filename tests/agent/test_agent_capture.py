@@ -64,6 +64,37 @@ def test_per_parameter_grad_norms_combine_to_the_global_norm(recorder, agent_set
     assert step["clip_max_norm"] is None   # no clipping happened in this loop
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch < 2.6")
+def test_a_clip_with_a_norm_the_caller_computed_is_seen(recorder, agent_settings):
+    """accelerate >= 1.16 (the HF Trainer's clip) computes the norm with get_total_norm and clips with
+    clip_grads_with_norm_, never calling clip_grad_norm_: the threshold is still seen and the grad norm
+    stored is the pre-clip one, the value get_total_norm returned."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    original = torch.nn.utils.clip_grads_with_norm_
+    monitor = _attach(model, scaler, recorder, agent_settings)
+    assert torch.nn.utils.clip_grads_with_norm_ is not original
+    expected = []
+    for x, y in batches(4):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), 10 * y)).backward()
+        scaler.unscale_(opt)
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm   # looked up at call time, as accelerate
+        params = list(model.parameters())
+        total = get_total_norm([p.grad for p in params])
+        clip_grads_with_norm_(params, 0.25, total)
+        expected.append(total.item())
+        scaler.step(opt)
+        scaler.update()
+    monitor.close()
+    assert torch.nn.utils.clip_grads_with_norm_ is original
+    assert [s["grad_norm"] for s in recorder.steps] == pytest.approx(expected, rel=1e-6)
+    assert all(s["clip_max_norm"] == 0.25 for s in recorder.steps)
+    assert all(s["clipped"] for s in recorder.steps)   # 10 * y: the norm is far above 0.25
+
+
 def test_overflow_skips_are_counted_and_the_scale_is_the_one_used(recorder, agent_settings):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
