@@ -1,5 +1,5 @@
-"""Early-warning scenarios for H2 (attention-logit growth) and its qk-layernorm control; H3 (output-logit
-divergence) has none yet.
+"""Early-warning scenarios for H2 (attention-logit growth) and its healthy qk-layernorm control; H3
+(output-logit divergence) has none yet.
 
 Both instabilities are the ones Wortsman et al. (2023, "Small-scale proxies for large-scale Transformer
 training instabilities", arXiv:2309.14322) reproduce in small models:
@@ -11,8 +11,8 @@ training instabilities", arXiv:2309.14322) reproduce in small models:
   300-step warm-up, seed 2): at 0.05 on every parameter the qk-layernorm run was no healthy run — the
   catalogue rightly called that LR too high for the rest of the model (E3's update ratio 0.011-0.016,
   E1, A2, C3) — and at 0.02 on the rest it still raised A2 / C3 (a loss spike at step ~240) and E3
-  (0.0105); at 0.01 the A-G rules and H1-H3 stay quiet, but H4 fires (output growth during the LR
-  warm-up; see CONTROLS below), so the control is shown by --dry, not run as a healthy scenario.
+  (0.0105); at 0.01 every rule stays quiet (H4 did fire, on the output growth while the model learns,
+  until it learned to wait for a loss that has stopped falling), so the control is a healthy scenario.
   The collapse must be far past the onset test on any machine: this chaotic run's trajectory follows
   the float rounding of its kernels (with the agent's GradScaler it left the plain run's by 1 ulp at
   step 118 on one machine), and the earlier setting (0.08, a 200-step warm-up, seed 0) rose to only
@@ -233,19 +233,17 @@ SCENARIOS = [
     Scenario("attention_logit_growth", "H2", PROJECT, attention_logit_growth,
              "Transformer LM (copy task), AdamW lr 0.1 on q/k, 0.01 on the rest, no qk-layernorm",
              onset=loss_rise_onset, min_lead=50),
-]
-
-# Shown by --dry only, not in the confusion table:
-# - the qk-layernorm control. H2 and every signal rule but one stay quiet on it (max attention logit ~6.5,
-#   loss ~0.40), but H4 fires at step 80: the outputs of blocks.1.attn.o_proj and three more Linears grow
-#   0.27 -> 1.32 (5.4x their median) during the 200-step LR warm-up. With H4 judging from its 15th sample
-#   instead of its 8th it fires at step 150 on blocks.1.out (FC2, 1.2 -> 3.8). So this control is no healthy
-#   run yet: telling H4's growth of a warm-up from the growth before a divergence is open (docs/early-warning.md);
-# - the H3 trial run (no fault scenario yet; see the module docstring). Its settings are SETTINGS["z"];
-#   --set head_bias=, out_scale=, lr_head=, tie=, used=, vocab= try others.
-CONTROLS = [
+    # The healthy control (no target: nothing above info may fire). Max attention logit ~6, loss ~0.40.
+    # Until 2026-12-02 H4 fired on it at step 80: the outputs of blocks.1.attn.o_proj and three more Linears
+    # grew 0.24 -> 1.13 while the model learned (loss 4.0 -> 2.3); H4 now stays quiet while the loss falls
+    # (its loss_drop) and wants x2.5 over its rising samples (docs/early-warning-adam.md).
     Scenario("attention_qk_norm", None, PROJECT, attention_qk_norm,
              "the attention_logit_growth run with qk-layernorm (q_norm / k_norm), same LRs"),
+]
+
+# Shown by --dry only, not in the confusion table: the H3 trial run (no fault scenario yet; see the module
+# docstring). Its settings are SETTINGS["z"]; --set head_bias=, out_scale=, lr_head=, tie=, used=, vocab= try others.
+CONTROLS = [
     Scenario("output_logit_trial", None, PROJECT, output_logit_divergence,
              "H3 trial: Markov-chain LM, bf16 autocast, an output bias at lr 0.1, no weight decay, no z-loss"),
 ]

@@ -162,7 +162,8 @@ class LinearOutputGrowth(BatchRule):
     id, name, severity, checklist = "H4", "linear_output_growth", "warning", "5.2"
     fires_when = ("a Linear module's output RMS rose on each of its last {rising} samples, by >= {growth:g}x over "
                   "them, to > {factor:g}x its own median over the last {history} samples (after {min_samples} "
-                  "samples)")
+                  "samples), while the mean loss over those samples fell by less than {loss_drop:g} of its mean "
+                  "over the {rising} samples before them")
     diagnosis = ("The outputs of these linear layers (QKV / attention projection / FC2 in a Transformer) grow "
                  "sample after sample: the signal is being amplified, which comes before a divergence "
                  "(arXiv:2410.16682). Check: is the learning rate too high for this model (or still rising)? "
@@ -173,19 +174,32 @@ class LinearOutputGrowth(BatchRule):
         "check_init": "Check these layers' init (std ~0.02, residual projections scaled down with depth) and add "
                       "QK-layernorm / weight decay if they keep growing.",
     }
-    params = {"factor": Float(3.0), "growth": Float(1.5), "rising": Int(4), "history": Int(30),
-              "min_samples": Int(8)}
+    # growth 2.5 and loss_drop 0.05 (2026-12-02, measured on the scenarios' runs, docs/early-warning-adam.md):
+    # a model that is learning grows its layers' outputs too (the qk-layernorm control's o_proj 0.24 -> 1.13
+    # in four samples while its loss fell 4.0 -> 2.3; its FC2 1.7 -> 3.4 later, at a slowing rate), while the
+    # growth before a divergence compounds (lr_warmup_never_capped's FC2 0.84 -> 4.0, 1.5-2x a sample) with a
+    # loss that has stopped falling (0.32 -> 0.86).
+    params = {"factor": Float(3.0), "growth": Float(2.5), "rising": Int(4), "history": Int(30),
+              "min_samples": Int(8), "loss_drop": Float(0.05)}
     needs = ("layers.linear_out_rms",)
-    # State: "h" the last `history` samples' RMS values (rows × "w" modules; NaN: not measured there).
+    # State: "h" the last `history` samples' RMS values (rows × "w" modules; NaN: not measured there);
+    # "l" the mean loss of each of those samples' intervals (the steps since the sample before), aligned
+    # with the rows of "h"; "ls" / "ln" the loss sum and count since the last sample.
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
         carriers = batch.carriers("linear_out_rms")
         if not carriers:
             return out
-        size = max(int(cfg["history"]), int(cfg["rising"]) + 1)
+        size = max(int(cfg["history"]), 2 * int(cfg["rising"]) + 1)
         rising, growth, factor, min_samples = int(cfg["rising"]), cfg["growth"], cfg["factor"], int(cfg["min_samples"])
         hist: Optional[np.ndarray] = None
+        intervals = list(state.get("l", []))
+        loss = batch.values("loss")
+        finite = np.isfinite(loss)
+        sums = np.concatenate(([0.0], np.cumsum(np.where(finite, loss, 0.0))))
+        counts = np.concatenate(([0], np.cumsum(finite)))
+        carry_sum, carry_n, last = float(state.get("ls", 0.0)), int(state.get("ln", 0)), -1
         for i in carriers:
             v = layer_array(batch.steps[i], "linear_out_rms")
             with np.errstate(invalid="ignore"):
@@ -198,7 +212,10 @@ class LinearOutputGrowth(BatchRule):
                 v = np.concatenate((v, np.full(hist.shape[1] - len(v), np.nan)))
             measured = np.flatnonzero(np.isfinite(v))
             if not len(measured):
-                continue
+                continue   # no sample here: its steps' loss counts in the next sample's interval
+            n = carry_n + int(counts[i + 1] - counts[last + 1])
+            interval = (carry_sum + float(sums[i + 1] - sums[last + 1])) / n if n else math.nan
+            carry_sum, carry_n, last = 0.0, 0, i
             hit = None
             if len(hist) >= rising:
                 recent = np.vstack((hist[-rising:, measured], v[None, measured]))   # rising + 1 samples
@@ -209,7 +226,7 @@ class LinearOutputGrowth(BatchRule):
                     count, med, _ = _col_median_mad(hist, cand)
                     with np.errstate(invalid="ignore"):
                         bad = (count >= min_samples) & (v[cand] > factor * med)
-                    if bad.any():
+                    if bad.any() and not self._learning(intervals + [interval], rising, cfg["loss_drop"]):
                         hit = self._hit(v, cand[bad], med[bad], hist[-rising, cand[bad]], batch.ctx.module_names,
                                         rising)
             if hit is None:
@@ -217,9 +234,29 @@ class LinearOutputGrowth(BatchRule):
             else:
                 out.hits[i] = hit
             hist = np.vstack((hist, v[None, :]))[-size:]
+            intervals = (intervals + [interval])[-len(hist):]
         if hist is not None:
             _save_history(state, hist)
+        state["l"] = [round(x, 7) if math.isfinite(x) else None for x in (float(y) if y is not None else math.nan
+                                                                         for y in intervals)]
+        state["ls"] = carry_sum + float(sums[-1] - sums[last + 1])
+        state["ln"] = carry_n + int(counts[-1] - counts[last + 1])
         return out
+
+    @staticmethod
+    def _learning(intervals: list, rising: int, drop: float) -> bool:
+        """The loss fell by more than ``drop`` of its mean over the last ``rising`` sample intervals against
+        the ``rising`` before them: the model is learning, and its outputs growing is its features forming.
+        Unknown (no loss, or too short a history): not learning, the growth alone decides."""
+        vals = [math.nan if x is None else float(x) for x in intervals]
+        recent, before = vals[-rising:], vals[-2 * rising:-rising]
+        if len(before) < rising:
+            return False
+        recent, before = [x for x in recent if math.isfinite(x)], [x for x in before if math.isfinite(x)]
+        if not recent or not before:
+            return False
+        b = sum(before) / len(before)
+        return b > 0 and sum(recent) / len(recent) < (1.0 - drop) * b
 
     @staticmethod
     def _hit(v, flagged, med, start, names, rising) -> Hit:
