@@ -162,8 +162,8 @@ class LinearOutputGrowth(BatchRule):
     id, name, severity, checklist = "H4", "linear_output_growth", "warning", "5.2"
     fires_when = ("a Linear module's output RMS rose on each of its last {rising} samples, by >= {growth:g}x over "
                   "them, to > {factor:g}x its own median over the last {history} samples (after {min_samples} "
-                  "samples), while the mean loss over those samples fell by less than {loss_drop:g} of its mean "
-                  "over the {rising} samples before them")
+                  "samples), while the mean loss at those samples fell by less than {loss_drop:g} of its mean "
+                  "at the {rising} samples before them")
     diagnosis = ("The outputs of these linear layers (QKV / attention projection / FC2 in a Transformer) grow "
                  "sample after sample: the signal is being amplified, which comes before a divergence "
                  "(arXiv:2410.16682). Check: is the learning rate too high for this model (or still rising)? "
@@ -183,8 +183,7 @@ class LinearOutputGrowth(BatchRule):
               "min_samples": Int(8), "loss_drop": Float(0.05)}
     needs = ("layers.linear_out_rms",)
     # State: "h" the last `history` samples' RMS values (rows × "w" modules; NaN: not measured there);
-    # "l" the mean loss of each of those samples' intervals (the steps since the sample before), aligned
-    # with the rows of "h"; "ls" / "ln" the loss sum and count since the last sample.
+    # "l" the loss at each of those samples' steps (None: not finite or not sent), aligned with the rows of "h".
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
@@ -194,12 +193,8 @@ class LinearOutputGrowth(BatchRule):
         size = max(int(cfg["history"]), 2 * int(cfg["rising"]) + 1)
         rising, growth, factor, min_samples = int(cfg["rising"]), cfg["growth"], cfg["factor"], int(cfg["min_samples"])
         hist: Optional[np.ndarray] = None
-        intervals = list(state.get("l", []))
+        losses = list(state.get("l", []))
         loss = batch.values("loss")
-        finite = np.isfinite(loss)
-        sums = np.concatenate(([0.0], np.cumsum(np.where(finite, loss, 0.0))))
-        counts = np.concatenate(([0], np.cumsum(finite)))
-        carry_sum, carry_n, last = float(state.get("ls", 0.0)), int(state.get("ln", 0)), -1
         for i in carriers:
             v = layer_array(batch.steps[i], "linear_out_rms")
             with np.errstate(invalid="ignore"):
@@ -212,10 +207,8 @@ class LinearOutputGrowth(BatchRule):
                 v = np.concatenate((v, np.full(hist.shape[1] - len(v), np.nan)))
             measured = np.flatnonzero(np.isfinite(v))
             if not len(measured):
-                continue   # no sample here: its steps' loss counts in the next sample's interval
-            n = carry_n + int(counts[i + 1] - counts[last + 1])
-            interval = (carry_sum + float(sums[i + 1] - sums[last + 1])) / n if n else math.nan
-            carry_sum, carry_n, last = 0.0, 0, i
+                continue
+            sample_loss = float(loss[i])
             hit = None
             if len(hist) >= rising:
                 recent = np.vstack((hist[-rising:, measured], v[None, measured]))   # rising + 1 samples
@@ -226,7 +219,7 @@ class LinearOutputGrowth(BatchRule):
                     count, med, _ = _col_median_mad(hist, cand)
                     with np.errstate(invalid="ignore"):
                         bad = (count >= min_samples) & (v[cand] > factor * med)
-                    if bad.any() and not self._learning(intervals + [interval], rising, cfg["loss_drop"]):
+                    if bad.any() and not self._learning(losses + [sample_loss], rising, cfg["loss_drop"]):
                         hit = self._hit(v, cand[bad], med[bad], hist[-rising, cand[bad]], batch.ctx.module_names,
                                         rising)
             if hit is None:
@@ -234,21 +227,21 @@ class LinearOutputGrowth(BatchRule):
             else:
                 out.hits[i] = hit
             hist = np.vstack((hist, v[None, :]))[-size:]
-            intervals = (intervals + [interval])[-len(hist):]
+            losses = (losses + [sample_loss if math.isfinite(sample_loss) else None])[-len(hist):]
         if hist is not None:
             _save_history(state, hist)
-        state["l"] = [round(x, 7) if math.isfinite(x) else None for x in (float(y) if y is not None else math.nan
-                                                                         for y in intervals)]
-        state["ls"] = carry_sum + float(sums[-1] - sums[last + 1])
-        state["ln"] = carry_n + int(counts[-1] - counts[last + 1])
+            state["l"] = losses
         return out
 
     @staticmethod
-    def _learning(intervals: list, rising: int, drop: float) -> bool:
-        """The loss fell by more than ``drop`` of its mean over the last ``rising`` sample intervals against
-        the ``rising`` before them: the model is learning, and its outputs growing is its features forming.
-        Unknown (no loss, or too short a history): not learning, the growth alone decides."""
-        vals = [math.nan if x is None else float(x) for x in intervals]
+    def _learning(losses: list, rising: int, drop: float) -> bool:
+        """The loss at the last ``rising`` samples fell by more than ``drop`` of its mean at the ``rising``
+        samples before them: the model is learning, and its outputs growing is its features forming.
+        Unknown (no loss, or too short a history): not learning, the growth alone decides.
+
+        The loss of the sampled steps only: the engine hands a rule only the batches that carry what it
+        needs, so the steps between samples are not all seen (and a verdict must not depend on the cuts)."""
+        vals = [math.nan if x is None else float(x) for x in losses]
         recent, before = vals[-rising:], vals[-2 * rising:-rising]
         if len(before) < rising:
             return False
