@@ -27,12 +27,14 @@ _owners: list[Any] = []          # monitors, each with .owns_params(list) and .o
 _original: dict[str, Callable] = {}
 
 
+def _as_list(parameters) -> list:
+    """The parameters as torch's clip functions take them (a tensor or an iterable), once, as a list."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     original = _original.get("fn") or _clip_module.clip_grad_norm_
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    else:
-        parameters = list(parameters)
+    parameters = _as_list(parameters)
     for owner in list(_owners):
         handled, result = owner.on_clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, original)
         if handled:
@@ -47,10 +49,7 @@ clip_grad_norm_.__wrapped__ = _clip_module.clip_grad_norm_
 
 def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
     original = _original.get("with_norm") or torch.nn.utils.clip_grads_with_norm_
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    else:
-        parameters = list(parameters)
+    parameters = _as_list(parameters)
     for owner in list(_owners):
         note = getattr(owner, "on_clip_with_norm", None)
         if note is not None:

@@ -183,14 +183,14 @@ class LinearOutputGrowth(BatchRule):
               "min_samples": Int(8), "loss_drop": Float(0.05)}
     needs = ("layers.linear_out_rms",)
     # State: "h" the last `history` samples' RMS values (rows × "w" modules; NaN: not measured there);
-    # "l" the loss at each of those samples' steps (None: not finite or not sent), aligned with the rows of "h".
+    # "l" the loss at the last 2 × `rising` samples' steps (None: not finite or not sent), for the loss gate.
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
         carriers = batch.carriers("linear_out_rms")
         if not carriers:
             return out
-        size = max(int(cfg["history"]), 2 * int(cfg["rising"]) + 1)
+        size = max(int(cfg["history"]), int(cfg["rising"]) + 1)
         rising, growth, factor, min_samples = int(cfg["rising"]), cfg["growth"], cfg["factor"], int(cfg["min_samples"])
         hist: Optional[np.ndarray] = None
         losses = list(state.get("l", []))
@@ -208,7 +208,7 @@ class LinearOutputGrowth(BatchRule):
             measured = np.flatnonzero(np.isfinite(v))
             if not len(measured):
                 continue
-            sample_loss = float(loss[i])
+            sample_loss = float(loss[i]) if math.isfinite(loss[i]) else None
             hit = None
             if len(hist) >= rising:
                 recent = np.vstack((hist[-rising:, measured], v[None, measured]))   # rising + 1 samples
@@ -227,7 +227,7 @@ class LinearOutputGrowth(BatchRule):
             else:
                 out.hits[i] = hit
             hist = np.vstack((hist, v[None, :]))[-size:]
-            losses = (losses + [sample_loss if math.isfinite(sample_loss) else None])[-len(hist):]
+            losses = (losses + [sample_loss])[-2 * rising:]
         if hist is not None:
             _save_history(state, hist)
             state["l"] = losses
@@ -241,11 +241,10 @@ class LinearOutputGrowth(BatchRule):
 
         The loss of the sampled steps only: the engine hands a rule only the batches that carry what it
         needs, so the steps between samples are not all seen (and a verdict must not depend on the cuts)."""
-        vals = [math.nan if x is None else float(x) for x in losses]
-        recent, before = vals[-rising:], vals[-2 * rising:-rising]
+        recent, before = losses[-rising:], losses[-2 * rising:-rising]
         if len(before) < rising:
             return False
-        recent, before = [x for x in recent if math.isfinite(x)], [x for x in before if math.isfinite(x)]
+        recent, before = [x for x in recent if x is not None], [x for x in before if x is not None]
         if not recent or not before:
             return False
         b = sum(before) / len(before)
