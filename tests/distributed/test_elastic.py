@@ -37,7 +37,12 @@ def test_an_elastic_restart_continues_each_ranks_steps(server, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
            "--monitor-interval=0.5", str(WORKER), str(tmp_path), "--server", server.url, "--run-name", name,
            "--steps", str(steps), "--crash-rank", "1", "--crash-at", str(crash_at)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: by default torchrun's workers share the agent's rendezvous store
+    # across restarts, so a restarted rank can read the address its dead predecessor published and gloo's
+    # connectFullMesh fails ("Connection refused") or hangs in init_process_group: torch issue 135712, seen
+    # here in 5 of 10 runs. Each attempt's own store, as that issue's workaround, is what a real elastic job
+    # on gloo needs too (docs/integrations.md).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     with open(tmp_path / "torchrun.log", "wb") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, timeout=400)
     assert proc.returncode == 0, (tmp_path / "torchrun.log").read_text(errors="replace")[-6000:]
