@@ -39,7 +39,7 @@ import math
 from typing import Any, Optional
 
 import numpy as np
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import STEP_SIGNAL_NAMES
@@ -52,6 +52,31 @@ COMBINED_RANK = -1
 # what the server keeps of each rank's meta, per rank (runs.config["_ranks"], server/ingest.py: the run
 # header's hosts and devices); the rest of a rank's meta is merged run-wide into runs.config["_meta"]
 RANK_META_KEYS = ("host", "local_rank", "device", "pid")
+
+
+_RANK_SETS: dict[tuple[str, str, int], Any] = {}
+
+
+def among_ranks(column, world_size: int):
+    """``column IN (0, 1, ..., world_size - 1)``, for the steps' and layer statistics' rank columns.
+
+    Their keys lead with (run, rank): a rank *range* (``rank >= 0 AND rank < W``) with a step range makes
+    SQLite and PostgreSQL alike walk every stored step of the run's ranks (a cost that grew with the run's
+    length: 13 ms a query at 64 ranks x 3,000 steps), where an IN list seeks each rank's steps (0.08 ms).
+    Literal integers, built once per size: 256 bound parameters would be expanded on every execution."""
+    key = (column.table.name, column.name, world_size)
+    clause = _RANK_SETS.get(key)
+    if clause is None:
+        listed = ", ".join(str(r) for r in range(max(world_size, 1)))
+        clause = _RANK_SETS[key] = text(f"{column.table.name}.{column.name} IN ({listed})")
+    return clause
+
+
+def steps_sent(session: Session, *, run_id: int, world_size: int, lo: int, hi: int) -> dict[int, int]:
+    """{step: how many of the run's ranks have a row for it} for the steps ``lo..hi``."""
+    return dict(session.execute(
+        select(Step.step, func.count()).where(Step.run_id == run_id, among_ranks(Step.rank, world_size),
+                                              Step.step >= lo, Step.step <= hi).group_by(Step.step)).all())
 
 
 def rank_hosts(run_config: Optional[dict]) -> dict[str, Any]:
@@ -156,9 +181,7 @@ def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
         return []      # not sharded, or a rank whose layout has not arrived yet: its batch will complete them
     lo, hi = min(steps), max(steps)
     wanted = set(steps)
-    counts = session.execute(
-        select(Step.step, func.count()).where(Step.run_id == run.id, Step.rank >= 0, Step.rank < W,
-                                              Step.step >= lo, Step.step <= hi).group_by(Step.step)).all()
+    counts = steps_sent(session, run_id=run.id, world_size=W, lo=lo, hi=hi).items()
     done = set(session.scalars(select(Step.step).where(Step.run_id == run.id, Step.rank == COMBINED_RANK,
                                                        Step.step >= lo, Step.step <= hi)))
     complete = sorted(s for s, c in counts if c == W and s in wanted and s not in done)
@@ -170,7 +193,7 @@ def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
     max_norm: dict[int, Optional[float]] = {}
     for r, s, t, m in session.execute(
             select(Step.rank, Step.step, Step.time, Step.clip_max_norm).where(
-                Step.run_id == run.id, Step.rank >= 0, Step.rank < W, Step.step >= c_lo, Step.step <= c_hi)):
+                Step.run_id == run.id, among_ranks(Step.rank, W), Step.step >= c_lo, Step.step <= c_hi)):
         if s in keep:
             times[s] = max(times.get(s, t), t)
             if m is not None and (s not in max_norm or r == 0):
@@ -178,8 +201,8 @@ def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
     blobs: dict[int, dict[str, dict[int, bytes]]] = {}
     for r, s, stat, blob in session.execute(
             select(LayerStat.rank, LayerStat.step, LayerStat.stat, LayerStat.values).where(
-                LayerStat.run_id == run.id, LayerStat.stat.in_(_LOCAL_STATS), LayerStat.rank >= 0,
-                LayerStat.rank < W, LayerStat.step >= c_lo, LayerStat.step <= c_hi)):
+                LayerStat.run_id == run.id, LayerStat.stat.in_(_LOCAL_STATS), among_ranks(LayerStat.rank, W),
+                LayerStat.step >= c_lo, LayerStat.step <= c_hi)):
         if s in keep and blob:
             blobs.setdefault(s, {}).setdefault(stat, {})[r] = bytes(blob)
     plan = _Plan(layouts, W)

@@ -25,7 +25,7 @@ from gradwatch.server.db import json_dumps, json_loads
 from gradwatch.agent.signals import EXTRA_BASE, is_step_signal, step_signal
 from gradwatch.server.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
 from gradwatch.server.numbers import extra_measured, unpack_extra
-from gradwatch.server.ranks import rank_hosts
+from gradwatch.server.ranks import among_ranks, rank_hosts, steps_sent
 from gradwatch.server.rules.alerts import Episode
 from gradwatch.server.rules.batch import Batch, Context, keys_present
 from gradwatch.server.rules.config import effective_config, smallest_setting
@@ -211,12 +211,16 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         notify.extend(episode.notify)
 
     if ctx.world_size > 1 and steps and rank >= 0:   # the combined row (rank -1) is no rank to compare
+        sent: dict[int, int] = {}       # {step: ranks that sent it}, read once for the rules below
         for cls in rule_classes("cross_rank"):
             if not cfg[cls.id].get("enabled", True) or not cls().applies(ctx):
                 continue
+            if not sent:
+                sent = steps_sent(session, run_id=run.id, world_size=run.world_size or 1,
+                                  lo=int(batch.step.min()), hi=int(batch.step.max())) or {None: 0}
             try:
                 with session.begin_nested():      # a failure here must not take the batch with it
-                    notify.extend(_cross_rank(session, cls, run, rank, batch, cfg[cls.id], state_row, now))
+                    notify.extend(_cross_rank(session, cls, run, rank, batch, cfg[cls.id], state_row, now, sent))
             except Exception:  # noqa: BLE001
                 log.exception("rule %s failed on run %s rank %s; skipped for this batch", cls.id, run.id, rank)
     _save_states(session, run.id, rank, rows)
@@ -242,8 +246,9 @@ def _remember_events(ctx: Context, rows: dict, state_row) -> dict[str, Any]:
 
 
 def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: dict, state_row,
-                now: float) -> list[Alert]:
-    """Hand a cross-rank rule this rank's and the other ranks' values of its keys at the batch's steps."""
+                now: float, sent: dict[int, int]) -> list[Alert]:
+    """Hand a cross-rank rule this rank's and the other ranks' values of its keys at the batch's steps
+    that this batch completed (``sent``: how many of the run's ranks have a row for each step)."""
     # step signals: those with a column of their own (F1 reads loss and grad_norm), and later ones from the
     # `steps.extra` blob by slot (F3 reads data_time)
     keys = [k for k in cls.needs if is_step_signal(k)]
@@ -255,14 +260,25 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
     idx = np.flatnonzero(have)
     if not len(idx):
         return []
+    # A step is judged once, by the batch that completes it: every other rank of the run has a row for it
+    # (batches of a run are serialised by its lock, so exactly one batch sees that). Judged on every batch,
+    # a step of an N-rank run was seen up to N - 1 times, each rank's streak advancing as often, and each
+    # batch read and wrote the state of every rank: O(N) per batch, O(N^2) per step.
+    # The other ranks are named (ranks.among_ranks), not a range, which would walk the whole run.
+    world = run.world_size or 1
     steps = batch.step[idx]
+    complete = np.array([sent.get(s, 0) >= world for s in steps.tolist()], dtype=bool)
+    if not complete.any():
+        return []
+    idx, steps = idx[complete], steps[complete]
     lo, hi = int(steps.min()), int(steps.max())
     position = {int(s): j for j, s in enumerate(steps.tolist())}
     others: dict[int, dict[str, np.ndarray]] = {}
     columns = [getattr(Step, k) for k in col_keys] + ([Step.extra] if extra_slots else [])
     for r, s, nan_mask, *values in session.execute(
             select(Step.rank, Step.step, Step.nan_mask, *columns).where(
-                Step.run_id == run.id, Step.rank != rank, Step.rank >= 0, Step.step >= lo, Step.step <= hi)):
+                Step.run_id == run.id, among_ranks(Step.rank, world), Step.rank != rank, Step.step >= lo,
+                Step.step <= hi)):
         j = position.get(s)
         if j is None:
             continue
@@ -293,6 +309,8 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
         mine[k + ".measured"] = batch.measured(k)[idx]
 
     held: dict[int, tuple[Any, dict, Episode]] = {}
+    loaded: list[Optional[RuleState]] = []   # the other ranks' state rows, read in one query (and held: the session's
+                                    # identity map, which session.get then answers from, keeps them weakly)
 
     def holder(r: int):
         if r not in held:
@@ -300,6 +318,10 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
                 row = state_row(cls.id)
                 state = _clone(row.state)
             else:
+                if not loaded:
+                    loaded.extend(session.scalars(select(RuleState).where(
+                        RuleState.run_id == run.id, among_ranks(RuleState.rank, world), RuleState.rule == cls.id)).all())
+                    loaded.append(None)   # read, even if no row was there
                 row = session.get(RuleState, (run.id, r, cls.id))
                 if row is None:
                     row = RuleState(run_id=run.id, rank=r, rule=cls.id, state={})

@@ -99,8 +99,9 @@ class BatchRule(Rule):
 
 
 class CrossRankRule(Rule):
-    """Compares this rank's values with the other ranks' at the same steps (whichever rank's batch
-    arrives second); the verdicts may go on any rank."""
+    """Compares the ranks' values at the same steps; the verdicts may go on any rank. The engine hands
+    it only the steps this batch completed (every other rank of the run has sent them), so each step
+    is judged once, on the whole picture (``engine._cross_rank``)."""
 
     kind = "cross_rank"
 

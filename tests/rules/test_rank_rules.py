@@ -217,3 +217,18 @@ def test_without_a_warmup_window_no_rank_is_muted_by_a_racing_clock(db_url, tmp_
     rdb.close()
     assert a1.rank == 1 and a1.muted is None and a1.suppressed_by is None, (a1.muted, a1.suppressed_by)
     assert notified == [1]
+
+
+@pytest.mark.parametrize("excursion, expect", [(4, []), (5, [(2, 24)])])
+def test_f1_counts_each_step_once_whatever_the_number_of_ranks(rdb_any, excursion, expect):
+    """Four ranks, one-step batches arriving round-robin (the agents' cadence on a slow loop): rank 2's
+    loss is 4x the others' for ``excursion`` steps from step 20. F1 needs 5 consecutive steps: a step is
+    judged once, when its last rank arrives, so 4 steps stay quiet and 5 fire at the fifth (24). Judged
+    on every batch, each step counted up to three times and 4 steps fired at step 21."""
+    name = run_name()
+    for i in range(40):
+        for rank in (3, 2, 0, 1):
+            loss = 4.0 if rank == 2 and 20 <= i < 20 + excursion else 1.0 + 0.01 * rank
+            rdb_any.feed(name, [step(i, loss=loss)], rank=rank, world_size=4,
+                         meta={"param_names": ["w"]} if i == 0 else None)
+    assert [(a.rank, a.first_step) for a in rdb_any.alerts(name) if a.rule == "F1"] == expect

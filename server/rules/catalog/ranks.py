@@ -17,7 +17,7 @@ class RankDivergence(CrossRankRule):
     id, name, severity = "F1", "rank_divergence", "critical"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("one rank's loss is non-finite while the others' is finite, or > {factor:g}x the median of the "
-                  "others for {consecutive} steps")
+                  "others for {consecutive} steps (judged once every rank has sent the step)")
     diagnosis = "One rank differs from the others: a bad node or a bad data shard."
     actions = {"check_rank": "Check that rank's data shard (NaN or corrupt samples) and its node (hardware errors, a "
                              "different software version)."}
