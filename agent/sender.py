@@ -65,6 +65,8 @@ TAIL_LAG_S = 0.1
 # live_flush_interval: a few batches, so a page closed meanwhile costs the server little, and a
 # watched run's replies keep renewing it.
 LIVE_HOLD_S = 2.0
+# The longest pause between batches a server's ``pace`` can ask for (server/ranks.py asks at most 5 s).
+MAX_PACE_S = 10.0
 
 
 class _Marker:
@@ -152,6 +154,8 @@ class Sender:
         self.already_stored = 0
         # until when (sender clock) a run page is watching the run, by the server's replies
         self._live_until = 0.0
+        # the least seconds between batches the server asked of this rank (a run of many ranks)
+        self._pace = 0.0
 
     # ------------------------------------------------------------------ training thread side
 
@@ -259,10 +263,11 @@ class Sender:
 
     def _flush_interval(self, now: float) -> float:
         """Seconds to the next batch: ``live_flush_interval`` while a run page watches the run (the
-        last reply said so, within LIVE_HOLD_S), else ``flush_interval``."""
+        last reply said so, within LIVE_HOLD_S), else ``flush_interval``, or the server's ``pace`` for
+        this rank when that is longer (a run of many ranks: server/ranks.py, rank_pace)."""
         if now < self._live_until:
             return min(self.config.live_flush_interval, self.config.flush_interval)
-        return self.config.flush_interval
+        return max(self.config.flush_interval, self._pace)
 
     def _drain_queue(self) -> bool:
         """Take everything submitted so far; True when a stop marker was handled."""
@@ -406,7 +411,8 @@ class Sender:
         """A reply, parsed once: the run's alerts for the inbox, and what the server did with this
         process's step numbers."""
         alerts = self.inbox is not None and '"alerts_cursor"' in text
-        if not alerts and "step_shift" not in text and "already_stored" not in text and '"live"' not in text:
+        if (not alerts and "step_shift" not in text and "already_stored" not in text and '"live"' not in text
+                and '"pace"' not in text):
             return
         try:
             reply = json.loads(text)
@@ -415,6 +421,11 @@ class Sender:
         if not isinstance(reply, dict):
             return
         self._numbering_reply(reply)
+        pace = reply.get("pace")
+        if isinstance(pace, (int, float)) and not isinstance(pace, bool):
+            # the server's word on how often this rank should send; bounded so a bad reply cannot
+            # silence a rank (its critical steps are sent at once whatever the pace)
+            self._pace = min(max(float(pace), 0.0), MAX_PACE_S) if pace == pace else 0.0
         if reply.get("live") is True:
             # an open run page is watching: send every live_flush_interval for a while (server/live_news.py)
             self._live_until = self.clock() + LIVE_HOLD_S

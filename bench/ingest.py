@@ -312,6 +312,8 @@ def main() -> int:
     ap.add_argument("--steps-per-s", type=float, default=2.0, help="with --ranks: each rank's training speed")
     ap.add_argument("--sharded", action="store_true",
                     help="with --ranks: an FSDP run (shard norms and layouts; the server combines the ranks)")
+    ap.add_argument("--no-pace", action="store_true", help="with --ranks: every rank sends every --interval, "
+                    "not at the pace the server asks of ranks > 0 (as agents did before it asked)")
     ap.add_argument("--no-alerts", action="store_true", help="batches do not ask for the run's alerts "
                     "(alerts_after), as agents did before alerts reached the loop")
     ap.add_argument("--in-process", action="store_true",
@@ -338,7 +340,14 @@ def main() -> int:
         args.agents = args.ranks
     shape = {"world_size": args.ranks, "sharded": args.sharded}
     values_per_step = count_values(make_batch(0, 1, 100, args.layer_stats, args.encoding, **shape)) / 100
+    intervals = [args.interval] * args.agents     # each agent's seconds between batches
     if args.ranks:
+        # as the agents do: every rank but 0 waits the pace the server's replies ask of it (server/ranks.py,
+        # rank_pace; checked against every reply below), its steps in fewer, larger batches
+        from gradwatch.server.ranks import rank_pace
+
+        if not args.no_pace:
+            intervals = [max(args.interval, rank_pace(args.ranks, r)) for r in range(args.ranks)]
         steps_per_batch = max(1, round(args.steps_per_s * args.interval))
         batches = max(1, round(args.seconds / args.interval))
         args.rate = args.ranks * args.steps_per_s * values_per_step     # open loop, the offered rate
@@ -353,8 +362,12 @@ def main() -> int:
     payloads: list[list[tuple[bytes, int, int]]] = []
     for a in range(args.agents):
         mine = []
-        for b in range(batches):
-            body = make_batch(a, b * steps_per_batch, steps_per_batch, args.layer_stats, args.encoding, **shape)
+        n_steps, n_batches = steps_per_batch, batches
+        if args.ranks:
+            n_steps = max(1, round(args.steps_per_s * intervals[a]))
+            n_batches = max(1, round(args.seconds / intervals[a]))
+        for b in range(n_batches):
+            body = make_batch(a, b * n_steps, n_steps, args.layer_stats, args.encoding, **shape)
             raw = json.dumps(body).encode()
             mine.append((gzip.compress(raw, 1) if args.gzip else raw, count_values(body), len(body["steps"])))
         payloads.append(mine)
@@ -390,7 +403,7 @@ def main() -> int:
             if args.rate:
                 # staggered phases; latency counts from the scheduled send time, so a server that falls
                 # behind shows it (no coordinated omission)
-                due = t_start + (b + index / len(payloads)) * args.interval
+                due = t_start + (b + index / len(payloads)) * intervals[index]
                 pause = due - time.perf_counter()
                 if pause > 0:
                     time.sleep(pause)
@@ -406,6 +419,11 @@ def main() -> int:
                 done_at[0] = max(done_at[0], now)
                 if resp.status == 200:
                     accepted[0] += nvalues
+                    if args.ranks and not args.no_pace:
+                        asked = json.loads(data).get("pace", 0.0)
+                        if max(args.interval, asked) != intervals[index]:
+                            errors.append(f"rank {index}: the server asked a pace of {asked} s, the bench "
+                                          f"sent every {intervals[index]} s")
                 else:
                     errors.append(f"{resp.status} {data[:200]!r}")
         conn.close()
@@ -446,6 +464,11 @@ def main() -> int:
     if args.ranks:
         print(f"ranks             one run, {args.ranks} ranks x {args.steps_per_s:g} steps/s"
               + (", sharded (FSDP): the server combines each step" if args.sharded else " (DDP-like: no layout)"))
+        paced = sorted(set(intervals[1:]))
+        print(f"pacing            {'off (--no-pace): every rank' if args.no_pace else 'rank 0'} every "
+              f"{args.interval:g} s" + ("" if args.no_pace else f", ranks 1-{args.ranks - 1} every "
+              f"{', '.join(f'{v:g}' for v in paced)} s (the server's pace)") + f": "
+              f"{sum(len(m) for m in payloads) / args.seconds:,.0f} batches/s offered")
     if combined is not None:
         print(f"combined rows     {combined[0]:,} of {combined[1]:,} steps "
               f"({'all' if combined[0] == combined[1] else 'MISSING ' + format(combined[1] - combined[0], ',')})")

@@ -54,6 +54,25 @@ COMBINED_RANK = -1
 RANK_META_KEYS = ("host", "local_rank", "device", "pid")
 
 
+# Pacing: a run of W ranks whose agents each send every flush_interval (0.5 s) makes 2 W batches a
+# second (512 at 256 ranks), and a batch's server cost is mostly fixed (its transaction, the run's
+# lock, the rules' state): one step a batch at 256 ranks was more than one process could take. The
+# ingest reply therefore asks every rank but rank 0 to send at most every ``rank_pace`` seconds, so a
+# run's ranks together send about RUN_BATCHES_PER_S batches a second whatever their number; the steps
+# still all arrive, a few more to a batch. Rank 0 keeps its cadence (and the live one while a page
+# watches it: the headline charts read it); a non-finite step is still sent at once by every rank
+# (agent/sender.py), so the alerts that must come within a second do. docs/integrations.md.
+RUN_BATCHES_PER_S = 128.0
+MAX_PACE_S = 5.0
+
+
+def rank_pace(world_size: int, rank: int) -> float:
+    """Seconds the agent of ``rank`` should wait at least between batches (0: its own flush_interval)."""
+    if rank <= 0 or world_size <= 1:
+        return 0.0
+    return round(min(MAX_PACE_S, world_size / RUN_BATCHES_PER_S), 3)
+
+
 _RANK_SETS: dict[tuple[str, str, int], Any] = {}
 
 

@@ -148,6 +148,10 @@ class IngestResult(BaseModel):
     # an open run page is watching the run: the agent sends every live_flush_interval meanwhile
     # (server/live_news.py)
     live: bool = False
+    # the least seconds this rank's agent should leave between batches (0: its own flush_interval): a
+    # run of many ranks is paced so that its ranks together send a bounded number of batches a second
+    # (server/ranks.py, rank_pace)
+    pace: float = 0.0
     # Only when the batch asked (``alerts_after``): the run's alerts created or changed since then, newest
     # first, and the cursor to send next (docs/alerts-in-the-loop.md, "On the wire").
     alerts: Optional[list["AlertOut"]] = None

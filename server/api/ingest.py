@@ -14,6 +14,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
 from ..models import Alert
+from ..ranks import rank_pace
 from ..schemas import AlertOut, IngestBatchIn, IngestResult
 from .deps import SettingsDep, get_read_scope
 
@@ -154,11 +155,11 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
             raise HTTPException(403, f"project: this token is for project {token_project!r}, "
                                      f"not {batch.project!r}")
         with app.state.write_gate:
-            return (*_write(app, batch, settings), batch.rank)
+            return (*_write(app, batch, settings), batch.rank, batch.world_size)
 
     metrics = app.state.metrics
     try:
-        outcome, news, rank = await run_in_threadpool(work)
+        outcome, news, rank, world_size = await run_in_threadpool(work)
     except HTTPException:
         metrics.observe_batch(seconds=time.perf_counter() - started, rejected=True)
         raise
@@ -174,7 +175,8 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
                           step_shift=outcome.step_shift, already_stored=outcome.already_stored,
                           # rank 0 only: the headline charts read it, and a watched 256-rank run sending
                           # 10 batches/s per rank would be a load no page is worth (server/live_news.py)
-                          live=rank == 0 and app.state.live_news.watching(outcome.run_id))
+                          live=rank == 0 and app.state.live_news.watching(outcome.run_id),
+                          pace=rank_pace(world_size, rank))
     if news is not None:
         result.alerts, result.alerts_cursor = news
     return result

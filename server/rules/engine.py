@@ -309,8 +309,7 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
         mine[k + ".measured"] = batch.measured(k)[idx]
 
     held: dict[int, tuple[Any, dict, Episode]] = {}
-    loaded: list[Optional[RuleState]] = []   # the other ranks' state rows, read in one query (and held: the session's
-                                    # identity map, which session.get then answers from, keeps them weakly)
+    loaded: dict[int, Optional[RuleState]] = {}   # the other ranks' state rows, read in one query when first needed
 
     def holder(r: int):
         if r not in held:
@@ -319,10 +318,10 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
                 state = _clone(row.state)
             else:
                 if not loaded:
-                    loaded.extend(session.scalars(select(RuleState).where(
-                        RuleState.run_id == run.id, among_ranks(RuleState.rank, world), RuleState.rule == cls.id)).all())
-                    loaded.append(None)   # read, even if no row was there
-                row = session.get(RuleState, (run.id, r, cls.id))
+                    loaded.update((row.rank, row) for row in session.scalars(select(RuleState).where(
+                        RuleState.run_id == run.id, among_ranks(RuleState.rank, world), RuleState.rule == cls.id)))
+                    loaded[-2] = None    # read (a key no rank has), even if no row was there
+                row = loaded.get(r)
                 if row is None:
                     row = RuleState(run_id=run.id, rank=r, rule=cls.id, state={})
                     session.add(row)

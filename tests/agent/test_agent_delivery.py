@@ -222,3 +222,40 @@ def test_sync_stops_at_an_unreachable_server_and_keeps_the_files(tmp_path):
     result = sync_spool(spool, f"http://127.0.0.1:{free_port()}", progress=False, timeout=1)
     assert result.failed == len(before) and not result.ok
     assert sorted(p.name for p in spool.rglob("*.json")) == before
+
+
+def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_goes_at_once(shared_server, tmp_path):
+    """A run of many ranks: the ingest reply asks every rank but rank 0 to send at most every
+    ``rank_pace`` seconds (server/ranks.py: 1024 ranks -> 5 s), and the agent does, every step still
+    arriving; a non-finite step is sent at once whatever the pace. The rank is given by hand (no
+    1024-process job here): the header is what the agent sends as its rank and world size."""
+    from gradwatch.server.ranks import rank_pace
+
+    assert rank_pace(1024, 3) == 5.0 and rank_pace(1024, 0) == 0.0 and rank_pace(2, 1) < 0.5
+    runs = {}
+    for rank in (0, 3):
+        model, opt, scaler = tiny_loop()
+        monitor = agent.attach(model, scaler, server=shared_server.url, project="pace", run=f"r{rank}",
+                               spool_dir=str(tmp_path / f"spool{rank}"), flush_interval=0.2)
+        monitor.sender.header.update(rank=rank, world_size=1024)
+        data = batches(200)
+        sent_before, t0 = None, None
+        for i, (x, y) in enumerate(data[:120]):
+            checklist_step(model, opt, scaler, x, y)
+            time.sleep(0.05)
+            if i == 40:    # the first replies have told the agent its pace by now
+                sent_before, t0 = monitor.sender.delivered_batches, time.perf_counter()
+        runs[rank] = (monitor.sender.delivered_batches - sent_before, time.perf_counter() - t0)
+        if rank == 3:
+            x, y = data[120]
+            x = x.clone()
+            x[0, 0] = float("nan")
+            checklist_step(model, opt, scaler, x, y)   # step 120: non-finite
+            counts = wait_until(lambda: stored_counts(shared_server, "pace", "r3", rank=3).get(120), timeout=2.5,
+                                what="the non-finite step, sent before the 5 s pace was up")
+            assert counts == 1
+        monitor.close()
+    (fast, fast_s), (paced, paced_s) = runs[0], runs[3]
+    assert fast >= fast_s / 0.2 / 2, runs       # rank 0: a batch per flush_interval (0.2 s), give or take
+    assert paced <= paced_s / 5.0 + 1, runs     # rank 3: at most one per 5 s
+    assert sorted(stored_counts(shared_server, "pace", "r3", rank=3)) == list(range(121))   # nothing lost

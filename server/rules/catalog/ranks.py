@@ -2,14 +2,12 @@
 replicas disagreeing (F5). A rank gone silent (F4) is a timer rule: ``liveness.py``."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import CrossRankRule, streaks
 from gradwatch.server.rules.spec import Float, Hit, Int
-from gradwatch.server.rules.stats import enc, fmt
+from gradwatch.server.rules.stats import enc, fmt, median_of_others
 
 
 @register
@@ -34,27 +32,24 @@ class RankDivergence(CrossRankRule):
         present = np.column_stack([others[r]["loss.measured"] for r in ranks[:-1]] + [mine["loss.measured"]])
         rows = present.sum(axis=1) >= 2
         finite = np.isfinite(L) & present
+        # every rank's "others": the other present ranks, their finite losses' median (one sort a step)
+        n_rest_all = present.sum(axis=1)[:, None] - present
+        n_finite_rest_all = finite.sum(axis=1)[:, None] - finite
+        medians = median_of_others(L, finite)
+        # every rank's verdict inputs at once (steps x ranks); the loop below only reads its column
+        here_all = rows[:, None] & present
+        nonfinite_all = here_all & ~np.isfinite(L) & (n_finite_rest_all > 0)
+        comparable_all = here_all & np.isfinite(L) & (n_finite_rest_all == n_rest_all)
+        with np.errstate(invalid="ignore"):
+            above_all = comparable_all & (medians > 0) & (L > cfg["factor"] * medians)
+        judged = (nonfinite_all | comparable_all).any(axis=0)
         out: list[tuple[int, int, object]] = []
-        for c, r in enumerate(ranks):
+        for c in np.flatnonzero(judged).tolist():
+            r = ranks[c]
             rank = mine["rank"] if r is None else r
-            here = rows & present[:, c]
-            if not here.any():
-                continue
-            rest = present.copy()
-            rest[:, c] = False
-            n_rest = rest.sum(axis=1)
-            n_finite_rest = (finite & rest).sum(axis=1)
-            with warnings.catch_warnings(), np.errstate(invalid="ignore"):
-                warnings.simplefilter("ignore", RuntimeWarning)
-                med = np.nanmedian(np.where(finite & rest, L, np.nan), axis=1)
-            x = L[:, c]
-            nonfinite = here & ~np.isfinite(x) & (n_finite_rest > 0)
-            comparable = here & np.isfinite(x) & (n_finite_rest == n_rest)
-            with np.errstate(invalid="ignore"):
-                above = comparable & (med > 0) & (x > cfg["factor"] * med)
+            med, x = medians[:, c], L[:, c]
+            nonfinite, comparable, above = nonfinite_all[:, c], comparable_all[:, c], above_all[:, c]
             counted = np.flatnonzero(nonfinite | comparable)
-            if not len(counted):
-                continue
             state = state_of(rank)
             run = streaks((nonfinite | above)[counted], int(state.get("streak", 0)))
             state["streak"] = int(run[-1])
@@ -116,17 +111,22 @@ class Straggler(CrossRankRule):
         D = np.column_stack([np.where(vals[r]["data_time.measured"], vals[r]["data_time"], np.nan)
                              for r in ranks])[rows]
         factor, need, min_excess = cfg["factor"], cfg["consecutive"], cfg["min_excess_s"]
+        # the other ranks' medians, one sort a step; a data time missing on another rank makes the
+        # others' median unknown (NaN), as np.median over them would
+        step_meds = median_of_others(W, np.ones(W.shape, dtype=bool))
+        data_nan = np.isnan(D)
+        data_meds = median_of_others(D, ~data_nan)
+        data_meds[(data_nan.sum(axis=1)[:, None] - data_nan) > 0] = np.nan
         # every rank sends its host once (agent meta); ingest keeps them per rank
         hosts = (mine.get("run_meta") or {}).get("rank_hosts") or {}
+        with np.errstate(invalid="ignore"):
+            excess_all = D - data_meds
+            by_step_all = (step_meds > 0) & (W > factor * step_meds)
+            by_data_all = (step_meds > 0) & (excess_all > (factor - 1) * step_meds) & (excess_all >= min_excess)
+        slow_all = by_step_all | by_data_all
         for c, r in enumerate(ranks):
-            med = np.median(np.delete(W, c, axis=1), axis=1)
-            x = W[:, c]
-            with np.errstate(invalid="ignore"):
-                d_med = np.median(np.delete(D, c, axis=1), axis=1)
-                excess = D[:, c] - d_med
-                by_step = (med > 0) & (x > factor * med)
-                by_data = (med > 0) & (excess > (factor - 1) * med) & (excess >= min_excess)
-            slow = by_step | by_data
+            med, x, d_med, excess = step_meds[:, c], W[:, c], data_meds[:, c], excess_all[:, c]
+            by_data, slow = by_data_all[:, c], slow_all[:, c]
             state = state_of(r)
             run = streaks(slow, int(state.get("streak", 0)))
             state["streak"] = int(run[-1])
