@@ -193,14 +193,20 @@ def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
     has sent them, and they have no combined row yet. Empty for runs without a sharded layout."""
     if not steps:
         return []
+    lo, hi = min(steps), max(steps)
+    # most batches complete no step (only a step's last rank does): find that out from the steps' key
+    # before reading every rank's layout (256 JSON rows of a shard a parameter at 256 ranks)
+    sent = steps_sent(session, run_id=run.id, world_size=run.world_size or 1, lo=lo, hi=hi)
+    if not any(sent.get(s, 0) >= (run.world_size or 1) for s in steps):
+        return []
     layouts = dict(session.execute(select(RankLayout.rank, RankLayout.shards)
                                    .where(RankLayout.run_id == run.id)).all())
     W = max([run.world_size or 1] + [r + 1 for r in layouts])
     if not layouts or W < 2 or any(r not in layouts for r in range(W)):
         return []      # not sharded, or a rank whose layout has not arrived yet: its batch will complete them
-    lo, hi = min(steps), max(steps)
     wanted = set(steps)
-    counts = steps_sent(session, run_id=run.id, world_size=W, lo=lo, hi=hi).items()
+    counts = (sent if W == (run.world_size or 1) else
+              steps_sent(session, run_id=run.id, world_size=W, lo=lo, hi=hi)).items()
     done = set(session.scalars(select(Step.step).where(Step.run_id == run.id, Step.rank == COMBINED_RANK,
                                                        Step.step >= lo, Step.step <= hi)))
     complete = sorted(s for s, c in counts if c == W and s in wanted and s not in done)
