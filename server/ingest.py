@@ -30,7 +30,7 @@ from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, R
 from .forensics.rollback import advise_rollback
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
 from .numbers import NULL_F32_BITS, encode_json, extra_measured, null_mask, pack_extra, unpack_extra
-from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, record_layout
+from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, record_layout, steps_sent
 from .rollups import layer_partials_by_stat, step_partials
 from .forensics.precursors import attach_precursors
 from .resume import add_history, apply_shift, session_shift
@@ -318,7 +318,12 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
                       shards=batch.meta.param_shards, now=now)
     session.flush()
     # sharded runs: the steps this batch completed (their last rank arrived) get their combined row
-    combined = combine_steps(session, run=run, steps=[s.step for s in fresh]) if batch.world_size > 1 else []
+    # a run of several ranks: how many ranks have sent each of the batch's steps, read once for the
+    # combined rows and the cross-rank rules (both act only on the steps this batch completed)
+    sent = (steps_sent(session, run_id=run.id, world_size=run.world_size, lo=steps[0].step, hi=steps[-1].step)
+            if (run.world_size or 1) > 1 and steps else None)
+    combined = (combine_steps(session, run=run, steps=[s.step for s in fresh], sent=sent)
+                if batch.world_size > 1 else [])
     if combined:
         _, c_values, c_rows = write_steps(session, run_id=run.id, rank=COMBINED_RANK, steps=combined)
         values, rows = values + c_values, rows + c_rows
@@ -330,7 +335,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     wire_steps = [_wire_step(s) for s in steps]
     wire_events = [e.model_dump() for e in batch.events]
     alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
-                            settings=settings, now=now, present=_keys_present(steps)) or []
+                            settings=settings, now=now, present=_keys_present(steps), sent=sent) or []
     if combined:   # the rules on the full parameters' and the global grad norm (A2, B1, E2, E3, ...)
         alerts += evaluate_batch(session, run=run, rank=COMBINED_RANK, steps=[_wire_step(s) for s in combined],
                                  events=[], settings=settings, now=now, present=_keys_present(combined)) or []

@@ -188,15 +188,17 @@ def _f32(values: np.ndarray, measured: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-def combine_steps(session: Session, *, run: Run, steps: list[int]) -> list:
+def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optional[dict[int, int]] = None) -> list:
     """The combined rows (``StepIn``) of those of ``steps`` that are now complete: every rank of the run
-    has sent them, and they have no combined row yet. Empty for runs without a sharded layout."""
+    has sent them, and they have no combined row yet. Empty for runs without a sharded layout.
+    ``sent``: ``steps_sent`` of the run's world size over (at least) ``steps``, when the caller has it."""
     if not steps:
         return []
     lo, hi = min(steps), max(steps)
     # most batches complete no step (only a step's last rank does): find that out from the steps' key
     # before reading every rank's layout (256 JSON rows of a shard a parameter at 256 ranks)
-    sent = steps_sent(session, run_id=run.id, world_size=run.world_size or 1, lo=lo, hi=hi)
+    if sent is None:
+        sent = steps_sent(session, run_id=run.id, world_size=run.world_size or 1, lo=lo, hi=hi)
     if not any(sent.get(s, 0) >= (run.world_size or 1) for s in steps):
         return []
     layouts = dict(session.execute(select(RankLayout.rank, RankLayout.shards)

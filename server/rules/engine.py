@@ -146,10 +146,12 @@ def _feed(episode: Episode, batch: Batch, out: Outcome) -> None:
 
 
 def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], events: list[dict],
-                   settings: Any, now: float, present: Optional[frozenset] = None) -> list[Alert]:
+                   settings: Any, now: float, present: Optional[frozenset] = None,
+                   sent: Optional[dict[int, int]] = None) -> list[Alert]:
     """Evaluate every enabled rule on this batch; returns the alerts to notify (new or escalated).
 
-    ``present``: ``keys_present(steps)`` when the caller knows it more cheaply (ingest does).
+    ``present``: ``keys_present(steps)`` when the caller knows it more cheaply (ingest does). ``sent``:
+    ``ranks.steps_sent`` over the batch's steps, when the caller has read it (ingest does).
     """
     steps = [st for st in (steps or ()) if st.get("step") is not None]
     if not steps and not events:
@@ -211,13 +213,15 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         notify.extend(episode.notify)
 
     if ctx.world_size > 1 and steps and rank >= 0:   # the combined row (rank -1) is no rank to compare
-        sent: dict[int, int] = {}       # {step: ranks that sent it}, read once for the rules below
-        for cls in rule_classes("cross_rank"):
+        # {step: ranks that sent it}; the cross-rank rules judge only the steps this batch completed, and
+        # most batches complete none (only a step's last rank does): then no rule, no savepoint, is run
+        if sent is None:
+            sent = steps_sent(session, run_id=run.id, world_size=ctx.world_size, lo=int(batch.step.min()),
+                              hi=int(batch.step.max()))
+        completes = any(sent.get(s, 0) >= ctx.world_size for s in batch.step.tolist())
+        for cls in rule_classes("cross_rank") if completes else ():
             if not cfg[cls.id].get("enabled", True) or not cls().applies(ctx):
                 continue
-            if not sent:
-                sent = steps_sent(session, run_id=run.id, world_size=run.world_size or 1,
-                                  lo=int(batch.step.min()), hi=int(batch.step.max())) or {None: 0}
             try:
                 with session.begin_nested():      # a failure here must not take the batch with it
                     notify.extend(_cross_rank(session, cls, run, rank, batch, cfg[cls.id], state_row, now, sent))
