@@ -5,6 +5,7 @@
     .venv/bin/python bench/ingest.py --rate 1000000 --agents 8 --layer-stats all   # open loop at 1M values/s
     .venv/bin/python bench/ingest.py --in-process                        # where a batch's time goes
     .venv/bin/python bench/ingest.py --ranks 256 --sharded --seconds 30   # one 256-rank FSDP run, 2 steps/s/rank
+    .venv/bin/python bench/ingest.py --ranks 256 --db postgresql://postgres@127.0.0.1:5432/test --replicas 2
 
 Each agent is a thread with its own keep-alive connection, its own run, and
 real wire-format payloads (the agent's fields, 150-layer statistics as the
@@ -312,6 +313,8 @@ def main() -> int:
     ap.add_argument("--steps-per-s", type=float, default=2.0, help="with --ranks: each rank's training speed")
     ap.add_argument("--sharded", action="store_true",
                     help="with --ranks: an FSDP run (shard norms and layouts; the server combines the ranks)")
+    ap.add_argument("--replicas", type=int, default=1, help="this many servers on the one PostgreSQL database "
+                    "(--db), the agents spread across them round-robin (a run's ranks on both)")
     ap.add_argument("--no-pace", action="store_true", help="with --ranks: every rank sends every --interval, "
                     "not at the pace the server asks of ranks > 0 (as agents did before it asked)")
     ap.add_argument("--no-alerts", action="store_true", help="batches do not ask for the run's alerts "
@@ -322,10 +325,19 @@ def main() -> int:
     global ASK_ALERTS
     ASK_ALERTS = not args.no_alerts
 
+    if args.replicas < 1:
+        ap.error("--replicas must be at least 1")
+    if args.replicas > 1 and not (args.db and args.db.startswith("postgresql")):
+        ap.error("--replicas N needs --db postgresql://...: replicas share one PostgreSQL database")
     if not args.port:   # never a fixed default: another benchmark or test server may hold it
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             args.port = sock.getsockname()[1]
+    ports = [args.port]
+    while len(ports) < args.replicas:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
     tmp = tempfile.mkdtemp(prefix="gw-bench-")
     fresh = FreshDatabase(args.db, tmp, "bench")
     db = fresh.url
@@ -377,7 +389,8 @@ def main() -> int:
     if args.gzip:
         headers["Content-Encoding"] = "gzip"
 
-    proc = start_server(db, args.port, tmp, Path(args.server_root).resolve() if args.server_root else ROOT)
+    root = Path(args.server_root).resolve() if args.server_root else ROOT
+    procs = [start_server(db, port, tmp, root) for port in ports]
     latencies: list[float] = []
     first_latencies: list[float] = []
     accepted = [0]
@@ -398,7 +411,8 @@ def main() -> int:
         conn.close()
 
     def agent(index, mine, t_start):
-        conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
+        # with --replicas, the agents (a run's ranks) are spread across the servers, as behind a balancer
+        conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=120)
         for b, (raw, nvalues, _) in enumerate(mine):
             if args.rate:
                 # staggered phases; latency counts from the scheduled send time, so a server that falls
@@ -430,7 +444,7 @@ def main() -> int:
 
     try:
         warm_up()
-        cpu0 = process_cpu_seconds(proc.pid)
+        cpu0 = sum(process_cpu_seconds(p.pid) for p in procs)
         t0 = time.perf_counter()
         threads = [threading.Thread(target=agent, args=(i, mine, t0)) for i, mine in enumerate(payloads)]
         for t in threads:
@@ -438,10 +452,12 @@ def main() -> int:
         for t in threads:
             t.join()
         wall = done_at[0] - t0
-        server_cpu = process_cpu_seconds(proc.pid) - cpu0
+        server_cpu = sum(process_cpu_seconds(p.pid) for p in procs) - cpu0
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
     stored = stored_values(db, ranks_only=bool(args.ranks))
     combined = combined_steps(db) if args.sharded else None
     every = sorted(latencies + first_latencies)
@@ -456,7 +472,7 @@ def main() -> int:
     print(f"wall              {wall:.2f} s")
     print(f"accepted          {accepted[0]:,} values = {accepted[0] / wall:,.0f} values/s "
           f"({accepted[0] / wall * 60 / 100_000:,.0f}x W&B's 100k values/min/run guidance)")
-    print(f"server process    {server_cpu:.2f} CPU-s over {wall:.2f} s wall ({server_cpu / wall:.0%} of one core, "
+    print(f"server {'process  ' if len(procs) == 1 else f'x{len(procs)} CPU  '}{server_cpu:.2f} CPU-s over {wall:.2f} s wall ({server_cpu / wall:.0%} of one core, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
           f"{accepted[0] / server_cpu:,.0f} values per server CPU-second")
     print(f"stored            {stored:,} values ({'all' if stored == total_values else 'MISMATCH vs ' + format(total_values, ',')})"
