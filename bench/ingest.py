@@ -329,15 +329,13 @@ def main() -> int:
         ap.error("--replicas must be at least 1")
     if args.replicas > 1 and not (args.db and args.db.startswith("postgresql")):
         ap.error("--replicas N needs --db postgresql://...: replicas share one PostgreSQL database")
-    if not args.port:   # never a fixed default: another benchmark or test server may hold it
+    def free_port() -> int:   # never a fixed default: another benchmark or test server may hold it
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            args.port = sock.getsockname()[1]
-    ports = [args.port]
-    while len(ports) < args.replicas:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+            return sock.getsockname()[1]
+
+    args.port = args.port or free_port()
+    ports = [args.port] + [free_port() for _ in range(args.replicas - 1)]
     tmp = tempfile.mkdtemp(prefix="gw-bench-")
     fresh = FreshDatabase(args.db, tmp, "bench")
     db = fresh.url

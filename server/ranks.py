@@ -98,6 +98,13 @@ def steps_sent(session: Session, *, run_id: int, world_size: int, lo: int, hi: i
                                               Step.step >= lo, Step.step <= hi).group_by(Step.step)).all())
 
 
+def all_ranks_sent(sent: dict[int, int], steps, world_size: int) -> list[bool]:
+    """For each of ``steps``: whether all ``world_size`` ranks have sent it (``sent``: ``steps_sent``).
+    The batch that makes it so is the one that completes the step: the run's lock serialises a run's
+    batches, so exactly one batch sees it."""
+    return [sent.get(s, 0) >= world_size for s in steps]
+
+
 def rank_hosts(run_config: Optional[dict]) -> dict[str, Any]:
     """Each rank's host (by rank as a string), from where ingest keeps every rank's own meta."""
     return {r: meta.get("host") for r, meta in ((run_config or {}).get("_ranks") or {}).items()}
@@ -199,7 +206,7 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
     # before reading every rank's layout (256 JSON rows of a shard a parameter at 256 ranks)
     if sent is None:
         sent = steps_sent(session, run_id=run.id, world_size=run.world_size or 1, lo=lo, hi=hi)
-    if not any(sent.get(s, 0) >= (run.world_size or 1) for s in steps):
+    if not any(all_ranks_sent(sent, steps, run.world_size or 1)):
         return []
     layouts = dict(session.execute(select(RankLayout.rank, RankLayout.shards)
                                    .where(RankLayout.run_id == run.id)).all())

@@ -25,7 +25,7 @@ from gradwatch.server.db import json_dumps, json_loads
 from gradwatch.agent.signals import EXTRA_BASE, is_step_signal, step_signal
 from gradwatch.server.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
 from gradwatch.server.numbers import extra_measured, unpack_extra
-from gradwatch.server.ranks import among_ranks, rank_hosts, steps_sent
+from gradwatch.server.ranks import all_ranks_sent, among_ranks, rank_hosts, steps_sent
 from gradwatch.server.rules.alerts import Episode
 from gradwatch.server.rules.batch import Batch, Context, keys_present
 from gradwatch.server.rules.config import effective_config, smallest_setting
@@ -218,7 +218,7 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         if sent is None:
             sent = steps_sent(session, run_id=run.id, world_size=ctx.world_size, lo=int(batch.step.min()),
                               hi=int(batch.step.max()))
-        completes = any(sent.get(s, 0) >= ctx.world_size for s in batch.step.tolist())
+        completes = any(all_ranks_sent(sent, batch.step.tolist(), ctx.world_size))
         for cls in rule_classes("cross_rank") if completes else ():
             if not cfg[cls.id].get("enabled", True) or not cls().applies(ctx):
                 continue
@@ -271,7 +271,7 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
     # The other ranks are named (ranks.among_ranks), not a range, which would walk the whole run.
     world = run.world_size or 1
     steps = batch.step[idx]
-    complete = np.array([sent.get(s, 0) >= world for s in steps.tolist()], dtype=bool)
+    complete = np.array(all_ranks_sent(sent, steps.tolist(), world), dtype=bool)
     if not complete.any():
         return []
     idx, steps = idx[complete], steps[complete]
@@ -313,18 +313,18 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
         mine[k + ".measured"] = batch.measured(k)[idx]
 
     held: dict[int, tuple[Any, dict, Episode]] = {}
-    loaded: dict[int, Optional[RuleState]] = {}   # the other ranks' state rows, read in one query when first needed
+    loaded: Optional[dict[int, RuleState]] = None   # the other ranks' state rows, read in one query when first needed
 
     def holder(r: int):
+        nonlocal loaded
         if r not in held:
             if r == rank:
                 row = state_row(cls.id)
                 state = _clone(row.state)
             else:
-                if not loaded:
-                    loaded.update((row.rank, row) for row in session.scalars(select(RuleState).where(
-                        RuleState.run_id == run.id, among_ranks(RuleState.rank, world), RuleState.rule == cls.id)))
-                    loaded[-2] = None    # read (a key no rank has), even if no row was there
+                if loaded is None:
+                    loaded = {row.rank: row for row in session.scalars(select(RuleState).where(
+                        RuleState.run_id == run.id, among_ranks(RuleState.rank, world), RuleState.rule == cls.id))}
                 row = loaded.get(r)
                 if row is None:
                     row = RuleState(run_id=run.id, rank=r, rule=cls.id, state={})
