@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.loop_alerts import AlertInbox
+from gradwatch.agent.pacing import initial_pace, seconds_to_slot
 from gradwatch.agent.record import StepRecord
 from gradwatch.agent.spool import Spool
 from gradwatch.agent.tail import TailJournal
@@ -65,8 +66,9 @@ TAIL_LAG_S = 0.1
 # live_flush_interval: a few batches, so a page closed meanwhile costs the server little, and a
 # watched run's replies keep renewing it.
 LIVE_HOLD_S = 2.0
-# The longest pause between batches a server's ``pace`` can ask for (server/ranks.py asks at most 5 s).
-MAX_PACE_S = 10.0
+# The longest pause between batches a server's ``pace`` can get from this agent (server/pacing.py asks
+# at most agent/pacing.py's MAX_PACE_S, 5 s; a newer server may ask more, a bad reply no more than this).
+MAX_OBEYED_PACE_S = 10.0
 
 
 class _Marker:
@@ -154,8 +156,9 @@ class Sender:
         self.already_stored = 0
         # until when (sender clock) a run page is watching the run, by the server's replies
         self._live_until = 0.0
-        # the least seconds between batches the server asked of this rank (a run of many ranks)
-        self._pace = 0.0
+        # the least seconds between batches the server asked of this rank (a run of many ranks); None
+        # until a reply says: a rank of a large run assumes the least pace the server asks (agent/pacing.py)
+        self._pace: Optional[float] = None
 
     # ------------------------------------------------------------------ training thread side
 
@@ -212,7 +215,7 @@ class Sender:
     # ------------------------------------------------------------------ sender thread
 
     def _run(self) -> None:
-        next_tick = self.clock() + self.config.flush_interval
+        next_tick = self._next_tick(self.clock())
         due: Optional[float] = None   # seconds until the open step record may be sealed here
         while True:
             try:
@@ -244,7 +247,7 @@ class Sender:
                 now = self.clock()
                 if now >= next_tick or len(self._steps) >= self.config.max_batch_steps:
                     self._ship()
-                    next_tick = now + self._flush_interval(now)
+                    next_tick = self._next_tick(now)
                 self._write_journal()   # what waits for the next batch
                 if self._retry_at and self.clock() >= self._retry_at:
                     self._replay()
@@ -261,13 +264,19 @@ class Sender:
             except Exception as e:  # noqa: BLE001 - the sender must outlive any bug of its own
                 self.warn.warning("sender:" + type(e).__name__, "gradwatch: sender error (continuing): %r", e)
 
-    def _flush_interval(self, now: float) -> float:
-        """Seconds to the next batch: ``live_flush_interval`` while a run page watches the run (the
-        last reply said so, within LIVE_HOLD_S), else ``flush_interval``, or the server's ``pace`` for
-        this rank when that is longer (a run of many ranks: server/ranks.py, rank_pace)."""
+    def _next_tick(self, now: float) -> float:
+        """When (sender clock) the next batch goes: ``live_flush_interval`` after ``now`` while a run page
+        watches the run (the last reply said so, within LIVE_HOLD_S), else ``flush_interval`` after it,
+        or, when the server's ``pace`` for this rank is longer (a run of many ranks: server/pacing.py),
+        this rank's next slot of the pace (agent/pacing.py: the ranks' batches spread evenly over it)."""
         if now < self._live_until:
-            return min(self.config.live_flush_interval, self.config.flush_interval)
-        return max(self.config.flush_interval, self._pace)
+            return now + min(self.config.live_flush_interval, self.config.flush_interval)
+        rank, world = self.header.get("rank") or 0, self.header.get("world_size") or 1
+        pace = self._pace if self._pace is not None else initial_pace(rank, world)
+        if pace <= self.config.flush_interval:
+            return now + self.config.flush_interval
+        at = self.clock()    # after the batch's round trip: the slot is counted from the present
+        return at + seconds_to_slot(time.time(), pace, rank=rank, world_size=world)
 
     def _drain_queue(self) -> bool:
         """Take everything submitted so far; True when a stop marker was handled."""
@@ -425,7 +434,7 @@ class Sender:
         if isinstance(pace, (int, float)) and not isinstance(pace, bool):
             # the server's word on how often this rank should send; bounded so a bad reply cannot
             # silence a rank (its critical steps are sent at once whatever the pace)
-            self._pace = min(max(float(pace), 0.0), MAX_PACE_S) if pace == pace else 0.0
+            self._pace = min(max(float(pace), 0.0), MAX_OBEYED_PACE_S) if pace == pace else 0.0
         if reply.get("live") is True:
             # an open run page is watching: send every live_flush_interval for a while (server/live_news.py)
             self._live_until = self.clock() + LIVE_HOLD_S

@@ -33,7 +33,8 @@ run's first batch (which creates the run).
 Target: >= 1,000,000 values/s per server process with p99 < 200 ms.
 
 ``--ranks N``: one run of N ranks instead of N runs (each rank a thread, default telemetry, 150 layers,
-``--steps-per-s`` steps/s each, one batch per ``--interval``: the agent's cadence). ``--sharded`` makes
+``--steps-per-s`` steps/s each; rank 0 sends every ``--interval``, the agent's cadence, the others at the
+pace the server's replies ask, which follows its measured lock hold: server/pacing.py). ``--sharded`` makes
 it an FSDP run: each rank sends its shard's norms (``*_local``) and its layout, and the server combines
 every step once its last rank arrives (server/ranks.py), then runs the rules on the combined row as well
 as the cross-rank ones (F1, F3, F5) on every batch. Reported besides: how many steps got their combined
@@ -282,8 +283,50 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def lock_hold(port: int) -> tuple[float, float]:
+    """A server's (average, paced) hold of a run's lock, seconds, from its /metrics (server/pacing.py)."""
+    import re
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    found = dict(re.findall(r'^gradwatch_ingest_lock_hold_seconds\{figure="(\w+)"\} (\S+)$', text, re.M))
+    return float(found.get("average", "nan")), float(found.get("paced", "nan"))
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
+
+
+class RankStream:
+    """One rank's steps for ``--ranks``, each serialised before the clock starts; ``body(lo, hi)`` is the
+    batch of steps lo..hi-1 put together at send time (its size follows the pace the server asks)."""
+
+    def __init__(self, rank: int, n: int, stats: str, encoding: str, *, world_size: int, sharded: bool):
+        self.rank, self.n = rank, n
+        self.steps: list[str] = []
+        self.counts: list[int] = []
+        self.meta = None
+        for i in range(n):
+            one = make_batch(rank, i, 1, stats, encoding, world_size=world_size, sharded=sharded)
+            if i == 0:
+                self.meta = one.get("meta")
+            self.steps.append(json.dumps(one["steps"][0]))
+            self.counts.append(count_values(one))
+        self.values = sum(self.counts)
+        self.json_bytes = sum(len(x) for x in self.steps)
+        self.world_size = world_size
+
+    def body(self, lo: int, hi: int, cursor: float = 0.0) -> tuple[bytes, int]:
+        head: dict = {"batch_id": uuid.uuid4().hex, "project": "bench", "run": "ranks", "rank": self.rank,
+                      "world_size": self.world_size}
+        if ASK_ALERTS:   # as the agent asks: 0 in its first batch, then the last reply's cursor
+            head["alerts_after"] = cursor
+        if lo == 0 and self.meta is not None:
+            head["meta"] = self.meta
+        text = json.dumps(head)[:-1] + ', "steps": [' + ", ".join(self.steps[lo:hi]) + "]}"
+        return text.encode(), sum(self.counts[lo:hi])
 
 
 def main() -> int:
@@ -351,38 +394,39 @@ def main() -> int:
     shape = {"world_size": args.ranks, "sharded": args.sharded}
     values_per_step = count_values(make_batch(0, 1, 100, args.layer_stats, args.encoding, **shape)) / 100
     intervals = [args.interval] * args.agents     # each agent's seconds between batches
+    streams: list[RankStream] = []
     if args.ranks:
-        # as the agents do: every rank but 0 waits the pace the server's replies ask of it (server/ranks.py,
-        # rank_pace; checked against every reply below), its steps in fewer, larger batches
-        from gradwatch.server.ranks import rank_pace
-
-        if not args.no_pace:
-            intervals = [max(args.interval, rank_pace(args.ranks, r)) for r in range(args.ranks)]
+        # as the agents do: every rank but 0 sends at the pace the server's last reply asked of it (server/
+        # pacing.py, rank_pace: it follows the server's measured lock hold, so it moves during the run), its
+        # steps in fewer, larger batches; the bodies are put together at send time from steps serialised
+        # before the clock starts
         steps_per_batch = max(1, round(args.steps_per_s * args.interval))
         batches = max(1, round(args.seconds / args.interval))
         args.rate = args.ranks * args.steps_per_s * values_per_step     # open loop, the offered rate
+        n_steps = max(1, round(args.steps_per_s * args.seconds))
+        streams = [RankStream(r, n_steps, args.layer_stats, args.encoding, **shape) for r in range(args.ranks)]
+        print(f"built {args.ranks} ranks x {n_steps} steps ({args.layer_stats} layer stats, "
+              f"{args.encoding} layer arrays)", flush=True)
     elif args.rate:
         # open loop, like real agents: each sends one batch per flush interval whatever the server does
         steps_per_batch = max(1, round(args.rate * args.interval / (args.agents * values_per_step)))
         batches = max(1, round(args.seconds / args.interval))
     else:
         steps_per_batch, batches = args.steps_per_batch, args.batches
-    print(f"building {args.agents} x {batches} batches of {steps_per_batch} steps "
-          f"({args.layer_stats} layer stats, {args.encoding} layer arrays) ...", flush=True)
     payloads: list[list[tuple[bytes, int, int]]] = []
-    for a in range(args.agents):
+    if not args.ranks:
+        print(f"building {args.agents} x {batches} batches of {steps_per_batch} steps "
+              f"({args.layer_stats} layer stats, {args.encoding} layer arrays) ...", flush=True)
+    for a in range(0 if args.ranks else args.agents):
         mine = []
-        n_steps, n_batches = steps_per_batch, batches
-        if args.ranks:
-            n_steps = max(1, round(args.steps_per_s * intervals[a]))
-            n_batches = max(1, round(args.seconds / intervals[a]))
-        for b in range(n_batches):
-            body = make_batch(a, b * n_steps, n_steps, args.layer_stats, args.encoding, **shape)
+        for b in range(batches):
+            body = make_batch(a, b * steps_per_batch, steps_per_batch, args.layer_stats, args.encoding, **shape)
             raw = json.dumps(body).encode()
             mine.append((gzip.compress(raw, 1) if args.gzip else raw, count_values(body), len(body["steps"])))
         payloads.append(mine)
-    total_values = sum(v for mine in payloads for _, v, _ in mine)
-    mb = sum(len(p) for mine in payloads for p, _, _ in mine) / 1e6
+    total_values = (sum(st.values for st in streams) if streams else
+                    sum(v for mine in payloads for _, v, _ in mine))
+    mb = (sum(st.json_bytes for st in streams) if streams else sum(len(p) for mine in payloads for p, _, _ in mine)) / 1e6
     headers = {"Content-Type": "application/json"}
     if args.gzip:
         headers["Content-Encoding"] = "gzip"
@@ -408,6 +452,72 @@ def main() -> int:
             conn.getresponse().read()
         conn.close()
 
+    sent_batches = [0]
+    timeline: list[tuple[float, float, int, int]] = []   # (due s since start, latency ms, rank, steps)
+    asked_paces: list[float] = []
+
+    def rank_agent(index, stream: RankStream, t_start):
+        """Rank ``index``: its steps happen at --steps-per-s from t_start; it sends what has happened as the
+        agent does (gradwatch.agent.pacing): every --interval, or when the last reply's pace is longer (or,
+        before any reply, the pace a rank of this run assumes), in its own slot of the pace; the rest once
+        the time is up. --no-pace: every --interval, phases staggered, whatever the replies ask."""
+        from gradwatch.agent.pacing import initial_pace, seconds_to_slot
+
+        conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=120)
+        nxt, b, cursor = 0, 0, 0.0
+        pace = 0.0 if args.no_pace else initial_pace(index, args.ranks)
+
+        def next_due(now: float) -> float:
+            if pace <= args.interval:
+                return now + args.interval
+            # one clock for every rank of the bench: the slots are counted from t_start
+            return now + seconds_to_slot(now - t_start, pace, rank=index, world_size=args.ranks)
+
+        due = t_start + index / len(streams) * args.interval if pace <= args.interval else next_due(t_start)
+        end = t_start + args.seconds
+        while nxt < stream.n:
+            pause = due - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            upto = stream.n if due >= end else min(stream.n, int((due - t_start) * args.steps_per_s) + 1)
+            if upto <= nxt:
+                due = next_due(due)
+                continue
+            raw, nvalues = stream.body(nxt, upto, cursor)
+            raw = gzip.compress(raw, 1) if args.gzip else raw
+            try:
+                conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
+                resp = conn.getresponse()
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                # the server closes a keep-alive connection idle for its keep-alive timeout (uvicorn: 5 s),
+                # which a rank paced at 5 s may just pass; the agent opens one per batch anyway. Sent again
+                # on a new one (the batch id makes a repeat harmless)
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=120)
+                conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
+                resp = conn.getresponse()
+            data = resp.read()
+            now = time.perf_counter()
+            with lock:
+                (first_latencies if b == 0 else latencies).append((now - due) * 1000)
+                timeline.append((due - t_start, (now - due) * 1000, index, upto - nxt))
+                done_at[0] = max(done_at[0], now)
+                sent_batches[0] += 1
+                if resp.status == 200:
+                    accepted[0] += nvalues
+                    reply = json.loads(data)
+                    asked = float(reply.get("pace", 0.0))
+                    cursor = reply.get("alerts_cursor") or cursor
+                    if index:
+                        asked_paces.append(asked)
+                    if not args.no_pace:
+                        pace = asked
+                else:
+                    errors.append(f"{resp.status} {data[:200]!r}")
+            nxt, b = upto, b + 1
+            due = next_due(max(due, time.perf_counter())) if pace > args.interval else due + args.interval
+        conn.close()
+
     def agent(index, mine, t_start):
         # with --replicas, the agents (a run's ranks) are spread across the servers, as behind a balancer
         conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=120)
@@ -431,11 +541,6 @@ def main() -> int:
                 done_at[0] = max(done_at[0], now)
                 if resp.status == 200:
                     accepted[0] += nvalues
-                    if args.ranks and not args.no_pace:
-                        asked = json.loads(data).get("pace", 0.0)
-                        if max(args.interval, asked) != intervals[index]:
-                            errors.append(f"rank {index}: the server asked a pace of {asked} s, the bench "
-                                          f"sent every {intervals[index]} s")
                 else:
                     errors.append(f"{resp.status} {data[:200]!r}")
         conn.close()
@@ -444,13 +549,15 @@ def main() -> int:
         warm_up()
         cpu0 = sum(process_cpu_seconds(p.pid) for p in procs)
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=agent, args=(i, mine, t0)) for i, mine in enumerate(payloads)]
+        threads = ([threading.Thread(target=rank_agent, args=(i, st, t0)) for i, st in enumerate(streams)] or
+                   [threading.Thread(target=agent, args=(i, mine, t0)) for i, mine in enumerate(payloads)])
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         wall = done_at[0] - t0
         server_cpu = sum(process_cpu_seconds(p.pid) for p in procs) - cpu0
+        holds = [lock_hold(port) for port in ports]
     finally:
         for p in procs:
             p.terminate()
@@ -461,9 +568,13 @@ def main() -> int:
     every = sorted(latencies + first_latencies)
     print(f"database          {db.split(':', 1)[0]}")
     print(f"mode              {'open loop: each agent sends a batch every %.2f s' % args.interval if args.rate else 'closed loop: each agent sends its next batch as soon as the last is answered'}")
-    print(f"agents x batches  {args.agents} x {batches}, {steps_per_batch} steps/batch, "
-          f"{total_values / (args.agents * batches * steps_per_batch):.0f} values/step, "
-          f"{mb:.1f} MB {'gzip' if args.gzip else 'JSON'}")
+    if streams:
+        print(f"ranks x steps     {args.ranks} x {streams[0].n}, {sent_batches[0]:,} batches sent, "
+              f"{total_values / (args.ranks * streams[0].n):.0f} values/step, {mb:.1f} MB JSON")
+    else:
+        print(f"agents x batches  {args.agents} x {batches}, {steps_per_batch} steps/batch, "
+              f"{total_values / (args.agents * batches * steps_per_batch):.0f} values/step, "
+              f"{mb:.1f} MB {'gzip' if args.gzip else 'JSON'}")
     if args.rate:
         offered = total_values / (batches * args.interval)
         print(f"offered           {offered:,.0f} values/s")
@@ -478,11 +589,14 @@ def main() -> int:
     if args.ranks:
         print(f"ranks             one run, {args.ranks} ranks x {args.steps_per_s:g} steps/s"
               + (", sharded (FSDP): the server combines each step" if args.sharded else " (DDP-like: no layout)"))
-        paced = sorted(set(intervals[1:]))
+        paces = sorted(asked_paces) or [0.0]
         print(f"pacing            {'off (--no-pace): every rank' if args.no_pace else 'rank 0'} every "
-              f"{args.interval:g} s" + ("" if args.no_pace else f", ranks 1-{args.ranks - 1} every "
-              f"{', '.join(f'{v:g}' for v in paced)} s (the server's pace)") + f": "
-              f"{sum(len(m) for m in payloads) / args.seconds:,.0f} batches/s offered")
+              f"{args.interval:g} s" + ("" if args.no_pace else ", ranks 1-%d at the pace the replies asked" % (args.ranks - 1))
+              + f"; asked of ranks > 0: min {paces[0]:g} / median {statistics.median(paces):g} / max {paces[-1]:g} s; "
+              f"{sent_batches[0] / wall:,.0f} batches/s sent")
+    if args.ranks:
+        print("lock hold ms      " + "; ".join(f"average {a * 1000:.1f}, paced {p * 1000:.1f}" for a, p in holds)
+              + "   (each server's, at the end: server/pacing.py)")
     if combined is not None:
         print(f"combined rows     {combined[0]:,} of {combined[1]:,} steps "
               f"({'all' if combined[0] == combined[1] else 'MISSING ' + format(combined[1] - combined[0], ',')})")
@@ -493,6 +607,9 @@ def main() -> int:
         print(f"                  p50 {statistics.median(steady):.0f}  p99 {percentile(steady, 0.99):.0f}  "
               f"max {steady[-1]:.0f}   (without each run's first batch, which creates the run)")
     print(f"first batches ms  {', '.join(f'{x:.0f}' for x in first_latencies)}")
+    if os.environ.get("GW_TIMELINE"):
+        with open(os.environ["GW_TIMELINE"], "w") as f:
+            f.writelines(f"{t:.3f},{ms:.1f},{r},{n}\n" for t, ms, r, n in sorted(timeline))
     if errors:
         print(f"errors            {len(errors)}: {errors[:3]}")
     fresh.close()

@@ -14,6 +14,7 @@ from .live_news import DASHBOARD_THREADS, LiveNews
 from .metrics import IngestMetrics
 from .schemas import IngestBatchIn
 from .settings import Settings
+from .pacing import LockHoldMeter
 from .write_gate import FifoGate, default_permits
 
 log = logging.getLogger("gradwatch.server")
@@ -71,6 +72,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.auth = None
     app.state.metrics = IngestMetrics()
     app.state.live_news = LiveNews()
+    app.state.lock_hold = LockHoldMeter()   # the ranks' pace follows it (server/pacing.py)
     app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(database.engine.dialect.name))
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 
 import operator
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -53,6 +54,9 @@ class IngestOutcome:
     rows_written: int = 0
     step_shift: int = 0
     already_stored: int = 0
+    # perf_counter() when the run's row lock was granted: the caller times the hold up to its commit
+    # (server/pacing.py: the ranks' pace follows it)
+    locked_at: float = 0.0
 
 
 def _insert(session: Session, table):
@@ -288,12 +292,13 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     else:
         project = get_or_create_project(session, name=batch.project, now=now)
         run = _get_or_create_run(session, project=project, name=batch.run, world_size=batch.world_size, now=now)
+    locked_at = time.perf_counter()
 
     inserted = session.execute(_batch_id_insert(session), {
         "batch_id": batch.batch_id, "run_id": run.id, "received_at": now, "step_count": len(batch.steps)
     }).scalar_one_or_none()
     if inserted is None:
-        return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True)
+        return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True, locked_at=locked_at)
 
     rank = batch.rank
     # a resumed process continues the run's step axis; its snapshot gets the stored state before it
@@ -331,7 +336,8 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
 
     if not evaluate_rules:
         return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False, values_written=values,
-                             rows_written=rows, step_shift=shift, already_stored=already)
+                             rows_written=rows, step_shift=shift, already_stored=already,
+                             locked_at=locked_at)
     wire_steps = [_wire_step(s) for s in steps]
     wire_events = [e.model_dump() for e in batch.events]
     alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
@@ -350,7 +356,8 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         enqueued = route_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
     return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
                          alerts_enqueued=enqueued, alerts_routed=len(alerts), values_written=values,
-                         rows_written=rows + len(batch.events), step_shift=shift, already_stored=already)
+                         rows_written=rows + len(batch.events), step_shift=shift, already_stored=already,
+                         locked_at=locked_at)
 
 
 def _already_stored(batch: IngestBatchIn, steps: list, fresh: list) -> int:

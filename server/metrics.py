@@ -67,6 +67,17 @@ class IngestMetrics:
             yield f"gradwatch_ingest_batch_seconds_count {self.latency_count}"
 
 
+def lock_hold_lines(average: float, paced: float) -> Iterable[str]:
+    """How long ingest transactions hold their run's lock (server/pacing.py): the moving average, and the
+    figure the ranks' pace is computed from now (``rank_pace`` of it is what the replies ask), in full
+    precision."""
+    yield ("# HELP gradwatch_ingest_lock_hold_seconds How long an ingest transaction holds its run's lock: "
+           "the moving average, and the rounded figure a many-rank run's pace follows.")
+    yield "# TYPE gradwatch_ingest_lock_hold_seconds gauge"
+    yield f'gradwatch_ingest_lock_hold_seconds{{figure="average"}} {average!r}'
+    yield f'gradwatch_ingest_lock_hold_seconds{{figure="paced"}} {paced!r}'
+
+
 def database_lines(session: Session) -> Iterable[str]:
     yield "# HELP gradwatch_alerts_open Firing alerts, by severity."
     yield "# TYPE gradwatch_alerts_open gauge"

@@ -54,25 +54,6 @@ COMBINED_RANK = -1
 RANK_META_KEYS = ("host", "local_rank", "device", "pid")
 
 
-# Pacing: a run of W ranks whose agents each send every flush_interval (0.5 s) makes 2 W batches a
-# second (512 at 256 ranks), and a batch's server cost is mostly fixed (its transaction, the run's
-# lock, the rules' state): one step a batch at 256 ranks was more than one process could take. The
-# ingest reply therefore asks every rank but rank 0 to send at most every ``rank_pace`` seconds, so a
-# run's ranks together send about RUN_BATCHES_PER_S batches a second whatever their number; the steps
-# still all arrive, a few more to a batch. Rank 0 keeps its cadence (and the live one while a page
-# watches it: the headline charts read it); a non-finite step is still sent at once by every rank
-# (agent/sender.py), so the alerts that must come within a second do. docs/integrations.md.
-RUN_BATCHES_PER_S = 128.0
-MAX_PACE_S = 5.0
-
-
-def rank_pace(world_size: int, rank: int) -> float:
-    """Seconds the agent of ``rank`` should wait at least between batches (0: its own flush_interval)."""
-    if rank <= 0 or world_size <= 1:
-        return 0.0
-    return round(min(MAX_PACE_S, world_size / RUN_BATCHES_PER_S), 3)
-
-
 _RANK_SETS: dict[tuple[str, str, int], Any] = {}
 
 
@@ -114,16 +95,27 @@ _LOCAL_STATS = ("grad_norm_local", "weight_norm_local", "update_norm_local", "em
 _NOTHING_MEASURED = dict.fromkeys(STEP_SIGNAL_NAMES)   # a combined row's signals, before it fills some
 
 
+_PROGRESS_QUERIES: dict[int, Any] = {}
+
+
 def rank_progress(session: Session, run: Run) -> dict[int, tuple[int, float]]:
-    """rank -> (its latest stored step, that step's time): one index lookup per rank (the steps' primary
-    key is (run, rank, step)), not a scan of the run's steps. Ranks that sent no step are absent."""
-    out = {}
-    for r in range(run.world_size or 1):
-        last = session.execute(select(Step.step, Step.time).where(Step.run_id == run.id, Step.rank == r)
-                               .order_by(Step.step.desc()).limit(1)).first()
-        if last is not None:
-            out[r] = (int(last[0]), float(last[1]))
-    return out
+    """rank -> (its latest stored step, that step's time): one index descent per rank (the steps' primary
+    key is (run, rank, step)), not a scan of the run's steps, all in one statement. Ranks that sent no step
+    are absent.
+
+    One statement, not one per rank: the silent-rank rule (F4) reads it holding the run's lock, and 256
+    round trips to PostgreSQL held it 100-300 ms, every batch of the run waiting behind it (bench/ingest.py
+    --ranks 256: a second of p50 300 ms every few seconds). The ranks are literals, built once per size."""
+    world = max(run.world_size or 1, 1)
+    query = _PROGRESS_QUERIES.get(world)
+    if query is None:
+        listed = ", ".join(f"({r})" for r in range(world))
+        last = "SELECT s.{col} FROM steps s WHERE s.run_id = :run AND s.rank = r.rank ORDER BY s.step DESC LIMIT 1"
+        query = _PROGRESS_QUERIES[world] = text(
+            f"WITH r(rank) AS (VALUES {listed}) "
+            f"SELECT r.rank, ({last.format(col='step')}) AS step, ({last.format(col='time')}) AS time FROM r")
+    return {int(r): (int(step), float(t)) for r, step, t in session.execute(query, {"run": run.id})
+            if step is not None}
 
 
 def record_layout(session: Session, *, run: Run, rank: int, world_size: int, shards: Optional[list],
@@ -154,17 +146,14 @@ class _Plan:
                 index[r, :len(arr)], count[r, :len(arr)] = arr[:, 0], arr[:, 1]
         self.pick = np.zeros((W, n), dtype=bool)
         self.known = np.zeros(n, dtype=bool)
-        for j in range(n):
-            c = set(count[:, j].tolist())
-            if len(c) != 1 or 0 in c:
-                continue      # ranks disagree on the cut, or it cannot be combined (Partial)
-            seen: set[int] = set()
-            for r in range(W):     # the lowest rank of each piece; replicas of it are left out
-                i = int(index[r, j])
-                if i not in seen:
-                    seen.add(i)
-                    self.pick[r, j] = True
-            self.known[j] = len(seen) == c.pop() and all(0 <= i for i in seen)
+        # a column per parameter, numpy per column rather than Python per (rank, parameter): 38,400 of
+        # those at 256 ranks x 150 parameters took 25 ms of every batch that completed a step
+        agreed = (count == count[:1]).all(axis=0) & (count[0] != 0) if W else np.zeros(n, dtype=bool)
+        for j in np.flatnonzero(agreed).tolist():   # else the ranks disagree on the cut, or it is Partial
+            # the lowest rank of each piece; replicas of it are left out
+            pieces, first = np.unique(index[:, j], return_index=True)
+            self.pick[first, j] = True
+            self.known[j] = len(pieces) == count[0, j] and pieces[0] >= 0
 
     def full_squares(self, blobs: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(sum of squares of each full parameter, measured) from one statistic (a norm) of every rank."""
@@ -225,7 +214,10 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
     keep = set(complete)
     times: dict[int, float] = {}
     max_norm: dict[int, Optional[float]] = {}
-    for r, s, t, m in session.execute(
+    # Core, not the ORM's row loading: these read a row per rank and step (and stat), 5,000 rows for
+    # 10 steps of 256 ranks, where the ORM's per-row bookkeeping took most of the time
+    conn = session.connection()
+    for r, s, t, m in conn.execute(
             select(Step.rank, Step.step, Step.time, Step.clip_max_norm).where(
                 Step.run_id == run.id, among_ranks(Step.rank, W), Step.step >= c_lo, Step.step <= c_hi)):
         if s in keep:
@@ -233,7 +225,7 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
             if m is not None and (s not in max_norm or r == 0):
                 max_norm[s] = m
     blobs: dict[int, dict[str, dict[int, bytes]]] = {}
-    for r, s, stat, blob in session.execute(
+    for r, s, stat, blob in conn.execute(
             select(LayerStat.rank, LayerStat.step, LayerStat.stat, LayerStat.values).where(
                 LayerStat.run_id == run.id, LayerStat.stat.in_(_LOCAL_STATS), among_ranks(LayerStat.rank, W),
                 LayerStat.step >= c_lo, LayerStat.step <= c_hi)):

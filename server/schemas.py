@@ -149,8 +149,8 @@ class IngestResult(BaseModel):
     # (server/live_news.py)
     live: bool = False
     # the least seconds this rank's agent should leave between batches (0: its own flush_interval): a
-    # run of many ranks is paced so that its ranks together send a bounded number of batches a second
-    # (server/ranks.py, rank_pace)
+    # run of many ranks is paced so that its batches together hold the run's lock a bounded share of the
+    # time (server/pacing.py, rank_pace)
     pace: float = 0.0
     # Only when the batch asked (``alerts_after``): the run's alerts created or changed since then, newest
     # first, and the cursor to send next (docs/alerts-in-the-loop.md, "On the wire").

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
 from ..models import Alert
-from ..ranks import rank_pace
+from ..pacing import rank_pace
 from ..schemas import AlertOut, IngestBatchIn, IngestResult
 from .deps import SettingsDep, get_read_scope
 
@@ -176,7 +176,7 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
                           # rank 0 only: the headline charts read it, and a watched 256-rank run sending
                           # 10 batches/s per rank would be a load no page is worth (server/live_news.py)
                           live=rank == 0 and app.state.live_news.watching(outcome.run_id),
-                          pace=rank_pace(world_size, rank))
+                          pace=rank_pace(world_size, rank, hold_s=app.state.lock_hold.seconds))
     if news is not None:
         result.alerts, result.alerts_cursor = news
     return result
@@ -197,6 +197,8 @@ def _write(app, batch: IngestBatchIn, settings):
                     session.rollback()
                 else:
                     session.commit()
+                    # the run's lock is released with the commit: how long it was held paces the ranks
+                    app.state.lock_hold.observe(time.perf_counter() - outcome.locked_at)
                 return outcome, news
             except DataError as e:
                 session.rollback()

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from ..health_metrics import render_run_health
-from ..metrics import database_lines
+from ..metrics import database_lines, lock_hold_lines
 from .deps import SessionDep, SettingsDep
 
 router = APIRouter(tags=["metrics"])
@@ -20,6 +20,8 @@ def metrics(request: Request, session: SessionDep, settings: SettingsDep) -> Pla
     their losses: with auth on they are served only to a scrape that sends a project token
     (``Authorization: Bearer``), for that project's runs."""
     lines = list(request.app.state.metrics.lines())
+    hold = request.app.state.lock_hold
+    lines += lock_hold_lines(hold.average, hold.seconds)
     lines += database_lines(session)
     body = "\n".join(lines) + "\n"
     auth = request.app.state.auth

@@ -279,7 +279,8 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
     position = {int(s): j for j, s in enumerate(steps.tolist())}
     others: dict[int, dict[str, np.ndarray]] = {}
     columns = [getattr(Step, k) for k in col_keys] + ([Step.extra] if extra_slots else [])
-    for r, s, nan_mask, *values in session.execute(
+    # Core rows, not the ORM's loading: a row per other rank and step (2,550 for 10 steps of 256 ranks)
+    for r, s, nan_mask, *values in session.connection().execute(
             select(Step.rank, Step.step, Step.nan_mask, *columns).where(
                 Step.run_id == run.id, among_ranks(Step.rank, world), Step.rank != rank, Step.step >= lo,
                 Step.step <= hi)):
@@ -338,7 +339,10 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
         holder(r)[2].feed(step, verdict)
     notify: list[Alert] = []
     for r, (row, state, episode) in held.items():
-        row.state = dict(state)
+        # written back only when it changed: a rule that read all 256 ranks' states and moved a few would
+        # otherwise UPDATE 256 rows (each a JSON encoding and a round trip) for every step it judged
+        if state != row.state:
+            row.state = dict(state)
         notify.extend(episode.notify)
     return notify
 

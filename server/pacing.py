@@ -1,0 +1,106 @@
+"""How often each rank of a run should send: the ``pace`` of the ingest reply.
+
+Each agent sends a batch every ``flush_interval`` (0.5 s), so a run of W ranks would make 2 W batches a
+second (512 at 256 ranks), and a batch's server cost is mostly fixed: its transaction, the run's row
+lock (which serialises a run's batches across threads and replicas: the rules' state is
+read-modify-write), the rules' state. The reply therefore asks every rank but rank 0 to send at most
+every ``pace`` seconds, so that a run's batches together hold its lock for at most ``RUN_LOCK_SHARE`` of
+the time, and never more than ``RUN_BATCHES_PER_S`` batches a second. The steps still all arrive, a few
+more to a batch.
+
+The hold time is *measured* (``LockHoldMeter``: from the run's row lock granted to the commit, a
+moving average over this process's recent batches), not assumed, because it differs by a factor of
+two between backends on one machine (a 4-step batch of a 256-rank run: 4.2 ms on SQLite, 7.5 ms on a
+local PostgreSQL, more on a remote one: every statement a round trip) and grows with a loaded
+database. A pace from a fixed batch budget kept SQLite's 256-rank run at p99 61 ms and left
+PostgreSQL's 0.2 ms a batch over its budget, behind by seconds (docs/performance.md, "One run of many
+ranks"). Replicas each measure their own batches; they see the same run lock and database, so they
+ask about the same pace.
+
+Each paced rank sends in its own slot of the pace (agent/pacing.py), so a run's batches come one every
+``pace / world_size`` seconds rather than all together. Rank 0 keeps its cadence (and the live one while a page watches it: the headline charts read it); a
+non-finite step is still sent at once by every rank (agent/sender.py), so the alerts that must come
+within a second do. docs/integrations.md, "How often each rank sends".
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+# the most batches a second one run's ranks are asked to send together, however cheap a batch (the agent
+# assumes it before the first reply, and spreads a run's batches over the pace: agent/pacing.py)
+from gradwatch.agent.pacing import MAX_PACE_S, RUN_BATCHES_PER_S
+# the share of the time a run's batches may hold its row lock: at one half, a batch waits for the
+# others about as long as it takes itself (queueing at 50 % load), inside the p99 target of 200 ms
+RUN_LOCK_SHARE = 0.5
+# MAX_PACE_S (5 s), the longest pause asked for: the agent obeys up to 10 s (agent/sender.py), and the
+# silent-rank rule F4 waits minutes or 200 steps, far beyond it
+# weight of the newest batch in the moving average: ~50 batches, under a second at the pace's rate
+HOLD_EWMA_WEIGHT = 0.02
+# the grid the pace's hold is rounded up to: four steps per doubling, 19 % apart
+HOLD_STEPS_PER_OCTAVE = 4
+
+
+class LockHoldMeter:
+    """How long this process's ingest transactions hold their run's lock: a moving average
+    (``average``), and the figure the pace is computed from (``seconds``): the average rounded up to a
+    grid of ``HOLD_STEPS_PER_OCTAVE`` steps per doubling, moved to another step only once the average
+    has left its own by a tenth of a step. A pace that changed with every batch would put every rank
+    on a slightly different grid of slots (agent/pacing.py) and bunch their batches again: measured
+    (bench/ingest.py --ranks 256, PostgreSQL), ranks asked for 2.5-4.0 s had p99 196 ms, batches of
+    ~200 ranks within one second twice a run.
+
+    Starts at the hold time that makes the pace the ``RUN_BATCHES_PER_S`` one, until batches are measured.
+
+    >>> m = LockHoldMeter()
+    >>> round(m.seconds * 1000, 2)
+    3.91
+    >>> for _ in range(500):
+    ...     m.observe(0.008)
+    >>> round(m.average * 1000, 2), round(m.seconds * 1000, 2)     # rounded up to 2^-6.75 s
+    (8.0, 9.29)
+    >>> for _ in range(500):
+    ...     m.observe(0.0093)         # a hair above its step (9.29 ms), not a tenth of a step: it stays
+    >>> round(m.seconds * 1000, 2)
+    9.29
+    >>> for _ in range(500):
+    ...     m.observe(0.0100)         # the next step up
+    >>> round(m.seconds * 1000, 2)
+    11.05
+    """
+
+    def __init__(self, initial_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S):
+        self.average = self._seconds = initial_s
+        self._step = math.ceil(math.log2(initial_s) * HOLD_STEPS_PER_OCTAVE)
+        self._lock = threading.Lock()   # batches finish on several threads of the pool
+
+    @property
+    def seconds(self) -> float:
+        return self._seconds
+
+    def observe(self, held_s: float) -> None:
+        if not held_s > 0.0:            # NaN, nothing or a clock step back: nothing learned
+            return
+        with self._lock:
+            self.average += HOLD_EWMA_WEIGHT * (held_s - self.average)
+            x = math.log2(self.average) * HOLD_STEPS_PER_OCTAVE
+            if x > self._step + 0.1 or x < self._step - 1.1:     # left its step (step - 1, step]
+                self._step = math.ceil(x)
+                self._seconds = 2.0 ** (self._step / HOLD_STEPS_PER_OCTAVE)
+
+
+def rank_pace(world_size: int, rank: int, hold_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S) -> float:
+    """Seconds the agent of ``rank`` should wait at least between batches (0: its own flush_interval), for a
+    run of ``world_size`` ranks whose batches hold the run's lock ``hold_s`` seconds each.
+
+    >>> rank_pace(256, 0), rank_pace(1, 0), rank_pace(256, 3)
+    (0.0, 0.0, 2.0)
+    >>> rank_pace(256, 3, hold_s=0.0075)      # batches twice as dear: half as many
+    3.84
+    >>> rank_pace(256, 3, hold_s=0.001), rank_pace(1024, 3, hold_s=0.5)   # at most 128/s; at most 5 s
+    (2.0, 5.0)
+    """
+    if rank <= 0 or world_size <= 1:
+        return 0.0
+    batches_per_s = min(RUN_BATCHES_PER_S, RUN_LOCK_SHARE / hold_s) if hold_s > 0 else RUN_BATCHES_PER_S
+    return round(min(MAX_PACE_S, world_size / batches_per_s), 3)
