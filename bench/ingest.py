@@ -64,6 +64,9 @@ import checkout  # noqa: E402  (bench/, this script's folder)
 sys.path.insert(0, str(checkout.shim(ROOT)))   # gradwatch.* is this checkout's code
 
 LAYERS = 150
+# --ranks: the start of a run's stream, reported apart as well as with the rest: every rank's first batch
+# (its meta, its layout) in the first 5 s (agent/pacing.py initial_pace), the first steps completed
+STARTUP_S = 10.0
 ASK_ALERTS = True     # batches ask for the run's alerts, as the agent's do (--no-alerts: as before the loop asked)
 ALL_STATS = ("grad_norm", "weight_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_nonfinite",
              "bn_mean_norm", "bn_var_norm")
@@ -453,7 +456,8 @@ def main() -> int:
         conn.close()
 
     sent_batches = [0]
-    timeline: list[tuple[float, float, int, int]] = []   # (due s since start, latency ms, rank, steps)
+    # (due s since start, latency ms, rank, steps, the pace it was sent at)
+    timeline: list[tuple[float, float, int, int, float]] = []
     asked_paces: list[float] = []
 
     def rank_agent(index, stream: RankStream, t_start):
@@ -500,7 +504,7 @@ def main() -> int:
             now = time.perf_counter()
             with lock:
                 (first_latencies if b == 0 else latencies).append((now - due) * 1000)
-                timeline.append((due - t_start, (now - due) * 1000, index, upto - nxt))
+                timeline.append((due - t_start, (now - due) * 1000, index, upto - nxt, pace))
                 done_at[0] = max(done_at[0], now)
                 sent_batches[0] += 1
                 if resp.status == 200:
@@ -545,6 +549,23 @@ def main() -> int:
                     errors.append(f"{resp.status} {data[:200]!r}")
         conn.close()
 
+    # the client's own collector must not pause its 256 threads (a full collection over the bodies built
+    # above took 100-300 ms, every rank's batch of that moment counted late): what exists now is frozen
+    # out of its sight, and its pauses are timed and reported
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc_pauses: list[float] = []
+    gc_started = [0.0]
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            gc_pauses.append(time.perf_counter() - gc_started[0])
+
+    gc.callbacks.append(gc_timer)
     try:
         warm_up()
         cpu0 = sum(process_cpu_seconds(p.pid) for p in procs)
@@ -606,10 +627,17 @@ def main() -> int:
         steady = sorted(latencies)
         print(f"                  p50 {statistics.median(steady):.0f}  p99 {percentile(steady, 0.99):.0f}  "
               f"max {steady[-1]:.0f}   (without each run's first batch, which creates the run)")
+    if timeline and args.seconds > STARTUP_S:
+        later = sorted(ms for t, ms, *_ in timeline if t >= STARTUP_S)
+        print(f"                  p50 {statistics.median(later):.0f}  p99 {percentile(later, 0.99):.0f}  "
+              f"max {later[-1]:.0f}   (the {len(later)} batches due {STARTUP_S:g} s or more after the start: "
+              f"every rank's first batches and the first steps' combination are behind)")
     print(f"first batches ms  {', '.join(f'{x:.0f}' for x in first_latencies)}")
     if os.environ.get("GW_TIMELINE"):
         with open(os.environ["GW_TIMELINE"], "w") as f:
-            f.writelines(f"{t:.3f},{ms:.1f},{r},{n}\n" for t, ms, r, n in sorted(timeline))
+            f.writelines(f"{t:.3f},{ms:.1f},{r},{n},{p}\n" for t, ms, r, n, p in sorted(timeline))
+    gc.callbacks.remove(gc_timer)
+    print(f"client gc         {len(gc_pauses)} full collections, longest {max(gc_pauses, default=0) * 1000:.0f} ms")
     if errors:
         print(f"errors            {len(errors)}: {errors[:3]}")
     fresh.close()

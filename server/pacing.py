@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 # the most batches a second one run's ranks are asked to send together, however cheap a batch (the agent
 # assumes it before the first reply, and spreads a run's batches over the pace: agent/pacing.py)
@@ -35,43 +36,56 @@ from gradwatch.agent.pacing import MAX_PACE_S, RUN_BATCHES_PER_S
 RUN_LOCK_SHARE = 0.5
 # MAX_PACE_S (5 s), the longest pause asked for: the agent obeys up to 10 s (agent/sender.py), and the
 # silent-rank rule F4 waits minutes or 200 steps, far beyond it
-# weight of the newest batch in the moving average: ~50 batches, under a second at the pace's rate
-HOLD_EWMA_WEIGHT = 0.02
+# weight of the newest batch in the moving average: ~200 batches, a few seconds at the pace's rate
+HOLD_EWMA_WEIGHT = 0.005
 # the grid the pace's hold is rounded up to: four steps per doubling, 19 % apart
 HOLD_STEPS_PER_OCTAVE = 4
+# how far (in steps) the average must leave its step's range before the figure moves: half a step
+HOLD_MARGIN_STEPS = 0.5
+# the least seconds between two moves of the figure, unless the average is this many steps above it
+HOLD_MIN_CHANGE_S = 20.0
+HOLD_URGENT_STEPS = 2.0
 
 
 class LockHoldMeter:
     """How long this process's ingest transactions hold their run's lock: a moving average
     (``average``), and the figure the pace is computed from (``seconds``): the average rounded up to a
-    grid of ``HOLD_STEPS_PER_OCTAVE`` steps per doubling, moved to another step only once the average
-    has left its own by a tenth of a step. A pace that changed with every batch would put every rank
-    on a slightly different grid of slots (agent/pacing.py) and bunch their batches again: measured
-    (bench/ingest.py --ranks 256, PostgreSQL), ranks asked for 2.5-4.0 s had p99 196 ms, batches of
-    ~200 ranks within one second twice a run.
+    grid of ``HOLD_STEPS_PER_OCTAVE`` steps per doubling (the figure may sit up to half a step, 9 %,
+    below the average), moved to another step only once the average has left its own range by
+    ``HOLD_MARGIN_STEPS``, and at most once every ``HOLD_MIN_CHANGE_S``
+    seconds unless the average has risen ``HOLD_URGENT_STEPS`` above it (the server falling behind).
+
+    Why it moves so rarely: every change of the pace puts the ranks, as each hears of it at its next
+    reply, on another grid of slots (agent/pacing.py), and while they move their batches bunch. Measured
+    (bench/ingest.py --ranks 256, SQLite, 30 s): with a one-second average and a tenth of a step of
+    margin the figure moved every few seconds (paces 2.0-4.8 s asked at once), and each move gave a
+    second of batches 3-4x as dense, p50 ~200 ms in it; p99 over the run 191-263 ms.
 
     Starts at the hold time that makes the pace the ``RUN_BATCHES_PER_S`` one, until batches are measured.
 
-    >>> m = LockHoldMeter()
+    >>> clock = iter(range(0, 10_000, 1)).__next__          # one second a batch
+    >>> m = LockHoldMeter(clock=clock)
     >>> round(m.seconds * 1000, 2)
     3.91
-    >>> for _ in range(500):
+    >>> for _ in range(1500):
     ...     m.observe(0.008)
-    >>> round(m.average * 1000, 2), round(m.seconds * 1000, 2)     # rounded up to 2^-6.75 s
-    (8.0, 9.29)
-    >>> for _ in range(500):
-    ...     m.observe(0.0093)         # a hair above its step (9.29 ms), not a tenth of a step: it stays
-    >>> round(m.seconds * 1000, 2)
-    9.29
-    >>> for _ in range(500):
-    ...     m.observe(0.0100)         # the next step up
+    >>> round(m.average * 1000, 2), round(m.seconds * 1000, 2)     # on its step (2^-7 s), within half a step
+    (8.0, 7.81)
+    >>> for _ in range(1500):
+    ...     m.observe(0.0105)         # past half a step above: moved, to half a step above the average
     >>> round(m.seconds * 1000, 2)
     11.05
+    >>> for _ in range(1500):
+    ...     m.observe(0.004)
+    >>> round(m.seconds * 1000, 2)
+    4.65
     """
 
-    def __init__(self, initial_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S):
+    def __init__(self, initial_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S, clock=time.monotonic):
         self.average = self._seconds = initial_s
         self._step = math.ceil(math.log2(initial_s) * HOLD_STEPS_PER_OCTAVE)
+        self._clock = clock
+        self._moved_at = -math.inf
         self._lock = threading.Lock()   # batches finish on several threads of the pool
 
     @property
@@ -84,9 +98,15 @@ class LockHoldMeter:
         with self._lock:
             self.average += HOLD_EWMA_WEIGHT * (held_s - self.average)
             x = math.log2(self.average) * HOLD_STEPS_PER_OCTAVE
-            if x > self._step + 0.1 or x < self._step - 1.1:     # left its step (step - 1, step]
-                self._step = math.ceil(x)
-                self._seconds = 2.0 ** (self._step / HOLD_STEPS_PER_OCTAVE)
+            # its step's range is (step - 1, step]: moved once x is half a step beyond either end
+            if x <= self._step + HOLD_MARGIN_STEPS and x >= self._step - 1 - HOLD_MARGIN_STEPS:
+                return
+            now = self._clock()
+            if now - self._moved_at < HOLD_MIN_CHANGE_S and x < self._step + HOLD_URGENT_STEPS:
+                return
+            # to the step half a step above the average: room to move within before it moves again
+            self._step, self._moved_at = math.ceil(x + HOLD_MARGIN_STEPS), now
+            self._seconds = 2.0 ** (self._step / HOLD_STEPS_PER_OCTAVE)
 
 
 def rank_pace(world_size: int, rank: int, hold_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S) -> float:
