@@ -455,6 +455,30 @@ def main() -> int:
             conn.getresponse().read()
         conn.close()
 
+    def post(conn, index: int, raw: bytes):
+        """POST one batch on agent ``index``'s keep-alive connection: (the connection, status, body)."""
+        try:
+            conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
+            resp = conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the server closes a keep-alive connection idle for its keep-alive timeout (uvicorn: 5 s), which
+            # a rank paced at 5 s may just pass; the agent opens one per batch anyway. Sent again on a new
+            # one (the batch id makes a repeat harmless)
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=120)
+            conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
+            resp = conn.getresponse()
+        return conn, resp.status, resp.read()
+
+    def record(b: int, now: float, latency_s: float, status: int, data: bytes, nvalues: int) -> None:
+        """One answered batch, under ``lock``: its latency (the first batch apart), the values accepted."""
+        (first_latencies if b == 0 else latencies).append(latency_s * 1000)
+        done_at[0] = max(done_at[0], now)
+        if status == 200:
+            accepted[0] += nvalues
+        else:
+            errors.append(f"{status} {data[:200]!r}")
+
     sent_batches = [0]
     # (due s since start, latency ms, rank, steps, the pace it was sent at)
     timeline: list[tuple[float, float, int, int, float]] = []
@@ -489,26 +513,13 @@ def main() -> int:
                 continue
             raw, nvalues = stream.body(nxt, upto, cursor)
             raw = gzip.compress(raw, 1) if args.gzip else raw
-            try:
-                conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
-                resp = conn.getresponse()
-            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
-                # the server closes a keep-alive connection idle for its keep-alive timeout (uvicorn: 5 s),
-                # which a rank paced at 5 s may just pass; the agent opens one per batch anyway. Sent again
-                # on a new one (the batch id makes a repeat harmless)
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=120)
-                conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
-                resp = conn.getresponse()
-            data = resp.read()
+            conn, status, data = post(conn, index, raw)
             now = time.perf_counter()
             with lock:
-                (first_latencies if b == 0 else latencies).append((now - due) * 1000)
+                record(b, now, now - due, status, data, nvalues)
                 timeline.append((due - t_start, (now - due) * 1000, index, upto - nxt, pace))
-                done_at[0] = max(done_at[0], now)
                 sent_batches[0] += 1
-                if resp.status == 200:
-                    accepted[0] += nvalues
+                if status == 200:
                     reply = json.loads(data)
                     asked = float(reply.get("pace", 0.0))
                     cursor = reply.get("alerts_cursor") or cursor
@@ -516,8 +527,6 @@ def main() -> int:
                         asked_paces.append(asked)
                     if not args.no_pace:
                         pace = asked
-                else:
-                    errors.append(f"{resp.status} {data[:200]!r}")
             nxt, b = upto, b + 1
             due = next_due(max(due, time.perf_counter())) if pace > args.interval else due + args.interval
         conn.close()
@@ -536,17 +545,10 @@ def main() -> int:
                 t = due
             else:
                 t = time.perf_counter()
-            conn.request("POST", "/api/v1/ingest", body=raw, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
+            conn, status, data = post(conn, index, raw)
             now = time.perf_counter()
             with lock:
-                (first_latencies if b == 0 else latencies).append((now - t) * 1000)
-                done_at[0] = max(done_at[0], now)
-                if resp.status == 200:
-                    accepted[0] += nvalues
-                else:
-                    errors.append(f"{resp.status} {data[:200]!r}")
+                record(b, now, now - t, status, data, nvalues)
         conn.close()
 
     # the client's own collector must not pause its 256 threads (a full collection over the bodies built
