@@ -17,6 +17,28 @@ from gradwatch.agent.loop_alerts import LoopAlert, StopOn
 from . import StepLoss, close_monitor, log, report_loss
 
 
+# steps between two agreements of the ranks on stop_on (GradwatchCallbackBase, stop_agree_every)
+STOP_AGREE_EVERY = 10
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: one all-reduce of one integer (on the current CUDA device
+    under NCCL, which takes no CPU tensor; a host sync there, once per ``stop_agree_every`` steps)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 class GradwatchCallbackBase:
     """The state and steps both framework callbacks share.
 
@@ -27,16 +49,30 @@ class GradwatchCallbackBase:
             matches arrives: a severity (``"critical"``), rule ids or names
             (``{"A1", "A2"}``), or a function ``alert -> bool``
             (:class:`~agent.loop_alerts.StopOn`; docs/alerts-in-the-loop.md). None: never.
+            Under ``torch.distributed`` (world size > 1) the ranks agree first, every
+            ``stop_agree_every`` steps, so that all stop at the same step (a rank that stopped
+            alone would leave the others waiting at their next collective).
+        stop_agree_every: with ``stop_on`` on several ranks: the steps between two agreements,
+            each one all-reduce of one integer (the only collective gradwatch issues, and only
+            when ``stop_on`` is set); a run stops at most this many steps after an alert.
         **config: any other ``agent.attach`` setting (``token=``,
             ``activations_every=``, ``on_alert=``, …).
     """
 
     def __init__(self, *, ema: Any = None, project: Optional[str] = None, run: Optional[str] = None,
-                 server: Optional[str] = None, stop_on: Any = None, **config: Any) -> None:
+                 server: Optional[str] = None, stop_on: Any = None, stop_agree_every: int = STOP_AGREE_EVERY,
+                 **config: Any) -> None:
         super().__init__()
         # Made here, not at train start: a bad stop_on raises where the callback is built.
         self.stop_on: Optional[StopOn] = StopOn(stop_on) if stop_on is not None else None
+        if isinstance(stop_agree_every, bool) or not isinstance(stop_agree_every, int) or stop_agree_every < 1:
+            raise ValueError(f"stop_agree_every={stop_agree_every!r}: give a whole number of steps >= 1")
+        self.stop_agree_every = stop_agree_every
+        self._stop_checks = 0
+        self._stop_logged = False
         self.stopped_by: Optional[LoopAlert] = None   # the alert the run was stopped for
+        # several ranks: True when the run stopped because another rank heard a stop_on alert first
+        self.stopped_by_other_rank = False
         self.ema = ema
         self.project = project
         self.run = run
@@ -76,13 +112,31 @@ class GradwatchCallbackBase:
         return True
 
     def _stop_requested(self) -> bool:
-        """At a step's end: whether an alert matching ``stop_on`` has arrived (logged once when it has)."""
+        """At a step's end: whether to stop for an alert matching ``stop_on`` (logged once when so).
+
+        Several ranks: every ``stop_agree_every``-th call, on every rank alike (the framework calls this
+        at every step's end on every rank, whether or not its monitor attached: the ranks must make the
+        same collectives), one all-reduce (MAX) of "this rank heard one"; all ranks stop when any did."""
         stop = self.stop_on
-        if stop is None or stop.triggered is None:
+        if stop is None:
             return False
-        if self.stopped_by is None:
+        heard = stop.triggered is not None
+        world = _world_size()
+        if world > 1:
+            self._stop_checks += 1
+            if self._stop_checks % self.stop_agree_every:
+                return False
+            agreed = _any_rank(heard)
+            if agreed and not heard:
+                self.stopped_by_other_rank = True
+            heard = agreed
+        if not heard:
+            return False
+        if not self._stop_logged:
             self.stopped_by = stop.triggered
-            log.warning("gradwatch: stopping training after this step: %s", stop.triggered)
+            self._stop_logged = True
+            log.warning("gradwatch: stopping training after this step: %s",
+                        stop.triggered if stop.triggered is not None else "another rank heard a stop_on alert")
         return True
 
     def _report_step_loss(self) -> None:

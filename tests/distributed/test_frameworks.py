@@ -26,11 +26,12 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def launch(framework: str, out: Path, *, server, run: str, nproc: int = 2, steps: int = 5) -> list[dict]:
+def launch(framework: str, out: Path, *, server, run: str, nproc: int = 2, steps: int = 5,
+           extra: tuple[str, ...] = ()) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(WORKER), framework, str(out), "--server", server.url, "--run-name", run, "--steps", str(steps),
-           "--world", str(nproc)]
+           "--world", str(nproc), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, timeout=400)
@@ -85,3 +86,27 @@ def test_lightning_ddp_under_torchrun_matches_lightnings_numbers(server, tmp_pat
     # the all-reduce: both ranks' grad norms are one number, their losses are not
     assert_close(records[0]["grad_norm"], records[1]["grad_norm"], rel=1e-6, what="replicas' grad norms")
     assert records[0]["loss"] != records[1]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_the_ranks_agree_to_stop_on_an_alert_and_stop_at_the_same_step(server, tmp_path, framework):
+    """``stop_on`` under DDP (the HF ``Trainer``, Lightning ``strategy="ddp"``): rank 1's loss turns NaN at
+    step 8 (the all-reduce then spreads it); the alerts reach the ranks at different moments, and a rank
+    that stopped alone would leave the other waiting at its next all-reduce. The callbacks agree every 5
+    steps (one all-reduce of one integer), so both ranks stop at the same step, long before max_steps,
+    and the job ends (no hang)."""
+    if framework == "hf":
+        require("transformers")
+        require("accelerate")
+    else:
+        require("lightning")
+    name = f"{framework}-stop-{uuid.uuid4().hex[:6]}"
+    records = launch(framework, tmp_path / "stop", server=server, run=name, steps=400,
+                     extra=("--nan-step", "8", "--nan-rank", "1", "--step-sleep", "0.05"))
+    steps = {r["rank"]: r["global_step"] for r in records}
+    assert steps[0] == steps[1], steps
+    assert 8 < steps[0] < 400, steps       # stopped after the NaN, long before the end
+    # each rank stopped for a critical alert it heard itself, or because the other one had
+    assert all(r["stopped_by"] is not None or r["stopped_by_other_rank"] for r in records), records
+    assert any(r["stopped_by"] is not None for r in records), records
