@@ -219,7 +219,7 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
     conn = session.connection()
     for r, s, t, m in conn.execute(
             select(Step.rank, Step.step, Step.time, Step.clip_max_norm).where(
-                Step.run_id == run.id, among_ranks(Step.rank, W), Step.step >= c_lo, Step.step <= c_hi)):
+                Step.run_id == run.id, among_ranks(Step.rank, W), Step.step >= c_lo, Step.step <= c_hi)).all():
         if s in keep:
             times[s] = max(times.get(s, t), t)
             if m is not None and (s not in max_norm or r == 0):
@@ -228,7 +228,7 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
     for r, s, stat, blob in conn.execute(
             select(LayerStat.rank, LayerStat.step, LayerStat.stat, LayerStat.values).where(
                 LayerStat.run_id == run.id, LayerStat.stat.in_(_LOCAL_STATS), among_ranks(LayerStat.rank, W),
-                LayerStat.step >= c_lo, LayerStat.step <= c_hi)):
+                LayerStat.step >= c_lo, LayerStat.step <= c_hi)).all():   # one fetch, not a fetch a row
         if s in keep and blob:
             blobs.setdefault(s, {}).setdefault(stat, {})[r] = bytes(blob)
     plan = _Plan(layouts, W)

@@ -283,7 +283,7 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
     for r, s, nan_mask, *values in session.connection().execute(
             select(Step.rank, Step.step, Step.nan_mask, *columns).where(
                 Step.run_id == run.id, among_ranks(Step.rank, world), Step.rank != rank, Step.step >= lo,
-                Step.step <= hi)):
+                Step.step <= hi)).all():
         j = position.get(s)
         if j is None:
             continue
