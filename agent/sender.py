@@ -157,7 +157,7 @@ class Sender:
         # until when (sender clock) a run page is watching the run, by the server's replies
         self._live_until = 0.0
         # the least seconds between batches the server asked of this rank (a run of many ranks); None
-        # until a reply says: a rank of a large run assumes the least pace the server asks (agent/pacing.py)
+        # until a reply says, meanwhile a rank of a large run assumes agent/pacing.py's initial_pace
         self._pace: Optional[float] = None
 
     # ------------------------------------------------------------------ training thread side
