@@ -39,6 +39,7 @@ it an FSDP run: each rank sends its shard's norms (``*_local``) and its layout, 
 every step once its last rank arrives (server/ranks.py), then runs the rules on the combined row as well
 as the cross-rank ones (F1, F3, F5) on every batch. Reported besides: how many steps got their combined
 row (must be every step every rank sent). Target (issue 17): 256 ranks keep up, p99 < 200 ms.
+``--timeline CSV`` writes every batch (when it was due, its latency, rank, steps, pace) to see when a tail came.
 """
 from __future__ import annotations
 
@@ -363,6 +364,8 @@ def main() -> int:
                     "(--db), the agents spread across them round-robin (a run's ranks on both)")
     ap.add_argument("--no-pace", action="store_true", help="with --ranks: every rank sends every --interval, "
                     "not at the pace the server asks of ranks > 0 (as agents did before it asked)")
+    ap.add_argument("--timeline", metavar="CSV", help="with --ranks: write every batch as a line (seconds since the "
+                    "start it was due, latency ms, rank, steps, the pace it was sent at), to see when the tail came")
     ap.add_argument("--no-alerts", action="store_true", help="batches do not ask for the run's alerts "
                     "(alerts_after), as agents did before alerts reached the loop")
     ap.add_argument("--in-process", action="store_true",
@@ -396,7 +399,6 @@ def main() -> int:
         args.agents = args.ranks
     shape = {"world_size": args.ranks, "sharded": args.sharded}
     values_per_step = count_values(make_batch(0, 1, 100, args.layer_stats, args.encoding, **shape)) / 100
-    intervals = [args.interval] * args.agents     # each agent's seconds between batches
     streams: list[RankStream] = []
     if args.ranks:
         # as the agents do: every rank but 0 sends at the pace the server's last reply asked of it (server/
@@ -538,7 +540,7 @@ def main() -> int:
             if args.rate:
                 # staggered phases; latency counts from the scheduled send time, so a server that falls
                 # behind shows it (no coordinated omission)
-                due = t_start + (b + index / len(payloads)) * intervals[index]
+                due = t_start + (b + index / len(payloads)) * args.interval
                 pause = due - time.perf_counter()
                 if pause > 0:
                     time.sleep(pause)
@@ -635,8 +637,8 @@ def main() -> int:
               f"max {later[-1]:.0f}   (the {len(later)} batches due {STARTUP_S:g} s or more after the start: "
               f"every rank's first batches and the first steps' combination are behind)")
     print(f"first batches ms  {', '.join(f'{x:.0f}' for x in first_latencies)}")
-    if os.environ.get("GW_TIMELINE"):
-        with open(os.environ["GW_TIMELINE"], "w") as f:
+    if args.timeline:
+        with open(args.timeline, "w") as f:
             f.writelines(f"{t:.3f},{ms:.1f},{r},{n},{p}\n" for t, ms, r, n, p in sorted(timeline))
     gc.callbacks.remove(gc_timer)
     print(f"client gc         {len(gc_pauses)} full collections, longest {max(gc_pauses, default=0) * 1000:.0f} ms")

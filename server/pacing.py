@@ -28,14 +28,17 @@ import math
 import threading
 import time
 
-# the most batches a second one run's ranks are asked to send together, however cheap a batch (the agent
-# assumes it before the first reply, and spreads a run's batches over the pace: agent/pacing.py)
+# RUN_BATCHES_PER_S: the most batches a second one run's ranks are asked to send together, however cheap
+# a batch; MAX_PACE_S (5 s): the longest pause asked for (the agent obeys up to 10 s, agent/sender.py; the
+# silent-rank rule F4 waits minutes or 200 steps, far beyond it). Shared with the agent, which assumes a
+# pace before the first reply and spreads a run's batches over it (agent/pacing.py).
 from gradwatch.agent.pacing import MAX_PACE_S, RUN_BATCHES_PER_S
+
 # the share of the time a run's batches may hold its row lock: at one half, a batch waits for the
 # others about as long as it takes itself (queueing at 50 % load), inside the p99 target of 200 ms
 RUN_LOCK_SHARE = 0.5
-# MAX_PACE_S (5 s), the longest pause asked for: the agent obeys up to 10 s (agent/sender.py), and the
-# silent-rank rule F4 waits minutes or 200 steps, far beyond it
+# the hold at which the pace is the RUN_BATCHES_PER_S one: the figure before any batch is measured
+LEAST_HOLD_S = RUN_LOCK_SHARE / RUN_BATCHES_PER_S
 # weight of the newest batch in the moving average: ~200 batches, a few seconds at the pace's rate
 HOLD_EWMA_WEIGHT = 0.005
 # the grid the pace's hold is rounded up to: four steps per doubling, 19 % apart
@@ -81,7 +84,7 @@ class LockHoldMeter:
     4.65
     """
 
-    def __init__(self, initial_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S, clock=time.monotonic):
+    def __init__(self, initial_s: float = LEAST_HOLD_S, clock=time.monotonic):
         self.average = self._seconds = initial_s
         self._step = math.ceil(math.log2(initial_s) * HOLD_STEPS_PER_OCTAVE)
         self._clock = clock
@@ -109,7 +112,7 @@ class LockHoldMeter:
             self._seconds = 2.0 ** (self._step / HOLD_STEPS_PER_OCTAVE)
 
 
-def rank_pace(world_size: int, rank: int, hold_s: float = RUN_LOCK_SHARE / RUN_BATCHES_PER_S) -> float:
+def rank_pace(world_size: int, rank: int, hold_s: float = LEAST_HOLD_S) -> float:
     """Seconds the agent of ``rank`` should wait at least between batches (0: its own flush_interval), for a
     run of ``world_size`` ranks whose batches hold the run's lock ``hold_s`` seconds each.
 

@@ -339,10 +339,7 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
         holder(r)[2].feed(step, verdict)
     notify: list[Alert] = []
     for r, (row, state, episode) in held.items():
-        # written back only when it changed: a rule that read all 256 ranks' states and moved a few would
-        # otherwise UPDATE 256 rows (each a JSON encoding and a round trip) for every step it judged
-        if state != row.state:
-            row.state = dict(state)
+        row.state = dict(state)   # an unchanged state is no UPDATE: SQLAlchemy compares (see _clone)
         notify.extend(episode.notify)
     return notify
 
