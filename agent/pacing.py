@@ -21,17 +21,24 @@ from __future__ import annotations
 import math
 
 # the most batches a second one run's ranks are asked to send together, and the longest pace asked
-# (server/pacing.py computes the pace; these two bounds are shared so a rank's guess before the first
-# reply is the least pace the server can ask)
+# (server/pacing.py computes the pace; these bounds are shared so a rank's guess before the first
+# reply is the least pace the server can ask, and the agent obeys up to MAX_PACE_S: agent/sender.py).
+# 10 s, not less: a server whose batches are dear (a slow machine, 256 sharded ranks: ~20 ms a batch)
+# needs it to keep its lock half free; at 5 s it fell behind by seconds, every batch queued
+# (docs/performance.md, "One run of many ranks"). Longer would hold back the combined rows and the
+# cross-rank rules (judged once a step's last rank has sent it) for more than a few steps.
 RUN_BATCHES_PER_S = 128.0
-MAX_PACE_S = 5.0
+MAX_PACE_S = 10.0
+# the longest pace a rank assumes before the first reply (initial_pace): its first batch is late by up
+# to this much, and the ranks' first batches in slots of 5 s were measured to keep a server up
+FIRST_MAX_PACE_S = 5.0
 # how much dearer than the least a rank assumes the server's batches before it has heard (initial_pace)
 FIRST_HOLD_FACTOR = 4.0
 
 
 def initial_pace(rank: int, world_size: int) -> float:
     """The pace a rank assumes before the server's first reply: that of batches holding the run's lock
-    ``FIRST_HOLD_FACTOR`` times as long as the least the server assumes, at most ``MAX_PACE_S``.
+    ``FIRST_HOLD_FACTOR`` times as long as the least the server assumes, at most ``FIRST_MAX_PACE_S``.
 
     A process's first batch is its dearest (its meta, its layout, the run's config merged), and every
     rank sends it in the same few seconds after start: at 256 ranks on PostgreSQL (bench/ingest.py
@@ -44,7 +51,7 @@ def initial_pace(rank: int, world_size: int) -> float:
     """
     if rank <= 0 or world_size <= 1:
         return 0.0
-    return min(MAX_PACE_S, FIRST_HOLD_FACTOR * world_size / RUN_BATCHES_PER_S)
+    return min(FIRST_MAX_PACE_S, FIRST_HOLD_FACTOR * world_size / RUN_BATCHES_PER_S)
 
 
 def seconds_to_slot(wall: float, pace: float, *, rank: int, world_size: int) -> float:

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.loop_alerts import AlertInbox
-from gradwatch.agent.pacing import initial_pace, seconds_to_slot
+from gradwatch.agent.pacing import MAX_PACE_S, initial_pace, seconds_to_slot
 from gradwatch.agent.record import StepRecord
 from gradwatch.agent.spool import Spool
 from gradwatch.agent.tail import TailJournal
@@ -66,9 +66,9 @@ TAIL_LAG_S = 0.1
 # live_flush_interval: a few batches, so a page closed meanwhile costs the server little, and a
 # watched run's replies keep renewing it.
 LIVE_HOLD_S = 2.0
-# The longest pause between batches a server's ``pace`` can get from this agent (server/pacing.py asks
-# at most agent/pacing.py's MAX_PACE_S, 5 s; a newer server may ask more, a bad reply no more than this).
-MAX_OBEYED_PACE_S = 10.0
+# The longest pause between batches a server's ``pace`` can get from this agent: what server/pacing.py
+# asks at most (agent/pacing.py's MAX_PACE_S, 10 s); a bad reply no more than this.
+MAX_OBEYED_PACE_S = MAX_PACE_S
 
 
 class _Marker:

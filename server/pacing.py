@@ -29,9 +29,9 @@ import threading
 import time
 
 # RUN_BATCHES_PER_S: the most batches a second one run's ranks are asked to send together, however cheap
-# a batch; MAX_PACE_S (5 s): the longest pause asked for (the agent obeys up to 10 s, agent/sender.py; the
-# silent-rank rule F4 waits minutes or 200 steps, far beyond it). Shared with the agent, which assumes a
-# pace before the first reply and spreads a run's batches over it (agent/pacing.py).
+# a batch; MAX_PACE_S (10 s): the longest pause asked for, the longest the agent obeys (agent/sender.py;
+# the silent-rank rule F4 waits minutes or 200 steps, far beyond it; agent/pacing.py says why 10).
+# Shared with the agent, which assumes a pace before the first reply and spreads a run's batches over it.
 from gradwatch.agent.pacing import MAX_PACE_S, RUN_BATCHES_PER_S
 
 # the share of the time a run's batches may hold its row lock: at one half, a batch waits for the
@@ -120,8 +120,10 @@ def rank_pace(world_size: int, rank: int, hold_s: float = LEAST_HOLD_S) -> float
     (0.0, 0.0, 2.0)
     >>> rank_pace(256, 3, hold_s=0.0075)      # batches twice as dear: half as many
     3.84
-    >>> rank_pace(256, 3, hold_s=0.001), rank_pace(1024, 3, hold_s=0.5)   # at most 128/s; at most 5 s
-    (2.0, 5.0)
+    >>> rank_pace(256, 3, hold_s=0.001), rank_pace(1024, 3, hold_s=0.5)   # at most 128/s; at most 10 s
+    (2.0, 10.0)
+    >>> rank_pace(256, 3, hold_s=0.02)        # 20 ms a batch (256 sharded ranks on a slow machine)
+    10.0
     """
     if rank <= 0 or world_size <= 1:
         return 0.0

@@ -226,12 +226,13 @@ def test_sync_stops_at_an_unreachable_server_and_keeps_the_files(tmp_path):
 
 def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_goes_at_once(shared_server, tmp_path):
     """A run of many ranks: the ingest reply asks every rank but rank 0 to send at most every
-    ``rank_pace`` seconds (server/pacing.py: 1024 ranks -> 5 s), and the agent does, every step still
+    ``rank_pace`` seconds (server/pacing.py: 1024 ranks -> 8 s at least), and the agent does, every step still
     arriving; a non-finite step is sent at once whatever the pace. The rank is given by hand (no
     1024-process job here): the header is what the agent sends as its rank and world size."""
     from gradwatch.server.pacing import rank_pace
 
-    assert rank_pace(1024, 3) == 5.0 and rank_pace(1024, 0) == 0.0 and rank_pace(2, 1) < 0.5
+    least = rank_pace(1024, 3)   # the pace at the least hold; a measured hold only lengthens it
+    assert least == 8.0 and rank_pace(1024, 0) == 0.0 and rank_pace(2, 1) < 0.5
     runs = {}
     for rank in (0, 3):
         model, opt, scaler = tiny_loop()
@@ -252,12 +253,12 @@ def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_go
             x[0, 0] = float("nan")
             checklist_step(model, opt, scaler, x, y)   # step 120: non-finite
             counts = wait_until(lambda: stored_counts(shared_server, "pace", "r3", rank=3).get(120), timeout=2.5,
-                                what="the non-finite step, sent before the 5 s pace was up")
+                                what="the non-finite step, sent before the 8 s pace was up")
             assert counts == 1
         monitor.close()
     (fast, fast_s), (paced, paced_s) = runs[0], runs[3]
     assert fast >= fast_s / 0.2 / 2, runs       # rank 0: a batch per flush_interval (0.2 s), give or take
-    assert paced <= paced_s / 5.0 + 1, runs     # rank 3: at most one per 5 s
+    assert paced <= paced_s / least + 1, runs   # rank 3: at most one per pace
     assert sorted(stored_counts(shared_server, "pace", "r3", rank=3)) == list(range(121))   # nothing lost
 
 

@@ -7,7 +7,7 @@ import urllib.request
 
 from gw_payloads import batch, step
 
-from gradwatch.server.pacing import RUN_BATCHES_PER_S, RUN_LOCK_SHARE, rank_pace
+from gradwatch.server.pacing import MAX_PACE_S, RUN_BATCHES_PER_S, RUN_LOCK_SHARE, rank_pace
 
 
 def _lock_hold(srv, figure: str = "paced") -> float:
@@ -30,7 +30,7 @@ def test_the_pace_of_a_large_runs_ranks_is_the_one_the_measured_lock_hold_gives(
         holds.append(_lock_hold(srv))      # nothing else writes to this server: the hold the reply used
     assert _lock_hold(srv, "average") != initial, "the ingest transactions' lock hold was never measured"
     assert paces == [rank_pace(4096, 7, hold_s=h) for h in holds]
-    assert all(p == 5.0 for p in paces), paces       # 4096 ranks: the longest pace at any hold
+    assert all(p == MAX_PACE_S for p in paces), paces       # 4096 ranks: the longest pace at any hold
     # rank 0 and a single-process run are never paced
     st, out = srv.post("/api/v1/ingest", batch([step(0)], run="big", rank=0, world_size=4096))
     assert st == 200 and out["pace"] == 0.0, out
