@@ -31,7 +31,7 @@ from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, R
 from .forensics.rollback import advise_rollback
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
 from .numbers import NULL_F32_BITS, encode_json, extra_measured, null_mask, pack_extra, unpack_extra
-from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, record_layout, steps_sent
+from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
 from .rollups import layer_partials_by_stat, step_partials
 from .forensics.precursors import attach_precursors
 from .resume import add_history, apply_shift, session_shift
@@ -322,11 +322,11 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         record_layout(session, run=run, rank=rank, world_size=batch.world_size,
                       shards=batch.meta.param_shards, now=now)
     session.flush()
-    # sharded runs: the steps this batch completed (their last rank arrived) get their combined row
-    # a run of several ranks: how many ranks have sent each of the batch's steps, read once for the
-    # combined rows and the cross-rank rules (both act only on the steps this batch completed)
-    sent = (steps_sent(session, run_id=run.id, world_size=run.world_size, lo=steps[0].step, hi=steps[-1].step)
-            if (run.world_size or 1) > 1 and steps else None)
+    # a run of several ranks: how many ranks have stored each step this batch stored, counted and read
+    # in one statement, for the combined rows (sharded runs) and the cross-rank rules: both act only on
+    # the steps this batch completed (their last rank arrived)
+    sent = (count_sent(session, run_id=run.id, steps=[s.step for s in fresh]) if (run.world_size or 1) > 1
+            and rank < run.world_size else None)
     combined = (combine_steps(session, run=run, steps=[s.step for s in fresh], sent=sent)
                 if batch.world_size > 1 else [])
     if combined:
