@@ -57,6 +57,8 @@ class IngestOutcome:
     # perf_counter() when the run's row lock was granted: the caller times the hold up to its commit
     # (server/pacing.py: the ranks' pace follows it)
     locked_at: float = 0.0
+    # the run's first batch (wall clock): a young run's ranks are paced as for their dearest batches
+    run_started_at: float = 0.0
 
 
 def _insert(session: Session, table):
@@ -298,7 +300,8 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
         "batch_id": batch.batch_id, "run_id": run.id, "received_at": now, "step_count": len(batch.steps)
     }).scalar_one_or_none()
     if inserted is None:
-        return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True, locked_at=locked_at)
+        return IngestOutcome(run_id=run.id, accepted=len(batch.steps), duplicate=True, locked_at=locked_at,
+                             run_started_at=run.started_at)
 
     rank = batch.rank
     # a resumed process continues the run's step axis; its snapshot gets the stored state before it
@@ -337,7 +340,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     if not evaluate_rules:
         return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False, values_written=values,
                              rows_written=rows, step_shift=shift, already_stored=already,
-                             locked_at=locked_at)
+                             locked_at=locked_at, run_started_at=run.started_at)
     wire_steps = [_wire_step(s) for s in steps]
     wire_events = [e.model_dump() for e in batch.events]
     alerts = evaluate_batch(session, run=run, rank=rank, steps=wire_steps, events=wire_events,
@@ -357,7 +360,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
                          alerts_enqueued=enqueued, alerts_routed=len(alerts), values_written=values,
                          rows_written=rows + len(batch.events), step_shift=shift, already_stored=already,
-                         locked_at=locked_at)
+                         locked_at=locked_at, run_started_at=run.started_at)
 
 
 def _already_stored(batch: IngestBatchIn, steps: list, fresh: list) -> int:

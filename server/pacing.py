@@ -32,7 +32,7 @@ import time
 # a batch; MAX_PACE_S (10 s): the longest pause asked for, the longest the agent obeys (agent/sender.py;
 # the silent-rank rule F4 waits minutes or 200 steps, far beyond it; agent/pacing.py says why 10).
 # Shared with the agent, which assumes a pace before the first reply and spreads a run's batches over it.
-from gradwatch.agent.pacing import MAX_PACE_S, RUN_BATCHES_PER_S
+from gradwatch.agent.pacing import FIRST_HOLD_FACTOR, MAX_PACE_S, RUN_BATCHES_PER_S
 
 # the share of the time a run's batches may hold its row lock: at one half, a batch waits for the
 # others about as long as it takes itself (queueing at 50 % load), inside the p99 target of 200 ms
@@ -110,6 +110,31 @@ class LockHoldMeter:
             # to the step half a step above the average: room to move within before it moves again
             self._step, self._moved_at = math.ceil(x + HOLD_MARGIN_STEPS), now
             self._seconds = 2.0 ** (self._step / HOLD_STEPS_PER_OCTAVE)
+
+
+# A young run's ranks send their dearest batches (each process's first, with its meta and layout; the
+# first combinations of a sharded run) while the measured hold is still that of other runs or of none:
+# for this long after the run's first batch, the pace is at least the one of batches FIRST_HOLD_FACTOR
+# times as dear as the least (what a rank assumes before its first reply, agent/pacing.py, but up to
+# MAX_PACE_S). Measured (bench/ingest.py --ranks 256 --sharded, a slow machine, --timeline): the first
+# replies asked 2-2.8 s, the ranks' second batches came at ~90 a second while each held the lock ~20 ms,
+# and the batches of seconds 5-12 waited up to 3.4 s; from second 15 on, at 8-10 s, no more than ~0.2 s.
+YOUNG_RUN_S = 30.0
+
+
+def reply_pace(world_size: int, rank: int, hold_s: float, run_age_s: float) -> float:
+    """The pace of an ingest reply: ``rank_pace``, and for a run younger than ``YOUNG_RUN_S`` at least
+    that of batches ``FIRST_HOLD_FACTOR`` times as dear as the least.
+
+    >>> reply_pace(256, 3, 0.004, run_age_s=100.0), reply_pace(256, 3, 0.004, run_age_s=5.0)
+    (2.048, 8.0)
+    >>> reply_pace(256, 0, 0.004, run_age_s=5.0), reply_pace(8, 3, 0.004, run_age_s=5.0)
+    (0.0, 0.25)
+    """
+    pace = rank_pace(world_size, rank, hold_s)
+    if pace > 0.0 and 0.0 <= run_age_s < YOUNG_RUN_S:
+        pace = max(pace, rank_pace(world_size, rank, FIRST_HOLD_FACTOR * LEAST_HOLD_S))
+    return pace
 
 
 def rank_pace(world_size: int, rank: int, hold_s: float = LEAST_HOLD_S) -> float:

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
 from ..models import Alert
-from ..pacing import rank_pace
+from ..pacing import reply_pace
 from ..schemas import AlertOut, IngestBatchIn, IngestResult
 from .deps import SettingsDep, get_read_scope
 
@@ -176,7 +176,8 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
                           # rank 0 only: the headline charts read it, and a watched 256-rank run sending
                           # 10 batches/s per rank would be a load no page is worth (server/live_news.py)
                           live=rank == 0 and app.state.live_news.watching(outcome.run_id),
-                          pace=rank_pace(world_size, rank, hold_s=app.state.lock_hold.seconds))
+                          pace=reply_pace(world_size, rank, app.state.lock_hold.seconds,
+                                          run_age_s=time.time() - outcome.run_started_at))
     if news is not None:
         result.alerts, result.alerts_cursor = news
     return result

@@ -6,8 +6,11 @@ import re
 import urllib.request
 
 from gw_payloads import batch, step
+from sqlalchemy import create_engine, text
 
-from gradwatch.server.pacing import MAX_PACE_S, RUN_BATCHES_PER_S, RUN_LOCK_SHARE, rank_pace
+from gradwatch.agent.pacing import FIRST_HOLD_FACTOR
+from gradwatch.server.pacing import (LEAST_HOLD_S, MAX_PACE_S, RUN_BATCHES_PER_S, RUN_LOCK_SHARE, YOUNG_RUN_S,
+                                     rank_pace)
 
 
 def _lock_hold(srv, figure: str = "paced") -> float:
@@ -36,7 +39,21 @@ def test_the_pace_of_a_large_runs_ranks_is_the_one_the_measured_lock_hold_gives(
     assert st == 200 and out["pace"] == 0.0, out
     st, out = srv.post("/api/v1/ingest", batch([step(0)], run="solo"))
     assert st == 200 and out["pace"] == 0.0, out
-    # a 64-rank run: the pace is what the measured hold gives, at least the 128-batches-a-second one
+    # a young 64-rank run (its first batch just now): at least the pace of batches FIRST_HOLD_FACTOR times
+    # as dear as the least, whatever the measured hold (server/pacing.py, YOUNG_RUN_S)
     st, out = srv.post("/api/v1/ingest", batch([step(0)], run="mid", rank=5, world_size=64))
+    assert st == 200, out
+    floor = rank_pace(64, 5, hold_s=FIRST_HOLD_FACTOR * LEAST_HOLD_S)
+    assert out["pace"] == max(rank_pace(64, 5, hold_s=_lock_hold(srv)), floor) and floor == 2.0, out
+    # the same run once it is older (its start moved back in the database): what the measured hold gives,
+    # at least the 128-batches-a-second one
+    engine = create_engine(srv.db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE runs SET started_at = started_at - :s WHERE name = 'mid'"),
+                         {"s": YOUNG_RUN_S + 1})
+    finally:
+        engine.dispose()
+    st, out = srv.post("/api/v1/ingest", batch([step(1)], run="mid", rank=5, world_size=64))
     assert st == 200, out
     assert out["pace"] == rank_pace(64, 5, hold_s=_lock_hold(srv)) >= 64 / RUN_BATCHES_PER_S
