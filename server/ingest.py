@@ -328,10 +328,10 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     # a run of several ranks: how many ranks have stored each step this batch stored, counted and read
     # in one statement, for the combined rows (sharded runs) and the cross-rank rules: both act only on
     # the steps this batch completed (their last rank arrived)
-    sent = (count_sent(session, run_id=run.id, steps=[s.step for s in fresh]) if (run.world_size or 1) > 1
+    stored = [s.step for s in fresh]
+    sent = (count_sent(session, run_id=run.id, steps=stored) if (run.world_size or 1) > 1
             and rank < run.world_size else None)
-    combined = (combine_steps(session, run=run, steps=[s.step for s in fresh], sent=sent)
-                if batch.world_size > 1 else [])
+    combined = combine_steps(session, run=run, steps=stored, sent=sent) if batch.world_size > 1 else []
     if combined:
         _, c_values, c_rows = write_steps(session, run_id=run.id, rank=COMBINED_RANK, steps=combined)
         values, rows = values + c_values, rows + c_rows

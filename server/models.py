@@ -135,7 +135,6 @@ class RankLayout(Base):
     updated_at: Mapped[float] = mapped_column(Float)
 
 
-
 class StepRanks(Base):
     """How many ranks of a run of several ranks have stored each step (their rows in ``steps``).
 
@@ -151,6 +150,7 @@ class StepRanks(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     ranks: Mapped[int] = mapped_column(Integer)
+
 
 class CustomScalar(Base):
     """Values logged with ``monitor.log(name=value)`` beyond the known signals."""

@@ -54,14 +54,18 @@ class _StateRow:
         self.rule, self.state, self.stored = rule, state, stored
 
 
-def _load_states(session: Session, run_id: int, rank: int) -> dict[str, _StateRow]:
+def _load_states(session: Session, run_id: int, rank: int,
+                 rules: Optional[list[str]] = None) -> dict[str, _StateRow]:
+    """The rank's rule state rows, every rule's or only ``rules``'."""
     conn = session.connection()
     if conn.dialect.name == "postgresql":   # json keeps its input text: ::text is what was written
-        sql = "SELECT rule, state::text FROM rule_states WHERE run_id = %s AND rank = %s"
+        sql, mark = "SELECT rule, state::text FROM rule_states WHERE run_id = %s AND rank = %s", "%s"
     else:
-        sql = "SELECT rule, state FROM rule_states WHERE run_id = ? AND rank = ?"
+        sql, mark = "SELECT rule, state FROM rule_states WHERE run_id = ? AND rank = ?", "?"
+    if rules is not None:
+        sql += f" AND rule IN ({', '.join([mark] * len(rules))})"
     return {rule: _StateRow(rule, json_loads(text) if text else {}, text or "")
-            for rule, text in conn.exec_driver_sql(sql, (run_id, rank))}
+            for rule, text in conn.exec_driver_sql(sql, (run_id, rank, *(rules or ())))}
 
 
 def _save_states(session: Session, run_id: int, rank: int, rows: dict[str, _StateRow]) -> None:
@@ -151,7 +155,8 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
     """Evaluate every enabled rule on this batch; returns the alerts to notify (new or escalated).
 
     ``present``: ``keys_present(steps)`` when the caller knows it more cheaply (ingest does). ``sent``:
-    ``ranks.steps_sent`` over the batch's steps, when the caller has read it (ingest does).
+    {step: ranks that have stored it} for the batch's steps, when the caller has it (ingest does, from
+    ``ranks.count_sent``); otherwise ``ranks.steps_sent`` reads it.
     """
     steps = [st for st in (steps or ()) if st.get("step") is not None]
     if not steps and not events:
@@ -180,7 +185,7 @@ def evaluate_batch(session: Session, *, run: Run, rank: int, steps: list[dict], 
         timers = [cls for cls in rule_classes("timer") if cfg[cls.id].get("enabled", True)]
         # their lifecycles are on rank 0's state: another rank's batch reads them in one Core query
         # (an ORM load a rule and batch was 5 % of a 256-rank batch), the ORM row only to resolve one
-        zero = rows if rank == 0 or not timers else _timer_lifecycles(session, run.id, [c.id for c in timers])
+        zero = rows if rank == 0 or not timers else _load_states(session, run.id, 0, [c.id for c in timers])
         for cls in timers:
             _revive(session, cls, run, rank, rows, zero, cfg[cls.id], now)
 
@@ -349,19 +354,9 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
 
 # --------------------------------------------------------------------------- timer rules
 
-def _timer_lifecycles(session: Session, run_id: int, rules: list[str]) -> dict[str, _StateRow]:
-    """Rank 0's state rows of these timer rules (read-only copies: a resolve writes through the ORM)."""
-    conn = session.connection()
-    mark = "%s" if conn.dialect.name == "postgresql" else "?"
-    sql = (f"SELECT rule, state FROM rule_states WHERE run_id = {mark} AND rank = 0 "
-           f"AND rule IN ({', '.join([mark] * len(rules))})")
-    return {rule: _StateRow(rule, value if isinstance(value, dict) else json_loads(value) if value else {}, None)
-            for rule, value in conn.exec_driver_sql(sql, (run_id, *rules))}
-
-
 def _revive(session: Session, cls, run: Run, rank: int, rows: dict, zero: dict, cfg: dict, now: float) -> None:
     """Data arrived from ``rank``: whether a timer rule's open alert (its lifecycle kept on rank 0's
-    state, ``zero``: rank 0's rows, ``rows`` itself for rank 0) resolves is the rule's to say
+    state, ``zero``: rank 0's rows, read-only, ``rows`` itself for rank 0) resolves is the rule's to say
     (``TimerRule.revive``); the row to change is loaded only to resolve."""
 
     def row():
