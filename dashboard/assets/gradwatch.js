@@ -20,6 +20,39 @@
   } catch (e) { /* Dash's own (full) bundle then */ }
 })();
 
+/* dcc.Graph calls Plotly.Plots.resize after a chart's first draw, and again whenever the chart's box
+   is observed to resize; plotly then relayouts with autosize, which redoes the chart's defaults and
+   draw (and reports a relayout to the page) even when the box has not changed -- on a cold run page,
+   ~0.3 s of main-thread work for ~20 charts whose boxes never changed (docs/performance.md,
+   "Dashboard page load"). Skipped here when the box is within plotly's own 1 px of the size the chart
+   was drawn at: plotly's autosize would change nothing then. */
+(function () {
+  function patch(P) {
+    if (!P || !P.Plots || !P.Plots.resize || P.Plots.resize.gradwatch) { return; }
+    var resize = P.Plots.resize;
+    var skipping = function (gd) {
+      var el = typeof gd === 'string' ? document.getElementById(gd) : gd;
+      var fl = el && el._fullLayout;
+      if (!fl || !el.layout || !el.isConnected || el.offsetParent === null) { return resize.apply(this, arguments); }
+      var cs = window.getComputedStyle(el);
+      var w = parseFloat(cs.width), h = parseFloat(cs.height);
+      if (Math.abs(w - fl.width) <= 1 && Math.abs(h - fl.height) <= 1) { return Promise.resolve(el); }
+      return resize.apply(this, arguments);
+    };
+    skipping.gradwatch = true;
+    P.Plots.resize = skipping;
+  }
+  var current = window.Plotly;
+  patch(current);
+  try {
+    Object.defineProperty(window, 'Plotly', {
+      configurable: true, enumerable: true,
+      get: function () { return current; },
+      set: function (v) { current = v; patch(v); }
+    });
+  } catch (e) { /* plotly's own resize then */ }
+})();
+
 window.dash_clientside = Object.assign({}, window.dash_clientside, {
   gradwatch: {
     /* Zoom one chart, all follow. Inputs: relayoutData of every chart of the
