@@ -155,9 +155,9 @@ def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(shared_server, 
 
 
 def test_run_page_loads_in_stages_and_every_chart_ends_filled(shared_server, browser):
-    """The headline charts load first, then the other charts on the same step range, then the
-    heatmaps (docs/dashboard.md, "Big runs"): after the first load, a zoom and its reset, every
-    stage ends drawn with the run's data on the shared range; plotly.js is the cartesian bundle."""
+    """The headline charts load first, then the other charts and the heatmaps on the same step range
+    (docs/dashboard.md, "Big runs"): after the first load, a zoom and its reset, every stage ends
+    drawn with the run's data on the shared range; plotly.js is the cartesian bundle."""
     steps = make_steps(1500, seed=11, layers_every=10)
     run_id = ingest(shared_server, project="vision", run="staged-load", steps=steps, status="finished")
     browser.get(f"{shared_server.url}/runs/{run_id}")
@@ -199,4 +199,25 @@ def test_run_page_loads_in_stages_and_every_chart_ends_filled(shared_server, bro
     loaded = browser.execute_script("return performance.getEntriesByType('resource').map((e) => e.name);")
     assert any("/assets/plotly-cartesian-" in name for name in loaded)
     assert not any(name.split("?")[0].endswith("/plotly.min.js") for name in loaded), "the full plotly.js was loaded"
+    assert severe_console_entries(browser) == []
+
+
+def test_charts_follow_the_window_when_it_resizes(shared_server, browser):
+    """With the resize that changes nothing skipped (assets/gradwatch.js), a window resize that changes
+    the charts' boxes still redraws them at the new width, and back."""
+    run_id = ingest(shared_server, project="vision", run="resized", steps=make_steps(200, seed=3), status="finished")
+    browser.get(f"{shared_server.url}/runs/{run_id}")
+    wait_trace(browser, "run-graph-loss", "loss", lambda t: len(t["x"]) == 200, what="loss drawn")
+    size = ("var gd = document.querySelector('#run-graph-loss .js-plotly-plot');"
+            "return [gd._fullLayout.width, gd.getBoundingClientRect().width];")
+    assert browser.execute_script("return Plotly.Plots.resize.gradwatch === true")
+    drawn, box = browser.execute_script(size)
+    assert abs(drawn - box) <= 1
+    # Below 1,100 px the page is one column (style.css): every chart's box is about twice as wide.
+    browser.set_window_size(1000, 1000)
+    wait_until(lambda: browser.execute_script(size)[0] > 1.5 * drawn, timeout=WAIT, what="loss chart widened")
+    wide, box = browser.execute_script(size)
+    assert abs(wide - box) <= 1
+    browser.set_window_size(1400, 1000)
+    wait_until(lambda: abs(browser.execute_script(size)[0] - drawn) <= 1, timeout=WAIT, what="loss chart narrowed")
     assert severe_console_entries(browser) == []
