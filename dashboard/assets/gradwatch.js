@@ -1,18 +1,17 @@
 /* gradwatch dashboard: clientside callbacks (no server round trip). */
 
-/* plotly.js for dcc.Graph: the cartesian bundle beside this file (1.5 MB; scatter and heatmap
-   are all the dashboard draws) instead of the full one (4.8 MB) Dash would load. Parsing and
-   compiling plotly.js is most of a first visit's wait (docs/performance.md, "Dashboard page
-   load"). dcc.Graph loads plotly.js from window._dashPlotlyJSURL when the first chart mounts,
+/* plotly.js for dcc.Graph: our own bundle beside this file, plotly.js's core (scatter) and its heatmap
+   trace, all the dashboard draws (1.15 MB; the cartesian dist was 1.5 MB, Dash's full one 4.8 MB).
+   Compiling and running plotly.js is most of a first visit's wait (docs/performance.md, "Dashboard
+   page load"). dcc.Graph loads plotly.js from window._dashPlotlyJSURL when the first chart mounts,
    and the renderer sets that URL when it starts, after this file has run: so it is pinned here.
    dashboard/__init__.py keeps the bundle out of the page's script tags and has browsers cache it
-   for a year (its name carries its version). To update it: `npm pack
-   plotly.js-cartesian-dist-min@<the plotly.js version the installed plotly ships>`, put its
-   plotly-cartesian.min.js and LICENSE here under the new version's names, change the name below. */
+   for a year (its name carries its version). To update it: dashboard/plotly_bundle/build.sh
+   <the plotly.js version the installed plotly ships>, then change the name below. */
 (function () {
   var me = document.currentScript && document.currentScript.src;
   if (!me) { return; }
-  var url = new URL('plotly-cartesian-4.1.1.min.js', me).href;
+  var url = new URL('plotly-scatter-heatmap-4.1.1.min.js', me).href;
   try {
     Object.defineProperty(window, '_dashPlotlyJSURL', {
       configurable: true, get: function () { return url; }, set: function () { /* pinned */ }

@@ -157,7 +157,7 @@ def test_big_run_is_downsampled_and_zoom_fetches_full_resolution(shared_server, 
 def test_run_page_loads_in_stages_and_every_chart_ends_filled(shared_server, browser):
     """The headline charts load first, then the other charts and the heatmaps on the same step range
     (docs/dashboard.md, "Big runs"): after the first load, a zoom and its reset, every stage ends
-    drawn with the run's data on the shared range; plotly.js is the cartesian bundle."""
+    drawn with the run's data on the shared range; plotly.js is our scatter + heatmap bundle."""
     steps = make_steps(1500, seed=11, layers_every=10)
     run_id = ingest(shared_server, project="vision", run="staged-load", steps=steps, status="finished")
     browser.get(f"{shared_server.url}/runs/{run_id}")
@@ -197,7 +197,7 @@ def test_run_page_loads_in_stages_and_every_chart_ends_filled(shared_server, bro
                timeout=WAIT, what="every chart back to the whole run")
 
     loaded = browser.execute_script("return performance.getEntriesByType('resource').map((e) => e.name);")
-    assert any("/assets/plotly-cartesian-" in name for name in loaded)
+    assert any("/assets/plotly-scatter-heatmap-" in name for name in loaded)
     assert not any(name.split("?")[0].endswith("/plotly.min.js") for name in loaded), "the full plotly.js was loaded"
     assert severe_console_entries(browser) == []
 
