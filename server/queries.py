@@ -515,8 +515,9 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
                      rank: int = 0, agg: str = "max", read_budget: int = MAX_MATRIX_READ) -> Optional[LayerMatrix]:
     """A layer × step matrix of one per-layer statistic, downsampled on both axes.
 
-    Columns are step buckets (at most ``max_steps``), rows are groups of
-    consecutive layers (at most ``max_layers``). ``agg`` is ``max`` (default:
+    Columns are step buckets (at most ``max_steps``; from the next rollup level
+    up, so fewer, when that keeps ``COARSER_LEVEL_KEEPS`` of them), rows are
+    groups of consecutive layers (at most ``max_layers``). ``agg`` is ``max`` (default:
     spikes survive), ``min``, ``mean`` or ``last``; a cell with a NaN among
     its values is NaN, so NaN markers survive too. None if the run is unknown.
 
@@ -546,7 +547,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
         raise RequestTooLarge(f"max_steps={max_steps} × {min(max_layers, width)} layer rows is more than "
                               f"{MAX_MATRIX_CELLS:,} cells: ask for fewer steps or layers")
     bucket = max(1, math.ceil((end - start + 1) / max_steps))
-    level = choose_level(bucket)
+    level = _coarsest_keeping_columns(choose_level(bucket), bucket, end - start + 1)
     while True:
         # what the answer reads: partials of this level (or raw rows) × layers; too many, and the buckets
         # widen to the next level (a coarser heatmap of the same range) rather than the memory growing
@@ -584,6 +585,27 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     if len(rows) == 0:
         return empty
     return _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers)
+
+
+# A heatmap read from the next rollup level up when that keeps at least this share of the columns: a
+# 1,000,000-step run asked for 300 columns gets 245 of 4,096 steps instead of 279 of 3,584, from a
+# sixteenth of the level's partials (~4 MB instead of ~14 MB a statistic with 150 layers).
+COARSER_LEVEL_KEEPS = 0.8
+
+
+def _coarsest_keeping_columns(level: int, bucket: int, span: int) -> int:
+    """``level``, or a coarser rollup level whose buckets still give ``COARSER_LEVEL_KEEPS`` of its columns."""
+    if not level:
+        return level
+
+    def columns(lv: int) -> int:
+        return math.ceil(span / (math.ceil(bucket / lv) * lv))
+
+    for coarser in (lv for lv in ROLLUP_LEVELS if lv > level):
+        if columns(coarser) < COARSER_LEVEL_KEEPS * columns(level):
+            break
+        level = coarser
+    return level
 
 
 def _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers) -> LayerMatrix:
