@@ -372,19 +372,29 @@ def _log10(v: Any) -> Optional[float]:
 HEATMAP_MAX_LABEL_PX = 320     # a longer layer name widens the margin by automargin (one more draw)
 
 
+def _float_grid(rows: Sequence[Sequence[Any]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix's cells as a (rows, width) float64 array, and the mask of the missing ones (``None``, or past
+    a short row's end; NaN in the array). The wire encodings ("NaN", "Infinity"), ints and bools decode as
+    :func:`to_float` does them; a row of plain floats and ``None`` (the in-process read) is taken as it is."""
+    def floats(row):
+        row = list(row)[:width] + [None] * (width - len(row))
+        if all(v is None or type(v) is float or type(v) is int for v in row):
+            return row
+        return [to_float(v) for v in row]
+
+    cells = [floats(row) for row in rows]
+    if not cells:
+        return np.zeros((0, width)), np.zeros((0, width), dtype=bool)
+    missing = np.array([[v is None for v in row] for row in cells], dtype=bool)
+    vals = np.array(cells, dtype=np.float64)      # None -> NaN
+    return vals, missing
+
+
 def _log10_cells(rows: Sequence[Sequence[Any]], width: int) -> tuple[list[list[Optional[float]]], tuple]:
     """A matrix's cells as heatmap colours: log10 of the finite positive ones, None for the rest; and the
     (row, column) indices of the non-finite ones, row by row. In numpy: a run page draws five 48 × 300
     heatmaps, and per cell the Python path cost ~80 ms of the heatmaps' request."""
-    def floats(row):
-        row = list(row)[:width] + [None] * (width - len(row))
-        if all(v is None or type(v) is float for v in row):
-            return row
-        return [to_float(v) for v in row]    # wire encodings ("NaN", "Infinity"), ints, bools
-
-    cells = [floats(row) for row in rows]   # each row exactly ``width`` long: the arrays are (rows, width)
-    missing = np.array([[v is None for v in row] for row in cells], dtype=bool)
-    vals = np.array([[0.0 if v is None else v for v in row] for row in cells], dtype=np.float64)
+    vals, missing = _float_grid(rows, width)
     finite_ = np.isfinite(vals) & ~missing
     positive = finite_ & (vals > 0)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -522,13 +532,18 @@ def odd_rank(matrix: Optional[dict]) -> Optional[int]:
     if it stands out: more than 6 median absolute deviations (~4 σ: among 64 healthy ranks the furthest
     one's noise alone is typically 4–5 deviations) and 5 % away. None when no rank does."""
     m = matrix or {}
-    typical = {}
-    for r, row in zip(m.get("ranks") or [], m.get("last") or []):
-        vals = [f for f in (finite(v) for v in row) if f is not None]
-        if vals:
-            typical[r] = _median(vals)
-    if len(typical) < 3:
+    ranks = list(m.get("ranks") or [])
+    rows = _rows(m, "last", len(ranks))
+    if not rows:
         return None
+    vals, _ = _float_grid(rows, max(len(r) for r in rows))
+    vals = np.where(np.isfinite(vals), vals, np.nan)
+    has = ~np.all(np.isnan(vals), axis=1)
+    if int(has.sum()) < 3:
+        return None
+    with np.errstate(all="ignore"):
+        medians = np.nanmedian(vals[has], axis=1).tolist()
+    typical = dict(zip([r for r, h in zip(ranks, has.tolist()) if h], medians))
     centre = _median(list(typical.values()))
     dev = {r: abs(v - centre) for r, v in typical.items()}
     mad = _median(list(dev.values()))
@@ -550,65 +565,122 @@ def _short(v: Optional[float]) -> Optional[float]:
     return None if v is None else float(f"{v:.7g}")
 
 
-def _rank_buckets(matrix: dict, row: int, cols: Sequence[int], factor: int) -> list[dict]:
-    """One rank's cells as series buckets, ``factor`` columns merged into one (many ranks: fewer points)."""
-    steps = matrix.get("steps") or []
-    mins, maxs, lasts = matrix["min"][row], matrix["max"][row], matrix["last"][row]
-    nfs = (matrix.get("nonfinite") or [[0] * len(steps)] * (row + 1))[row]
+def _rows(matrix: dict, key: str, n: int) -> list:
+    """``matrix[key]``'s first ``n`` rows, empty ones (all missing) where it has fewer."""
+    rows = list((matrix.get(key) or [])[:n])
+    return rows + [[]] * (n - len(rows))
+
+
+def _rank_lines(matrix: dict, factor: int) -> list[tuple[list, list, list]]:
+    """Each rank's line of a rank matrix, ``factor`` columns merged into one bucket (many ranks: fewer
+    points): ``(xs, ys, non-finite steps)`` per row, drawn as :func:`bucket_points` draws a series' buckets
+    (a merged bucket whose min and max differ is two points, its max then its min) and marked as
+    :func:`nonfinite_steps` marks them. In numpy over every rank at once: per cell in Python, a 64-rank
+    run's four overlays cost ~130 ms of the rank section's request."""
+    steps = list(matrix.get("steps") or [])
+    n_rows, width = len(matrix.get("ranks") or []), len(steps)
+    if not steps or not n_rows:
+        return [([], [], []) for _ in range(n_rows)]
+    groups = math.ceil(width / factor)
+    pad = groups * factor - width
+
+    def grid(key):
+        vals, missing = _float_grid(_rows(matrix, key, n_rows), width)
+        if pad:
+            vals = np.pad(vals, ((0, 0), (0, pad)), constant_values=np.nan)
+            missing = np.pad(missing, ((0, 0), (0, pad)), constant_values=True)
+        return vals.reshape(n_rows, groups, factor), missing.reshape(n_rows, groups, factor)
+
+    mins, no_min = grid("min")
+    maxs, no_max = grid("max")
+    lasts, no_last = grid("last")
+    nfs, no_nf = grid("nonfinite")
+    present = ~no_last | ~no_max                  # a column the rank measured something in
+    valid = present.any(axis=2)
+    # min / max over the present columns' non-NaN values (±inf kept)
+    lo_ok_cell = present & ~no_min & ~np.isnan(mins)
+    hi_ok_cell = present & ~no_max & ~np.isnan(maxs)
+    has_lo, has_hi = lo_ok_cell.any(axis=2), hi_ok_cell.any(axis=2)
+    lo = np.where(lo_ok_cell, mins, np.inf).min(axis=2)
+    hi = np.where(hi_ok_cell, maxs, -np.inf).max(axis=2)
+    # last: the value of the bucket's last present column, whatever it is
+    at = factor - 1 - np.argmax(present[:, :, ::-1], axis=2)
+    last = np.take_along_axis(lasts, at[:, :, None], axis=2)[:, :, 0]
+    last_missing = np.take_along_axis(no_last, at[:, :, None], axis=2)[:, :, 0]
+    count = present.sum(axis=2) * factor
+    nonfinite = np.where(present & ~no_nf, nfs, 0).sum(axis=2)
+    bucket = (matrix.get("bucket_size") or 1) * factor
+    bucket = bucket if bucket > 1 else 1
+    with np.errstate(invalid="ignore"):
+        lo_f = has_lo & np.isfinite(lo)
+        hi_f = has_hi & np.isfinite(hi)
+        last_f = ~last_missing & np.isfinite(last)
+        single = (bucket <= 1) | (count <= 1) | ~lo_f | ~hi_f | (lo == hi)
+    y0 = np.where(single, np.where(last_f, last, np.where(hi_f, hi, np.where(lo_f, lo, np.nan))), hi)
+    marked = valid & ((nonfinite > 0) | (~last_missing & ~np.isfinite(last)) | (has_lo & ~np.isfinite(lo))
+                      | (has_hi & ~np.isfinite(hi)))
+    first = [steps[g * factor] for g in range(groups)]
+    mid = [s + (bucket // 2 if bucket % 2 == 0 else bucket / 2) for s in first]
     out = []
-    for g in range(0, len(cols), factor):
-        idx = [j for j in cols[g:g + factor] if lasts[j] is not None or maxs[j] is not None]
-        if not idx:
-            continue
-        lo = [f for f in (to_float(mins[j]) for j in idx) if f is not None and not math.isnan(f)]
-        hi = [f for f in (to_float(maxs[j]) for j in idx) if f is not None and not math.isnan(f)]
-        out.append({"step": steps[cols[g]], "min": min(lo) if lo else None, "max": max(hi) if hi else None,
-                    "last": lasts[idx[-1]], "count": len(idx) * max(1, factor),
-                    "nonfinite": sum(int(nfs[j] or 0) for j in idx)})
+    for row in range(n_rows):
+        xs, ys = [], []
+        y0r, lor, singler = y0[row].tolist(), lo[row].tolist(), single[row].tolist()
+        for g in np.flatnonzero(valid[row]).tolist():
+            xs.append(first[g])
+            ys.append(_short(None if y0r[g] != y0r[g] else y0r[g]))
+            if not singler[g]:
+                xs.append(mid[g])
+                ys.append(_short(lor[g]))
+        out.append((xs, ys, [first[g] for g in np.flatnonzero(marked[row]).tolist()]))
     return out
 
 
 def rank_overlay_figure(title: str, matrix: Optional[dict], *, highlight: Optional[int] = None, why: str = "",
                         log_y: bool = False, alerts: Sequence[dict] = (),
                         x_range: Optional[Sequence[float]] = None) -> dict:
-    """Every rank's line on one chart, one legend entry per rank; ``highlight`` drawn thick, on top.
-    Above ``MANY_RANKS`` ranks the others are thin grey lines under one "other ranks" legend entry."""
+    """Every rank's line on one chart; ``highlight`` drawn thick, on top. Up to ``MANY_RANKS`` ranks, one
+    coloured trace and legend entry per rank; above, the others are thin grey lines, all in one trace
+    ("other ranks", the lines apart at gaps, each point's rank in its ``customdata`` for the hover): plotly's cost is per trace,
+    and 64 traces took ~35 ms a chart to draw against ~13 for one (headless Chromium, the 64-rank run)."""
     m = matrix or {}
     ranks = list(m.get("ranks") or [])
     steps = list(m.get("steps") or [])
     many = len(ranks) > MANY_RANKS
     factor = max(1, math.ceil(2 * len(steps) * max(1, len(ranks)) / OVERLAY_POINTS))
-    bucket = (m.get("bucket_size") or 1) * factor
-    cols = list(range(len(steps)))
+    lines = _rank_lines(m, factor)
     traces, top = [], None
     nan_x, nan_text = [], []
-    has_data = False
-    for row, r in enumerate(ranks):
-        buckets = _rank_buckets(m, row, cols, factor) if steps else []
-        xs, ys = bucket_points(buckets, bucket if bucket > 1 else 1)
-        ys = [_short(y) for y in ys]
-        has_data = has_data or any(y is not None for y in ys)
-        for st in nonfinite_steps(buckets):
+    has_data = any(y is not None for _, ys, _ in lines for y in ys)
+    grey_x, grey_y, grey_rank = [], [], []
+    for row, (r, (xs, ys, bad)) in enumerate(zip(ranks, lines)):
+        for st in bad:
             nan_x.append(st)
             nan_text.append(f"rank {r}")
+        if many and r != highlight:
+            if grey_x:
+                grey_x.append(None)       # a gap: the next rank's line starts afresh
+                grey_y.append(None)
+                grey_rank.append(None)
+            grey_x += xs
+            grey_y += ys
+            grey_rank += [r] * len(xs)
+            continue
         if r == highlight:
             line = {"color": HIGHLIGHT_COLOUR, "width": 2.4}
-        elif many:
-            line = {"color": OTHER_RANKS_COLOUR, "width": 0.6}
         else:
             line = {"color": _RANK_PALETTE[row % len(_RANK_PALETTE)], "width": 1.1}
         t = {"type": "scatter", "mode": "lines", "name": f"rank {r}", "x": xs, "y": ys, "line": line,
-             "connectgaps": False, "legendgroup": "others" if many and r != highlight else f"rank {r}",
-             "showlegend": not many or r == highlight, "opacity": 0.55 if many and r != highlight else 1.0,
+             "connectgaps": False, "legendgroup": f"rank {r}",
              "hovertemplate": f"rank {r}: %{{y:.4g}} at step %{{x}}<extra></extra>"}
         if r == highlight:
             top = t
         else:
             traces.append(t)
     if many:
-        # one legend entry for the grey lines (64 entries would bury the chart)
-        traces.append({"type": "scatter", "mode": "lines", "name": "other ranks", "x": [], "y": [],
-                       "legendgroup": "others", "line": {"color": OTHER_RANKS_COLOUR, "width": 0.6}})
+        traces.append({"type": "scatter", "mode": "lines", "name": "other ranks", "x": grey_x, "y": grey_y,
+                       "customdata": grey_rank, "line": {"color": OTHER_RANKS_COLOUR, "width": 0.6},
+                       "opacity": 0.55, "connectgaps": False, "legendgroup": "others",
+                       "hovertemplate": "rank %{customdata}: %{y:.4g} at step %{x}<extra></extra>"})
     if top is not None:
         traces.append(top)   # drawn last: on top of the others
     traces.append({"type": "scatter", "mode": "markers", "name": "NaN / Inf", "x": nan_x,
@@ -644,14 +716,15 @@ def rank_heatmap_figure(title: str, matrix: Optional[dict], *, log: bool = False
                                   "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]
         return {"data": [{"type": "heatmap", "x": [], "y": [], "z": [], "showscale": False, "name": title}],
                 "layout": layout}
-    z, bad_x, bad_y = [], [], []
-    nfs = m.get("nonfinite") or [[0] * len(steps) for _ in ranks]
-    for r, row, nf in zip(ranks, m.get("max") or [], nfs):
-        z.append([_short(_log10(v) if log else finite(v)) for v in row])
-        for st, v, n in zip(steps, row, nf):
-            if (n or 0) > 0 or is_nonfinite(v):
-                bad_x.append(st)
-                bad_y.append(r)
+    vals, missing = _float_grid(_rows(m, "max", len(ranks)), len(steps))
+    nfs, no_nf = _float_grid(_rows(m, "nonfinite", len(ranks)), len(steps))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ok = np.isfinite(vals) & ~missing & (vals > 0 if log else True)
+        cells = np.where(ok, np.log10(np.where(ok, vals, 1.0)) if log else vals, np.nan)
+    z = [[None if x != x else float(f"{x:.7g}") for x in row] for row in cells.tolist()]   # _short
+    bad = np.nonzero((~no_nf & (nfs > 0)) | (~missing & ~np.isfinite(vals)))
+    bad_x = [steps[j] for j in bad[1].tolist()]
+    bad_y = [ranks[i] for i in bad[0].tolist()]
     traces = [{"type": "heatmap", "x": steps, "y": ranks, "z": z, "colorscale": "Viridis", "name": title,
                "colorbar": {"thickness": 10, "len": 0.9, "ticklabeloverflow": "allow"}, "hoverongaps": False,
                "hovertemplate": "step %{x}<br>rank %{y}<br>%{z:.4g}<extra></extra>"},

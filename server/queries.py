@@ -31,7 +31,8 @@ from .models import (ROLLUP_LEVELS, Alert, CustomScalar, LayerRollup, LayerStat,
                      StepRollup)
 from .numbers import NULL_F32_BITS, extra_measured, unpack_extra
 from .ranks import RANK_META_KEYS
-from .rollups import choose_level, layer_partial_arrays, merge_step_partials, raw_layer_partials
+from .rollups import choose_level, layer_partial_arrays, merge_rank_step_partials, merge_step_partials, \
+    raw_layer_partials
 
 DEFAULT_STALL_SECONDS = 300.0
 _INF = math.inf
@@ -832,6 +833,11 @@ class RankMatrix:
     nonfinite: list[list[int]]
 
 
+def _cells(values: np.ndarray, present: np.ndarray) -> list[list[Optional[float]]]:
+    """A (rows, columns) array as lists of Python floats, ``None`` where not ``present``."""
+    return np.where(present, values, None).tolist()
+
+
 def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], start: Optional[int] = None,
                     end: Optional[int] = None, max_steps: int = 300, ranks: Optional[Sequence[int]] = None,
                     read_budget: int = MAX_RANK_READ) -> Optional[list[RankMatrix]]:
@@ -885,32 +891,31 @@ def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], st
     bucket = max(1, math.ceil(span / points))
     level = choose_level(bucket)
     if level:
-        # every rank's rollup partials in one read (a partial holds every step signal), merged per rank
-        # and signal: 64 ranks cost one query, not 64 × the per-series query building
+        # every rank's rollup partials in one read (a partial holds every step signal), merged for every
+        # rank and signal at once: 64 ranks cost one query, not 64 × the per-series query building
         bucket = math.ceil(bucket / level) * level
         start0 = (lo // level) * level
-        by_rank: dict[int, list] = {r: [] for r in ranks}
-        for r, b, blob in _fetch_blob_rows(session, select(StepRollup.rank, StepRollup.bucket, StepRollup.data).where(
+        rows = _fetch_blob_rows(session, select(StepRollup.rank, StepRollup.bucket, StepRollup.data).where(
                 StepRollup.run_id == run_id, StepRollup.rank.in_(ranks), StepRollup.level == level,
                 StepRollup.bucket >= lo // level, StepRollup.bucket <= hi // level,
-        ).order_by(StepRollup.rank, StepRollup.bucket)):
-            by_rank[r].append((b, blob))
+        ).order_by(StepRollup.rank, StepRollup.bucket))
+        sids = {s: step_signal(s).id for s in signals}
+        cols, merged = merge_rank_step_partials(rows, ranks=ranks, signal_indexes=list(dict.fromkeys(sids.values())),
+                                                level=level, start0=start0, bucket_size=bucket)
         for s in signals:
-            bucket_sizes[s] = bucket
-            sid = step_signal(s).id
-            for r in ranks:
-                merged = merge_step_partials(by_rank[r], signal_index=sid, level=level, start0=start0,
-                                             bucket_size=bucket)
-                per_signal[s].append([SeriesPoint(step=first, min=mn if cnt else None, max=mx if cnt else None,
-                                                  last=last, count=cnt, nonfinite=nf)
-                                      for first, mn, mx, last, cnt, nf in merged])
-    else:
-        for r in ranks:
-            for s in signals:
-                b, pts = _series_points(session, run_id=run_id, signal=s, rank=r, start=lo, end=hi,
-                                        max_points=points, bounds=(lo, hi))
-                bucket_sizes[s] = b
-                per_signal[s].append(pts)
+            mn, mx, last, cnt, nf, has_last = merged[sids[s]]
+            seen = cnt > 0             # a cell no partial measured the signal in stays empty
+            out.append(RankMatrix(run_id=run_id, signal=s, bucket_size=bucket, steps=cols, ranks=ranks,
+                                  min=_cells(mn, seen), max=_cells(mx, seen), last=_cells(last, seen & has_last),
+                                  nonfinite=np.where(seen, nf, 0).astype(np.int64).tolist()))
+        return out
+    # short ranges: raw rows, a series read per rank and signal
+    for r in ranks:
+        for s in signals:
+            b, pts = _series_points(session, run_id=run_id, signal=s, rank=r, start=lo, end=hi,
+                                    max_points=points, bounds=(lo, hi))
+            bucket_sizes[s] = b
+            per_signal[s].append(pts)
     for s in signals:
         bucket = bucket_sizes.get(s, 1)
         cols = sorted({p.step for pts in per_signal[s] for p in pts})

@@ -19,7 +19,8 @@ const gd = el && (el.classList.contains('js-plotly-plot') ? el : el.querySelecto
 if (!gd || !gd.data || !gd._fullLayout) { return null; }
 const arr = (a) => (a === undefined || a === null) ? [] : Array.from(a, (v) => Array.isArray(v) ? Array.from(v) : v);
 return {
-  data: gd.data.map((t) => ({name: t.name, type: t.type || 'scatter', x: arr(t.x), y: arr(t.y), z: arr(t.z)})),
+  data: gd.data.map((t) => ({name: t.name, type: t.type || 'scatter', x: arr(t.x), y: arr(t.y), z: arr(t.z),
+                             customdata: arr(t.customdata)})),
   xrange: gd._fullLayout.xaxis ? Array.from(gd._fullLayout.xaxis.range) : null,
   ytype: gd._fullLayout.yaxis ? gd._fullLayout.yaxis.type : null,
   shapes: (gd.layout.shapes || []).map((s) => ({x0: s.x0, label: s.label ? s.label.text : null})),

@@ -2,13 +2,17 @@
 queries.get_rank_matrix) and where each rank runs (GET /runs/{id}/ranks), on both databases."""
 from __future__ import annotations
 
+import math
 import time
+
+import pytest
 
 from gw_payloads import batch, step
 
 from gradwatch.server import queries
 from gradwatch.server.db import open_database, upgrade
 from gradwatch.server.ingest import ingest_batch
+from gradwatch.server.rollups import choose_level
 from gradwatch.server.schemas import IngestBatchIn
 from gradwatch.server.settings import Settings
 
@@ -76,5 +80,102 @@ def test_a_rank_matrix_that_would_read_too_much_gets_coarser_buckets(db_url, tmp
             meta = queries.rank_meta(s, run_id=run_id)
             assert meta["world_size"] == 4 and not meta["combined"]
             assert [r["host"] for r in meta["ranks"]] == ["node-0", "node-0", "node-1", "node-1"]
+    finally:
+        database.dispose()
+
+
+def _value(rank: int, i: int):
+    """A rank's loss at step i: mostly finite, some NaN and ±inf (as the wire spells them)."""
+    k = (i * 7 + rank * 13) % 211
+    if k == 0:
+        return "NaN"
+    if k == 1:
+        return "Infinity" if rank % 2 else "-Infinity"
+    return 1.0 + rank + ((i * 37 + rank) % 101) / 100
+
+
+def _decoded(v):
+    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}.get(v, v) if isinstance(v, str) else v
+
+
+def _brute_cells(per_rank: dict[int, dict[int, object]], ranks, start0: int, bucket: int, steps: list[int]):
+    """Each (rank, column) cell from the raw values: min / max over the non-NaN ones (NaN if all are NaN),
+    the last measured one, how many are non-finite; None / 0 where the rank measured nothing."""
+    out = {k: [] for k in ("min", "max", "last", "nonfinite")}
+    for r in ranks:
+        rows = {k: [] for k in out}
+        for s in steps:
+            vals = [(i, _decoded(v)) for i, v in sorted(per_rank[r].items()) if s <= i < s + bucket and v is not None]
+            if not vals:
+                for k in ("min", "max", "last"):
+                    rows[k].append(None)
+                rows["nonfinite"].append(0)
+                continue
+            real = [v for _, v in vals if not math.isnan(v)]
+            rows["min"].append(min(real) if real else math.nan)
+            rows["max"].append(max(real) if real else math.nan)
+            rows["last"].append(vals[-1][1])
+            rows["nonfinite"].append(sum(1 for _, v in vals if not math.isfinite(v)))
+        for k in out:
+            out[k].append(rows[k])
+    return out
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == pytest.approx(b, rel=1e-6)      # partials store float32 values
+
+
+def test_a_coarse_rank_matrix_equals_one_computed_from_the_raw_steps(db_url, tmp_path):
+    """The rollup path (every rank's partials merged at once) against brute force over the raw values:
+    non-finite values, a rank that went silent, a signal one rank did not measure for a while, ranks asked
+    for out of order."""
+    upgrade(db_url)
+    database = open_database(db_url)
+    settings = Settings(database_url=db_url, data_dir=tmp_path)
+    n, world = 2000, 4
+    loss = {r: {i: _value(r, i) for i in range(1200 if r == 2 else n)} for r in range(world)}   # rank 2 stops
+    step_time = {r: {i: (None if r == 1 and 300 <= i < 700 else 0.01 * (r + 1) + (i % 5) / 1000) for i in loss[r]}
+                 for r in range(world)}
+    try:
+        with database.write_sessionmaker() as s:
+            for r in range(world):
+                for lo in range(0, len(loss[r]), 500):
+                    steps = [step(i, loss=loss[r][i], step_time=step_time[r][i])
+                             for i in range(lo, min(lo + 500, len(loss[r])))]
+                    body = _rank_body(r, steps, world=world)
+                    ingest_batch(s, batch=IngestBatchIn.model_validate(body), settings=settings, now=time.time(),
+                                 evaluate_rules=False)
+            s.commit()
+        with database.sessionmaker() as s:
+            run_id = queries.list_runs(s)[0].id
+            for ranks, kw in ((None, {"max_steps": 60}), ([3, 0, 2, 1], {"max_steps": 25, "start": 130, "end": 1700}),
+                              ([1], {"max_steps": 9})):
+                got = queries.get_rank_matrix(s, run_id=run_id, signals=["loss", "step_time"], ranks=ranks,
+                                              read_budget=1000, **kw)
+                asked = ranks or list(range(world))
+                for m, raw in zip(got, (loss, step_time)):
+                    assert m.ranks == asked and m.bucket_size >= 16, (m.bucket_size, kw)
+                    b = m.bucket_size
+                    lo = kw.get("start", 0)
+                    hi = min(kw.get("end", n - 1), max(max(raw[r]) for r in asked))
+                    # the rollup level the read used: the coarsest not above the asked bucket (within budget here)
+                    level = choose_level(math.ceil((hi - lo + 1) / kw["max_steps"]))
+                    assert level >= 16 and b == math.ceil((hi - lo + 1) / kw["max_steps"] / level) * level
+                    start0 = (lo // level) * level
+                    # the columns: every bucket some asked rank has a step in
+                    cols = sorted({start0 + (i - start0) // b * b for r in asked for i in raw[r] if lo // level * level <= i
+                                   and i // level <= hi // level})
+                    assert m.steps == cols, kw
+                    window = {r: {i: v for i, v in raw[r].items() if i // level >= lo // level and i // level <= hi // level}
+                              for r in asked}
+                    want = _brute_cells(window, asked, start0, b, cols)
+                    for key in ("min", "max", "last", "nonfinite"):
+                        for row, (g, w) in enumerate(zip(getattr(m, key), want[key])):
+                            bad = [(c, x, y) for c, (x, y) in enumerate(zip(g, w)) if not _same(x, y)]
+                            assert not bad, (m.signal, key, asked[row], kw, bad[:3])
     finally:
         database.dispose()
