@@ -19,18 +19,61 @@
   } catch (e) { /* Dash's own (full) bundle then */ }
 })();
 
-/* dcc.Graph calls Plotly.Plots.resize after a chart's first draw, and again whenever the chart's box
-   is observed to resize; plotly then relayouts with autosize, which redoes the chart's defaults and
+/* Two changes to plotly.js as dcc.Graph drives it, installed on window.Plotly when plotly.js sets it
+   (dcc.Graph loads it when the first chart mounts). Both spare main-thread work that draws nothing new
+   (docs/performance.md, "Dashboard page load").
+
+   Resize. dcc.Graph calls Plotly.Plots.resize after a chart's first draw, and again whenever the chart's
+   box is observed to resize; plotly then relayouts with autosize, which redoes the chart's defaults and
    draw (and reports a relayout to the page) even when the box has not changed -- on a cold run page,
-   ~0.3 s of main-thread work for ~20 charts whose boxes never changed (docs/performance.md,
-   "Dashboard page load"). Skipped here when the box is within plotly's own 1 px of the size the chart
-   was drawn at: plotly's autosize would change nothing then. */
+   ~0.3 s for ~20 charts whose boxes never changed. Skipped here when the box is within plotly's own
+   1 px of the size the chart was drawn at: plotly's autosize would change nothing then.
+
+   Placeholders. A chart of the run page mounts with a placeholder figure (layout.meta
+   "gw-placeholder": nothing to see, its data comes from a callback), and dcc.Graph draws it on mount:
+   ~9 ms of plotly a chart, ~0.2 s for a page of ~20 charts, while the first data is on its way. It is
+   not drawn: dcc.Graph gets a resolved promise, and the event handlers it then binds (zoom, hover) are
+   kept and handed to plotly's own emitter at the chart's first real draw. The box keeps its height
+   from the stylesheet (.gw-chart min-height). */
 (function () {
-  function patch(P) {
+  function node(gd) { return typeof gd === 'string' ? document.getElementById(gd) : gd; }
+  function isPlaceholder(figure) { return !!(figure && figure.layout && figure.layout.meta === 'gw-placeholder'); }
+
+  function patchReact(P) {
+    if (!P || !P.react || P.react.gradwatch) { return; }
+    var react = P.react;
+    var deferring = function (gd, figure) {
+      var el = node(gd);
+      if (el && !el._fullLayout && isPlaceholder(figure)) {
+        if (!el._gwPending) {
+          var pending = el._gwPending = [];
+          el.on = function (name, fn) { pending.push([name, fn]); return el; };
+          el.removeAllListeners = function () { pending.length = 0; };
+        }
+        return Promise.resolve(el);
+      }
+      var handed = el && el._gwPending;
+      if (handed) {           // plotly's first draw makes its own emitter (gd.on & co.)
+        delete el._gwPending;
+        delete el.on;
+        delete el.removeAllListeners;
+      }
+      var p = react.apply(this, arguments);
+      return !handed ? p : p.then(function (out) {
+        handed.forEach(function (l) { el.on(l[0], l[1]); });
+        return out;
+      });
+    };
+    deferring.gradwatch = true;
+    P.react = deferring;
+  }
+
+  function patchResize(P) {
     if (!P || !P.Plots || !P.Plots.resize || P.Plots.resize.gradwatch) { return; }
     var resize = P.Plots.resize;
     var skipping = function (gd) {
-      var el = typeof gd === 'string' ? document.getElementById(gd) : gd;
+      var el = node(gd);
+      if (el && el._gwPending) { return Promise.resolve(el); }   // a placeholder not drawn: nothing to size
       var fl = el && el._fullLayout;
       if (!fl || !el.layout || !el.isConnected || el.offsetParent === null) { return resize.apply(this, arguments); }
       var cs = window.getComputedStyle(el);
@@ -41,6 +84,8 @@
     skipping.gradwatch = true;
     P.Plots.resize = skipping;
   }
+
+  function patch(P) { patchReact(P); patchResize(P); }
   var current = window.Plotly;
   patch(current);
   try {
@@ -49,7 +94,7 @@
       get: function () { return current; },
       set: function (v) { current = v; patch(v); }
     });
-  } catch (e) { /* plotly's own resize then */ }
+  } catch (e) { /* plotly's own react and resize then */ }
 })();
 
 window.dash_clientside = Object.assign({}, window.dash_clientside, {

@@ -77,7 +77,7 @@ def _parse_run_id(run_id) -> Optional[int]:
 
 def _graph(graph_id: str, *, wide: bool = False) -> html.Div:
     return html.Div(dcc.Graph(id=graph_id, config=GRAPH_CONFIG, figure={"data": [], "layout": {
-        "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)", "height": 230,
+        "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)", "height": 230, "meta": "gw-placeholder",
         "xaxis": {"visible": False}, "yaxis": {"visible": False}}}),
         className="gw-chart gw-chart-wide" if wide else "gw-chart")
 
