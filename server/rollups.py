@@ -239,6 +239,21 @@ def choose_level(bucket_size: int) -> int:
     return best
 
 
+def _merge_groups(data: np.ndarray, keys: np.ndarray, starts: np.ndarray):
+    """One signal's (r, 6) partial rows merged per group (rows of equal ``keys``, contiguous, starting at
+    ``starts``): ``(min, max, count, nonfinite, last, has_last)``, min / max NaN when nothing non-NaN, last
+    that of the partial with the greatest last_step (NaN, ``has_last`` False, when none measured it)."""
+    mn = np.fmin.reduceat(data[:, 0], starts)
+    mx = np.fmax.reduceat(data[:, 1], starts)
+    cnt = np.add.reduceat(data[:, 2], starts)
+    nf = np.add.reduceat(data[:, 3], starts)
+    ls = data[:, 4]
+    order = np.lexsort((ls, keys))
+    pick = order[np.concatenate((starts[1:], [len(data)])) - 1]
+    has_last = ls[pick] >= 0
+    return mn, mx, cnt, nf, np.where(has_last, data[pick, 5], np.nan), has_last
+
+
 def merge_step_partials(rows: Iterable[tuple[int, bytes]], *, signal_index: int, level: int, start0: int,
                         bucket_size: int) -> list[tuple[int, float, float, float, int, int]]:
     """rows (bucket, blob) ordered by bucket -> per output bucket:
@@ -250,18 +265,7 @@ def merge_step_partials(rows: Iterable[tuple[int, bytes]], *, signal_index: int,
     data = step_partial_column([blob for _, blob in rows], signal_index)
     cols = (buckets * level - start0) // bucket_size
     starts = _group_starts(cols)
-    mn = np.fmin.reduceat(data[:, 0], starts)
-    mx = np.fmax.reduceat(data[:, 1], starts)
-    cnt = np.add.reduceat(data[:, 2], starts)
-    nf = np.add.reduceat(data[:, 3], starts)
-    # last: the partial with the greatest last_step within each output bucket
-    ls = data[:, 4]
-    order = np.lexsort((ls, cols))
-    ends = np.concatenate((starts[1:], [len(rows)])) - 1
-    pick = order[ends]
-    last_step = ls[pick]
-    last = np.where(last_step >= 0, data[pick, 5], np.nan)
-    has_last = last_step >= 0
+    mn, mx, cnt, nf, last, has_last = _merge_groups(data, cols, starts)
     out = []
     for i, c in enumerate(cols[starts].tolist()):
         out.append((start0 + c * bucket_size, float(mn[i]), float(mx[i]),
@@ -291,21 +295,12 @@ def merge_rank_step_partials(rows: Sequence[tuple[int, int, bytes]], *, ranks: S
         keys, row_of, cols = keys[order], row_of[order], cols[order]
         blobs = [blobs[i] for i in order.tolist()]
     starts = _group_starts(keys)
-    ends = np.concatenate((starts[1:], [len(rows)])) - 1
     firsts, col_index = np.unique(cols[starts], return_inverse=True)
     g_row = row_of[starts]
     shape = (len(ranks), len(firsts))
     out = {}
     for sid, data in zip(signal_indexes, step_partial_columns(blobs, signal_indexes)):
-        mn = np.fmin.reduceat(data[:, 0], starts)
-        mx = np.fmax.reduceat(data[:, 1], starts)
-        cnt = np.add.reduceat(data[:, 2], starts)
-        nf = np.add.reduceat(data[:, 3], starts)
-        ls = data[:, 4]
-        order = np.lexsort((ls, keys))
-        pick = order[ends]
-        has_last = ls[pick] >= 0
-        last = np.where(has_last, data[pick, 5], np.nan)
+        mn, mx, cnt, nf, last, has_last = _merge_groups(data, keys, starts)
         grids = [np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan), np.zeros(shape),
                  np.zeros(shape), np.zeros(shape, dtype=bool)]
         for grid, vals in zip(grids, (mn, mx, last, cnt, nf, has_last)):
@@ -338,16 +333,7 @@ def step_partial_column(blobs: Sequence[bytes], signal_index: int) -> np.ndarray
     """(r, 6) rows of one signal out of step partials, whatever width each was written with (a batch
     that measured no signal without a column writes narrower partials; so did servers before a signal
     was declared): each width is decoded in one go."""
-    sizes = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
-    out = np.tile(_NOTHING, (len(blobs), 1))
-    for size in np.unique(sizes).tolist():
-        width = size // 48
-        if signal_index >= width:
-            continue
-        rows = np.flatnonzero(sizes == size)
-        group = blobs if len(rows) == len(blobs) else [blobs[i] for i in rows.tolist()]
-        out[rows] = np.frombuffer(b"".join(group), dtype="<f8").reshape(len(rows), 6, width)[:, :, signal_index]
-    return out
+    return step_partial_columns(blobs, [signal_index])[0]
 
 
 def layer_partial_width(blob: bytes) -> int:
