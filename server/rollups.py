@@ -283,7 +283,8 @@ def merge_rank_step_partials(rows: Sequence[tuple[int, int, bytes]], *, ranks: S
     whole-run matrix, 256 per-rank merges and their Python tuples were ~2/3 of the rank section's read)."""
     ranks = list(ranks)
     if not rows:
-        return [], {i: tuple(np.zeros((len(ranks), 0)) for _ in range(6)) for i in signal_indexes}
+        empty = (len(ranks), 0)
+        return [], {i: (*(np.zeros(empty) for _ in range(5)), np.zeros(empty, dtype=bool)) for i in signal_indexes}
     where = {r: i for i, r in enumerate(ranks)}
     row_of = np.fromiter((where[r] for r, _, _ in rows), dtype=np.int64, count=len(rows))
     buckets = np.fromiter((b for _, b, _ in rows), dtype=np.int64, count=len(rows))

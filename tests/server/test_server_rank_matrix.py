@@ -137,15 +137,19 @@ def test_a_coarse_rank_matrix_equals_one_computed_from_the_raw_steps(db_url, tmp
     database = open_database(db_url)
     settings = Settings(database_url=db_url, data_dir=tmp_path)
     n, world = 2000, 4
-    loss = {r: {i: _value(r, i) for i in range(1200 if r == 2 else n)} for r in range(world)}   # rank 2 stops
+    # rank 2 stops at 1200; rank 3 sends nothing from 1400 to 1799 (a range inside that gap has no partials)
+    loss = {r: {i: _value(r, i) for i in range(1200 if r == 2 else n) if r != 3 or not 1400 <= i < 1800}
+            for r in range(world)}
     step_time = {r: {i: (None if r == 1 and 300 <= i < 700 else 0.01 * (r + 1) + (i % 5) / 1000) for i in loss[r]}
                  for r in range(world)}
     try:
         with database.write_sessionmaker() as s:
             for r in range(world):
-                for lo in range(0, len(loss[r]), 500):
-                    steps = [step(i, loss=loss[r][i], step_time=step_time[r][i])
-                             for i in range(lo, min(lo + 500, len(loss[r])))]
+                for lo in range(0, n, 500):
+                    steps = [step(i, loss=loss[r][i], step_time=step_time[r][i]) for i in range(lo, lo + 500)
+                             if i in loss[r]]
+                    if not steps:
+                        continue
                     body = _rank_body(r, steps, world=world)
                     ingest_batch(s, batch=IngestBatchIn.model_validate(body), settings=settings, now=time.time(),
                                  evaluate_rules=False)
@@ -153,7 +157,7 @@ def test_a_coarse_rank_matrix_equals_one_computed_from_the_raw_steps(db_url, tmp
         with database.sessionmaker() as s:
             run_id = queries.list_runs(s)[0].id
             for ranks, kw in ((None, {"max_steps": 60}), ([3, 0, 2, 1], {"max_steps": 25, "start": 130, "end": 1700}),
-                              ([1], {"max_steps": 9})):
+                              ([1], {"max_steps": 9}), ([3], {"max_steps": 5, "start": 1450, "end": 1750})):
                 got = queries.get_rank_matrix(s, run_id=run_id, signals=["loss", "step_time"], ranks=ranks,
                                               read_budget=1000, **kw)
                 asked = ranks or list(range(world))
