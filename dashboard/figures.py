@@ -721,7 +721,7 @@ def rank_heatmap_figure(title: str, matrix: Optional[dict], *, log: bool = False
     with np.errstate(divide="ignore", invalid="ignore"):
         ok = np.isfinite(vals) & ~missing & (vals > 0 if log else True)
         cells = np.where(ok, np.log10(np.where(ok, vals, 1.0)) if log else vals, np.nan)
-    z = [[None if x != x else float(f"{x:.7g}") for x in row] for row in cells.tolist()]   # _short
+    z = [[_short(None if x != x else x) for x in row] for row in cells.tolist()]
     bad = np.nonzero((~no_nf & (nfs > 0)) | (~missing & ~np.isfinite(vals)))
     bad_x = [steps[j] for j in bad[1].tolist()]
     bad_y = [ranks[i] for i in bad[0].tolist()]

@@ -131,9 +131,9 @@ def batches(n: int, batch: int = 16, d_in: int = 8, d_out: int = 4, seed: int = 
 
 
 def checklist_step(model, opt, scaler, x, y, ema=None, max_norm=1.0, amp=False):
-    """One iteration of the checklist's loop (sections 2.4 / 9.1)."""
+    """One iteration of the checklist's loop (sections 2.4 / 9.1); ``amp``: fp16 autocast on ``x``'s device."""
     opt.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+    with torch.autocast(x.device.type, dtype=torch.float16, enabled=amp):
         loss = torch.nn.functional.mse_loss(model(x), y)
     scaler.scale(loss).backward()
     scaler.unscale_(opt)

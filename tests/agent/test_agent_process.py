@@ -174,15 +174,7 @@ def test_no_host_device_sync_in_the_training_thread_on_cuda(recorder, agent_sett
     torch.cuda.set_sync_debug_mode("error")
     try:
         for x, y in data:
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-            scaler.step(opt)
-            scaler.update()
-            ema.update(model)
+            checklist_step(model, opt, scaler, x, y, ema=ema, amp=True)
             monitor.log(acc=acc)
         model(data[0][0])   # seals the last step inside the guarded region too
     finally:
@@ -232,16 +224,9 @@ def test_no_host_device_sync_in_the_training_thread_under_ddp_and_fsdp2_on_cuda(
 
         def loop(model, opt, scaler, data, monitor=None):
             for x, y in data:
-                with torch.autocast("cuda", dtype=torch.float16):
-                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-                scaler.step(opt)
-                scaler.update()
+                loss, _ = checklist_step(model, opt, scaler, x, y, amp=True)
                 if monitor is not None:
-                    monitor.log(loss=loss.detach())
+                    monitor.log(loss=loss)
 
         def guarded(fn):
             torch.cuda.synchronize()
