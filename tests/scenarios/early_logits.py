@@ -24,8 +24,10 @@ training instabilities", arXiv:2309.14322) reproduce in small models:
   all logits, Adam is not), and once the logits are large, bf16 rounds away their differences and
   the loss jumps; z-loss 1e-4 · log²Z holds log Z near 0. No setting tried so far made log Z drift on
   CPU (Markov-chain or copy LM, bf16 autocast, no weight decay, an output bias or a learned output
-  scale at lr 0.1-1.0, tied embeddings, 64-512 classes of which 16 used, 400-800 steps): it settles at
-  7-13 and the loss trains on, so H3 has no fault scenario here yet; the trial run is
+  scale at lr 0.1-1.0, tied embeddings, 64-512 classes of which 16 used, 400-800 steps; later a copy
+  task with Adam eps 1e-15, no final LayerNorm, 4,096 classes, up to 2,100 steps): it settles at 6-15
+  and the loss trains on, so H3 has no fault scenario here (docs/early-warning-logits.md says why); the
+  trial run is
   ``--dry output_logit_trial`` (``lm_loss(z_loss=)`` and the ``head_bias`` / ``out_scale`` /
   ``lr_head`` / ``tie`` knobs are kept for one).
 
