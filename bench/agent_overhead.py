@@ -326,6 +326,7 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
     wall = {0: [], 1: []}     # 0: the copy with the agent, 1: the bare copy
     cpu = {0: [], 1: []}
     other_cpu = 0.0
+    first_steps: list[int] = []
     half = steps // 2
     for part, (with_agent, bare) in enumerate(((0, 1), (1, 0))):
         loop_a, loop_b = loops[with_agent], loops[bare]
@@ -338,6 +339,7 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
         for i in range(warmup):
             step(loop_a, i)
             step(loop_b, i)
+        first_steps.append(monitor.step)   # the agent's number of the first timed step (resumed runs count on)
         p0 = time.process_time()
         for i in range(half):
             for k in ((0, 1) if i % 2 else (1, 0)):
@@ -350,8 +352,33 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
         if other is not None:
             other.close(timeout=10)
     steps = 2 * half
+    # The agent's own number of each timed step (the second attach continues from the optimizer's step
+    # count): what tells a sampled step (every 10: the early-warning signals, EMA, inputs; every 100:
+    # weights, activations, BatchNorm) from the others in the report.
+    agent_step = [first + i for first in first_steps for i in range(half)]
     return {"agent_wall": wall[0], "bare_wall": wall[1], "agent_cpu": cpu[0], "bare_cpu": cpu[1],
-            "other_threads_cpu_per_step": other_cpu / steps, "load": os.getloadavg()[0]}
+            "agent_step": agent_step, "other_threads_cpu_per_step": other_cpu / steps, "load": os.getloadavg()[0]}
+
+
+def sampled_step_costs(res: dict) -> dict:
+    """The training thread's extra CPU per step, agent minus bare, paired step by step (the two copies
+    run back to back, so a pair shares the machine's state), by the kind of step: the median over the
+    steps that sample nothing, over those the every-10 cadences sample, over the every-100 ones; and the
+    mean over all, which is what a run's total time pays (the medians of the main ratios hide the
+    sampled steps: 9 steps in 10 sample nothing).
+
+    >>> r = sampled_step_costs({"agent_cpu": [1.0, 2.0, 3.5, 1.0], "bare_cpu": [1.0] * 4, "agent_step": [1, 10, 100, 3]})
+    >>> r["none_ms"], r["every_10_ms"], r["every_100_ms"], r["mean_ms"]
+    (0.0, 1000.0, 2500.0, 875.0)
+    """
+    diff = [a - b for a, b in zip(res["agent_cpu"], res["bare_cpu"])]
+    kinds: dict[str, list] = {"none": [], "every_10": [], "every_100": []}
+    for d, n in zip(diff, res["agent_step"]):
+        kinds["every_100" if n % 100 == 0 else "every_10" if n % 10 == 0 else "none"].append(d)
+    out = {f"{k}_ms": 1000 * statistics.median(v) if v else None for k, v in kinds.items()}
+    out["mean_ms"] = 1000 * statistics.fmean(diff)
+    out["mean_cpu_ratio"] = sum(res["agent_cpu"]) / sum(res["bare_cpu"])
+    return out
 
 
 def versus_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, modes: list[str]) -> dict:
@@ -718,6 +745,7 @@ def main(argv=None) -> int:
             "bare_wall_ms": 1000 * med(res["bare_wall"]), "agent_wall_ms": 1000 * med(res["agent_wall"]),
             "bare_cpu_ms": 1000 * med(res["bare_cpu"]), "agent_cpu_ms": 1000 * med(res["agent_cpu"]),
             "sender_cpu_ms_per_step": 1000 * res["other_threads_cpu_per_step"], "load_at_end": res["load"],
+            "sampled": sampled_step_costs(res),
         }
         base_name = f"agent with {args.interleaved_baseline}" if args.interleaved_baseline else "bare"
         print(f"\ninterleaved, one process, two copies of the loop ({args.interleaved_mode} / {base_name}) stepped "
@@ -728,6 +756,11 @@ def main(argv=None) -> int:
               f"{interleaved['agent_cpu_ms']:.2f} ms -> ratio {interleaved['cpu_ratio']:.3f}")
         print(f"  sender (other threads) CPU per step: {interleaved['sender_cpu_ms_per_step']:.2f} ms; "
               f"total CPU ratio with it: {interleaved['cpu_ratio_with_sender']:.3f}")
+        sc = interleaved["sampled"]
+        fmt = lambda v: "-" if v is None else f"{v:.2f} ms"   # noqa: E731
+        print(f"  training-thread CPU, agent minus bare, paired by step: median {fmt(sc['none_ms'])} on the steps that "
+              f"sample nothing, {fmt(sc['every_10_ms'])} on the every-10 ones, {fmt(sc['every_100_ms'])} on the "
+              f"every-100 ones; mean over all {sc['mean_ms']:.2f} ms (mean CPU ratio {sc['mean_cpu_ratio']:.3f})")
 
     versus = None
     if args.versus_steps:
