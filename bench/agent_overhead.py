@@ -24,7 +24,10 @@ the first copy to the second half-way, so that a copy that happens to run
 faster (where its memory landed: up to ±6 % seen) favours neither side. It reports the
 ratio of median step times, and the training thread's CPU time per step
 (``time.thread_time``, which a busy machine barely disturbs) with and without
-the agent, plus the CPU the sender thread used per step. The bare copy's
+the agent, plus the CPU the sender thread used per step, and, pairing each agent step with the bare
+step run beside it, the training thread's extra CPU on the steps that sample nothing, on the every-10
+and on the every-100 ones, and its mean over all steps (what a run's total time pays: the medians
+skip the sampled steps). The bare copy's
 ``clip_grad_norm_`` goes through the agent's patch too (to torch's original,
 unchanged), so the ratios slightly understate the overhead (by the patch's
 argument check).
