@@ -29,7 +29,7 @@ in the declared panel, and rules can read ``step["my_signal"]``.
 >>> step_signal("grad_norm").id, step_signal("grad_norm").kind
 (1, 'float')
 >>> [s.name for s in STEP_SIGNALS if s.kind == "bool"]
-['clipped', 'overflow']
+['clipped', 'overflow', 'skipped_update']
 >>> layer_stat("act_std").over
 'modules'
 """

@@ -9,7 +9,7 @@ lost is recognised by its ``batch_id`` and answered ``duplicate: true``.
 
 Example::
 
-    >>> from agent.sync import sync_spool
+    >>> from gradwatch.agent.sync import sync_spool
     >>> result = sync_spool("~/.cache/gradwatch/spool", "http://127.0.0.1:8470")  # doctest: +SKIP
     >>> result.sent, result.failed                                                  # doctest: +SKIP
     (42, 0)

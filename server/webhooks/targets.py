@@ -12,7 +12,7 @@ model", says who is trusted with what.
 >>> check_target("http://127.0.0.1:8470/api/v1/alerts/1/ack", allow=(), resolve=lambda host, port: ["127.0.0.1"])
 Traceback (most recent call last):
 ...
-server.webhooks.targets.TargetRefused: url: 127.0.0.1 is a loopback address; webhooks may not target internal addresses unless the operator allows them (GRADWATCH_WEBHOOK_ALLOW)
+gradwatch.server.webhooks.targets.TargetRefused: url: 127.0.0.1 is a loopback address; webhooks may not target internal addresses unless the operator allows them (GRADWATCH_WEBHOOK_ALLOW)
 """
 from __future__ import annotations
 
