@@ -306,12 +306,14 @@ def paired_child(modes: list[str], blocks: int, block_steps: int, warmup: int, d
 
 
 def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: int, server: str | None,
-                      mode: str = "agent", baseline: dict | None = None) -> dict:
+                      mode: str = "agent", baseline: dict | None = None, overrides: dict | None = None) -> dict:
     """Two copies of the loop, agent and bare, stepped alternately in one process.
 
     ``baseline`` (``--interleaved-baseline '{"nan_replay": false}'``): the second copy is not bare but
     carries the agent too, with these settings changed, so that the ratio is one feature's cost
-    measured side by side (the "bare" figures are then that copy's)."""
+    measured side by side (the "bare" figures are then that copy's). ``overrides``
+    (``--interleaved-settings '{"adam_every": 20}'``): settings of the agent copy changed from the
+    mode's, to find a cadence's cost against bare."""
     import torch
     torch.set_num_threads(1)
     vocab = 256
@@ -320,7 +322,7 @@ def interleaved_child(steps: int, warmup: int, d_model: int, seq: int, batch: in
     sys.path.insert(0, str(REPO))
     from gradwatch import agent
     tmp = tempfile.mkdtemp(prefix="gw-bench-interleaved-")
-    settings = agent_settings(mode, f"interleaved-{os.getpid()}", tmp, loops[0][3], server)
+    settings = {**agent_settings(mode, f"interleaved-{os.getpid()}", tmp, loops[0][3], server), **(overrides or {})}
     def step(loop, i):
         train_step(loop, data[i % len(data)], vocab)
 
@@ -636,6 +638,8 @@ def main(argv=None) -> int:
     p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture", "agent-skip"])
     p.add_argument("--interleaved-baseline", default=None,
                    help='JSON agent settings for the second copy instead of bare, e.g. \'{"nan_replay": false}\'')
+    p.add_argument("--interleaved-settings", default=None,
+                   help='JSON agent settings changed on the agent copy, e.g. \'{"adam_every": 20}\' (a cadence\'s cost)')
     p.add_argument("--versus-steps", type=int, default=0,
                    help="rounds in the side-by-side measurement (bare, agent, tensorboard, wandb: one copy of the "
                         "loop each, stepped in turn in one process); 0: skip it")
@@ -652,6 +656,8 @@ def main(argv=None) -> int:
         print(json.dumps(interleaved_child(args.interleaved_steps, args.warmup, args.d_model, args.seq, args.batch,
                                            args.server, args.interleaved_mode,
                                            json.loads(args.interleaved_baseline) if args.interleaved_baseline
+                                           else None,
+                                           json.loads(args.interleaved_settings) if args.interleaved_settings
                                            else None)))
         return 0
 
@@ -737,7 +743,8 @@ def main(argv=None) -> int:
     if args.interleaved_steps:
         res = _child_json("interleaved run", ["--interleaved-child", "--interleaved-steps", str(args.interleaved_steps),
                                               "--interleaved-mode", args.interleaved_mode, "--warmup", str(args.warmup)]
-                          + (["--interleaved-baseline", args.interleaved_baseline] if args.interleaved_baseline else []),
+                          + (["--interleaved-baseline", args.interleaved_baseline] if args.interleaved_baseline else [])
+                          + (["--interleaved-settings", args.interleaved_settings] if args.interleaved_settings else []),
                           args, size=(args.d_model, args.seq, args.batch), timeout=3600)
         med = statistics.median
         interleaved = {
@@ -751,7 +758,8 @@ def main(argv=None) -> int:
             "sampled": sampled_step_costs(res),
         }
         base_name = f"agent with {args.interleaved_baseline}" if args.interleaved_baseline else "bare"
-        print(f"\ninterleaved, one process, two copies of the loop ({args.interleaved_mode} / {base_name}) stepped "
+        agent_name = args.interleaved_mode + (f" with {args.interleaved_settings}" if args.interleaved_settings else "")
+        print(f"\ninterleaved, one process, two copies of the loop ({agent_name} / {base_name}) stepped "
               f"alternately, {args.interleaved_steps} steps each:")
         print(f"  step wall median: bare {interleaved['bare_wall_ms']:.2f} ms, agent {interleaved['agent_wall_ms']:.2f} ms"
               f" -> ratio {interleaved['wall_ratio']:.3f}")
