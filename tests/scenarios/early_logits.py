@@ -19,7 +19,8 @@ training instabilities", arXiv:2309.14322) reproduce in small models:
   300-step warm-up, seed 2) rose too little or too early on the next machine (onset 190 there: the
   bare 50 steps of lead asserted). Across seeds 0-11 (the stand-in for machines: another machine's
   rounding is another trajectory) this setting's plain run has its onset at 206-342, never none, so
-  H2 at 140 leads by >= 66 on each (seed 5: onset 223 in the dry run, 247 in the agent's);
+  H2 at 140 leads by >= 66 on each (seed 5: onset 223 in the dry run, 247 in the agent's; on the
+  machine of 2026-12-04 evening the agent's run had its onset at 205, a lead of 65: the closest yet);
 * without z-loss, the output logits' log-partition log Z drifts (the softmax is blind to a shift of
   all logits, Adam is not), and once the logits are large, bf16 rounds away their differences and
   the loss jumps; z-loss 1e-4 · log²Z holds log Z near 0. No setting tried so far made log Z drift on
