@@ -49,6 +49,8 @@ small version of the same model and prints the RSS growth after warm-up.
     python bench/agent_overhead.py --rounds 3 --steps 30 --rss-steps 2000   # quick look
     python bench/agent_overhead.py --json results.json  # also write the raw figures
     python bench/agent_overhead.py --rounds 0 --paired-blocks 0 --rss-steps 0 --versus-steps 400   # vs the loggers
+    python bench/agent_overhead.py --rounds 0 --paired-blocks 0 --rss-steps 0 --interleaved-steps 1000 \
+        --interleaved-settings '{"adam_every": 20}'   # a cadence's cost against bare
 """
 from __future__ import annotations
 
