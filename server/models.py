@@ -77,6 +77,9 @@ class Run(Base):
     module_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
     bn_names: Mapped[list[Any]] = mapped_column(JSON, default=list)
     config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # set when a delete starts (server/lifecycle/delete.py): hidden from reads, its batches refused,
+    # its rows being removed; the row itself goes last (migration 0011)
+    deleted_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
 
 
 class Step(Base):
@@ -397,6 +400,25 @@ class WebhookDelivery(Base):
     last_status_code: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     delivered_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+
+
+class DeletedRun(Base):
+    """A deleted run's tombstone: its names and the agent sessions that wrote it (migration 0011).
+
+    Not a child of ``runs`` (the run row is gone): a late batch naming the run from one of these sessions
+    is refused (410) rather than starting a partial run of the same name (server/lifecycle/delete.py).
+    """
+
+    __tablename__ = "deleted_runs"
+    __table_args__ = (Index("ix_deleted_runs_name", "project", "run"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(Integer)
+    project: Mapped[str] = mapped_column(String(200))
+    run: Mapped[str] = mapped_column(String(200))
+    sessions: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    deleted_at: Mapped[float] = mapped_column(Float)
+    purged_at: Mapped[Optional[float]] = mapped_column(Float, nullable=True)   # every row removed
 
 
 class ServerSecret(Base):
