@@ -78,6 +78,11 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     replaced. Bad settings raise ``ValueError`` here, before training starts;
     after this call the agent never raises into the training loop.
 
+    The training stacks' wrappers are unwrapped (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``, Fabric's ``_FabricModule`` / ``_FabricOptimizer``, a DeepSpeed engine and its
+    optimizer); an optimizer or scaler gradwatch cannot hook is left out with one warning that says
+    what is not measured, and the rest is monitored (docs/integrations.md).
+
     ``step``: the number of this process's first step, for a run resumed from a checkpoint
     (``attach(model, scaler, run="exp-42", step=ckpt["step"] + 1)``). Without it the agent
     continues from the optimizer state's step counters, and the server continues a run's
@@ -103,8 +108,20 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     """
     from gradwatch.agent.monitor import Monitor
     from gradwatch.agent.registry import existing, remember
+    from gradwatch.agent.unwrap import unwrap_model, unwrap_optimizer, unwrap_scaler
 
     cfg = AgentConfig.from_sources({**config, "project": project, "run": run, "server": server})
+    # the training stacks' wrappers (Accelerate, Lightning, Fabric, DeepSpeed) unwrapped; what cannot be
+    # hooked is dropped and said once, instead of raising into the user's script (agent/unwrap.py)
+    model = unwrap_model(model)
+    optimizer, why_optimizer = unwrap_optimizer(optimizer)
+    scaler, why_scaler = unwrap_scaler(scaler)
+    if (why_optimizer or why_scaler) and cfg.mode != "disabled":
+        import logging
+
+        logging.getLogger("gradwatch.agent").warning(
+            "gradwatch: %s; the rest is monitored as usual (docs/integrations.md)",
+            "; ".join(w for w in (why_optimizer, why_scaler) if w))
     previous = existing(model)
     if previous is not None:
         if (previous.scaler is scaler and previous.ema is ema

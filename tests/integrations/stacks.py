@@ -1,0 +1,49 @@
+"""Launch ``tests/distributed/stacks_worker.py`` under ``torchrun`` (one process or several, gloo, CPU)
+and read back what each rank's stack computed; shared by the stacks' test files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT, http_json
+
+WORKER = REPO_ROOT / "tests" / "distributed" / "stacks_worker.py"
+
+
+def launch(stack: str, out: Path, *, server, run: str, nproc: int = 1, steps: int = 4,
+           extra: tuple[str, ...] = (), launcher: tuple[str, ...] | None = None) -> list[dict]:
+    """Run the worker; ``launcher``: the command before the script (default torchrun --standalone)."""
+    out.mkdir(parents=True, exist_ok=True)
+    launcher = launcher or (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}")
+    cmd = [*launcher, str(WORKER), stack, str(out), "--server", server.url, "--run-name", run,
+           "--steps", str(steps), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    with open(out / "launch.log", "wb") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, (out / "launch.log").read_text(errors="replace")[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def run_id(server, name: str) -> int:
+    _, body = http_json("GET", f"{server.url}/api/v1/runs?project=stacks&name={name}")
+    (run,) = [r for r in body["runs"] if r["name"] == name]
+    return run["id"]
+
+
+def stored(server, rid: int, signal: str, rank: int = 0) -> dict[int, float | None]:
+    """step -> the stored value of ``signal`` on ``rank``, at full resolution."""
+    _, body = http_json("GET", f"{server.url}/api/v1/runs/{rid}/series?signal={signal}&rank={rank}&max_points=100000")
+    return {p["step"]: None if p["last"] is None else float(p["last"]) for p in body["steps"]}
+
+
+def max_rel(actual: list, expected: list) -> float:
+    """The largest relative difference (the measure the closing note reports)."""
+    assert len(actual) == len(expected), (actual, expected)
+    worst = 0.0
+    for a, e in zip(actual, expected):
+        assert a is not None and e is not None, (actual, expected)
+        worst = max(worst, abs(float(a) - float(e)) / max(abs(float(e)), 1e-12))
+    return worst
