@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, ROLLUP_WIDTH, STEP_SIGNAL_NAMES
 
 from .forensics.rollback import advise_rollback
+from .lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
 from .numbers import NULL_F32_BITS, encode_json, extra_measured, null_mask, pack_extra, unpack_extra
 from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
@@ -109,12 +110,13 @@ def _get_or_create_run(session: Session, *, project: Project, name: str, world_s
     run = session.scalars(_RUN_FOR_UPDATE, {"project_id": project.id, "name": name}).one_or_none()
     if run is not None:
         return run
-    session.execute(
-        _insert(session, Run).values(
-            project_id=project.id, name=name, status="running", started_at=now, last_seen=now,
-            world_size=world_size, param_names=[], module_names=[], bn_names=[], config={},
-        ).on_conflict_do_nothing(index_elements=["project_id", "name"])
-    )
+    values = dict(project_id=project.id, name=name, status="running", started_at=now, last_seen=now,
+                  world_size=world_size, param_names=[], module_names=[], bn_names=[], config={})
+    if session.bind.dialect.name == "sqlite":
+        # SQLite gives a new row the largest id + 1: a deleted run's id would be handed out again (a bookmark
+        # of /runs/<id> showing another run). Ids continue after the deleted ones (PostgreSQL's sequence does).
+        values["id"] = next_run_id(session)
+    session.execute(_insert(session, Run).values(**values).on_conflict_do_nothing(index_elements=["project_id", "name"]))
     return session.scalars(_RUN_FOR_UPDATE, {"project_id": project.id, "name": name}).one()
 
 
@@ -291,7 +293,11 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     found = session.execute(_RUN_OF_PROJECT_FOR_UPDATE, {"project": batch.project, "name": batch.run}).one_or_none()
     if found is not None:
         run, project = found
+        if run.deleted_at is not None:      # being deleted (server/lifecycle/delete.py): 410
+            raise run_deleted_error(project=batch.project, run=run)
     else:
+        # a late batch of a deleted run must not start a partial run of its name (or recreate its project)
+        refuse_if_deleted(session, project=batch.project, run=batch.run, batch_session=batch.session)
         project = get_or_create_project(session, name=batch.project, now=now)
         run = _get_or_create_run(session, project=project, name=batch.run, world_size=batch.world_size, now=now)
     locked_at = time.perf_counter()

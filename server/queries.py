@@ -190,7 +190,7 @@ def list_runs(session: Session, *, project: Optional[str] = None, status: Option
               now: Optional[float] = None) -> list[RunSummary]:
     """Runs, most recently seen first. ``name`` matches a substring; ``status`` the derived status."""
     now = _time.time() if now is None else now
-    q = select(Run, Project.name).join(Project, Project.id == Run.project_id)
+    q = select(Run, Project.name).join(Project, Project.id == Run.project_id).where(Run.deleted_at.is_(None))
     if project:
         q = q.where(Project.name == project)
     if name:
@@ -211,7 +211,8 @@ def get_run(session: Session, *, run_id: int, stall_seconds: float = DEFAULT_STA
     """One run with its layer names and config, or None."""
     now = _time.time() if now is None else now
     row = session.execute(
-        select(Run, Project.name).join(Project, Project.id == Run.project_id).where(Run.id == run_id)
+        select(Run, Project.name).join(Project, Project.id == Run.project_id)
+        .where(Run.id == run_id, Run.deleted_at.is_(None))
     ).first()
     if row is None:
         return None
@@ -224,7 +225,8 @@ def get_run(session: Session, *, run_id: int, stall_seconds: float = DEFAULT_STA
 
 def run_project(session: Session, *, run_id: int) -> Optional[str]:
     """The project name of a run (for token checks), or None."""
-    return session.scalar(select(Project.name).join(Run, Run.project_id == Project.id).where(Run.id == run_id))
+    return session.scalar(select(Project.name).join(Run, Run.project_id == Project.id)
+                          .where(Run.id == run_id, Run.deleted_at.is_(None)))    # being deleted: gone
 
 
 # --------------------------------------------------------------------------- series

@@ -177,6 +177,8 @@ class RunOut(BaseModel):
     open_alerts: int
     health: str
     world_size: int = 1
+    # estimated bytes the run takes in the database (server/lifecycle/sizes.py says how)
+    bytes: Optional[int] = None
 
 
 class RunDetailOut(RunOut):
@@ -278,3 +280,31 @@ class CheckpointOut(BaseModel):
 class CheckpointListOut(BaseModel):
     run_id: int
     checkpoints: list[CheckpointOut]
+
+
+# --------------------------------------------------------------------------- data lifecycle
+
+class DeletedRunOut(BaseModel):
+    id: int
+    project: str
+    name: str
+    status: str
+    last_seen: float
+    bytes: int          # estimated, taken before the delete
+
+
+class DeleteOut(BaseModel):
+    """What a delete removed, or (``dry_run``) would remove."""
+
+    dry_run: bool
+    runs: list[DeletedRunOut]
+    bytes: int          # the runs' estimated bytes together
+    rows: int           # rows removed (0 on a dry run)
+    seconds: float
+    project: Optional[str] = None
+
+
+class StorageOut(BaseModel):
+    dialect: str
+    bytes: int                      # SQLite: page_count x page_size; PostgreSQL: pg_database_size
+    free_bytes: Optional[int]       # SQLite: free pages, reused by new data before the file grows

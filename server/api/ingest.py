@@ -13,6 +13,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..ingest import ingest_batch
+from ..lifecycle.delete import RunDeleted
 from ..models import Alert
 from ..pacing import reply_pace
 from ..schemas import AlertOut, IngestBatchIn, IngestResult
@@ -126,7 +127,8 @@ _BATCH_SCHEMA_REF = {"$ref": "#/components/schemas/IngestBatchIn"}
     response_model=IngestResult,
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _BATCH_SCHEMA_REF}}}},
     responses={400: {"description": "not JSON / not gzip"}, 401: {"description": "token missing or invalid"},
-               403: {"description": "token of another project"}, 413: {"description": "body too large"},
+               403: {"description": "token of another project"},
+               410: {"description": "the run was deleted; a late batch of it is refused"}, 413: {"description": "body too large"},
                422: {"description": "a field is invalid; detail names it"}},
 )
 async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
@@ -201,6 +203,9 @@ def _write(app, batch: IngestBatchIn, settings):
                     # the run's lock is released with the commit: how long it was held paces the ranks
                     app.state.lock_hold.observe(time.perf_counter() - outcome.locked_at)
                 return outcome, news
+            except RunDeleted as e:
+                session.rollback()
+                raise HTTPException(410, str(e)) from None
             except DataError as e:
                 session.rollback()
                 raise HTTPException(422, f"a value cannot be stored: {str(e.orig).splitlines()[0]}") from None

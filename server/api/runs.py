@@ -4,13 +4,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Annotated, Iterator, Optional
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse as _StdJSONResponse
 
 from .. import queries
+from ..lifecycle import delete as lifecycle_delete, sizes
 from ..numbers import encode_float
 from ..schemas import (
-    CheckpointListOut, CheckpointOut, EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
+    CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
+    StorageOut,
 )
 from .deps import ReadScopeDep, SessionDep, SettingsDep
 
@@ -74,7 +76,8 @@ def list_runs(session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
             return RunListOut(runs=[])
         project = scope
     runs = queries.list_runs(session, project=project, status=status, name=name, stall_seconds=settings.stall_seconds)
-    return RunListOut(runs=[_run_out(r) for r in runs])
+    size = sizes.run_bytes(session, [r.id for r in runs])
+    return RunListOut(runs=[_run_out(r, bytes=size.get(r.id)) for r in runs])
 
 
 @router.get("/api/v1/runs/{run_id}", response_model=RunDetailOut, responses={404: {"description": "no such run"}})
@@ -83,7 +86,7 @@ def get_run(run_id: RunId, session: SessionDep, settings: SettingsDep, scope: Re
     r = queries.get_run(session, run_id=run_id, stall_seconds=settings.stall_seconds)
     if r is None:
         raise HTTPException(404, f"run {run_id} not found")
-    return _run_out(r, RunDetailOut, param_names=r.param_names, module_names=r.module_names,
+    return _run_out(r, RunDetailOut, bytes=sizes.run_bytes(session, [run_id]).get(run_id), param_names=r.param_names, module_names=r.module_names,
                     bn_names=r.bn_names, config=r.config, signals=queries.list_signals(session, run_id=run_id))
 
 
@@ -195,3 +198,91 @@ def list_checkpoints(run_id: RunId, session: SessionDep, scope: ReadScopeDep) ->
     _check_run(session, scope, run_id)
     return CheckpointListOut(run_id=run_id, checkpoints=[
         CheckpointOut(**vars(c)) for c in queries.list_checkpoints(session, run_id=run_id)])
+
+
+# ----------------------------------------------------------------------------- deleting (server/lifecycle)
+
+_DELETE_RESPONSES = {404: {"description": "no such run or project (or another project's)"},
+                     409: {"description": "a run is still sending; stop it or pass force=true"}}
+
+
+def _delete_out(report: lifecycle_delete.DeleteReport, project: Optional[str] = None) -> DeleteOut:
+    return DeleteOut(dry_run=report.dry_run, project=project, rows=report.rows, seconds=round(report.seconds, 3),
+                     bytes=sum(report.bytes.get(r.id, 0) for r in report.runs),
+                     runs=[DeletedRunOut(id=r.id, project=r.project, name=r.name, status=r.status,
+                                         last_seen=r.last_seen, bytes=report.bytes.get(r.id, 0)) for r in report.runs])
+
+
+@contextmanager
+def _still_sending_as_409() -> Iterator[None]:
+    try:
+        yield
+    except lifecycle_delete.RunStillSending as e:
+        raise HTTPException(409, str(e)) from None
+
+
+@router.delete("/api/v1/runs/{run_id}", response_model=DeleteOut, responses=_DELETE_RESPONSES)
+def delete_run(run_id: RunId, request: Request, session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
+               force: bool = False, dry_run: bool = False) -> DeleteOut:
+    """Delete a run and every row it owns (docs/deployment.md, "Deleting runs"). A run still sending is
+    refused (409) unless ``force``; its later batches are refused with 410. ``dry_run``: what would go."""
+    _check_run(session, scope, run_id)
+    runs = lifecycle_delete.select_runs(session, run_ids=[run_id], stall_seconds=settings.stall_seconds)
+    session.rollback()              # end the read transaction before the long write
+    if not runs:
+        raise HTTPException(404, f"run {run_id} not found")
+    with _still_sending_as_409():
+        report = lifecycle_delete.delete_runs(request.app.state.database, runs=runs, force=force, dry_run=dry_run,
+                                              stall_seconds=settings.stall_seconds, gate=request.app.state.write_gate)
+    return _delete_out(report)
+
+
+@router.delete("/api/v1/runs", response_model=DeleteOut,
+               responses={**_DELETE_RESPONSES, 422: {"description": "no filter given"}})
+def delete_runs(request: Request, session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
+                project: Annotated[Optional[str], Query(max_length=200)] = None,
+                name: Annotated[Optional[str], Query(max_length=200)] = None,
+                status: Annotated[Optional[str], Query(pattern="^(running|stalled|finished|crashed)$")] = None,
+                older_than_s: Annotated[Optional[float], Query(ge=0, le=1e10)] = None,
+                force: bool = False, dry_run: bool = False) -> DeleteOut:
+    """Delete the runs matching every filter given: ``project``, ``name`` (a shell pattern: ``exp-*``),
+    ``status`` (running | stalled | finished | crashed), ``older_than_s`` (last seen longer ago than that).
+    At least one filter is required. A run still sending among them refuses the whole delete (409) unless
+    ``force``. ``dry_run``: what would go, and its estimated bytes."""
+    if project is None and name is None and status is None and older_than_s is None:
+        raise HTTPException(422, "give at least one filter (project, name, status, older_than_s); "
+                                 "to delete a whole project use DELETE /api/v1/projects/{name}")
+    if scope is not None:
+        if project is not None and project != scope:
+            return DeleteOut(dry_run=dry_run, runs=[], bytes=0, rows=0, seconds=0.0)
+        project = scope
+    runs = lifecycle_delete.select_runs(session, project=project, name=name, status=status,
+                                        older_than_s=older_than_s, stall_seconds=settings.stall_seconds)
+    session.rollback()
+    with _still_sending_as_409():
+        report = lifecycle_delete.delete_runs(request.app.state.database, runs=runs, force=force, dry_run=dry_run,
+                                              stall_seconds=settings.stall_seconds, gate=request.app.state.write_gate)
+    return _delete_out(report)
+
+
+@router.delete("/api/v1/projects/{project}", response_model=DeleteOut, responses=_DELETE_RESPONSES)
+def delete_project(project: Annotated[str, Path(min_length=1, max_length=200)], request: Request,
+                   settings: SettingsDep, scope: ReadScopeDep, force: bool = False, dry_run: bool = False) -> DeleteOut:
+    """Delete a project: every run (as ``DELETE /api/v1/runs/{id}``), then its tokens, silences, rule
+    overrides, webhook endpoints and notification groups, then the project itself."""
+    if scope is not None and project != scope:
+        raise HTTPException(404, f"project {project!r} not found")
+    with _still_sending_as_409():
+        report = lifecycle_delete.delete_project(request.app.state.database, project=project, force=force,
+                                                 dry_run=dry_run, stall_seconds=settings.stall_seconds,
+                                                 gate=request.app.state.write_gate)
+    if report is None:
+        raise HTTPException(404, f"project {project!r} not found")
+    return _delete_out(report, project=project)
+
+
+@router.get("/api/v1/storage", response_model=StorageOut)
+def get_storage(session: SessionDep) -> StorageOut:
+    """The database's size (server/lifecycle/sizes.py): bytes, and on SQLite the free part of the file."""
+    size = sizes.database_size(session)
+    return StorageOut(dialect=size.dialect, bytes=size.bytes, free_bytes=size.free_bytes)
