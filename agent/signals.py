@@ -168,8 +168,9 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
 
 # ---- early warning, attention and output logits (H2, H3: agent/collectors/early_logits.py)
 STEP_SIGNALS += (
-    StepSignal("attn_logit_max", 20, "float", "", "largest attention logit q·k·scale over the attention modules "
-               "(recomputed from their queries and keys: first sample, first 128 positions; sampled)",
+    StepSignal("attn_logit_max", 20, "float", "", "largest attention logit over the attention modules: every "
+               "unmasked logit their softmax sees (scaled_dot_product_attention's recomputed from its q and k; "
+               "sampled)",
                panel="early_logits", label="max attention logit"),
     StepSignal("output_logit_max", 21, "float", "", "largest logit of the model's output (a distribution over "
                ">= 2 classes; sampled)", panel="early_logits", label="max output logit"),
@@ -214,8 +215,8 @@ LAYER_STATS: tuple[LayerStat, ...] = (
 
 # ---- early warning, attention logits (H2: agent/collectors/early_logits.py)
 LAYER_STATS += (
-    LayerStat("attn_logit_max", "modules", "", "per attention module, its largest attention logit q·k·scale "
-              "(first sample, first 128 positions; null for other modules; sampled)",
+    LayerStat("attn_logit_max", "modules", "", "per attention module (the innermost module computing it), its "
+              "largest unmasked attention logit over the forward (null for other modules; sampled)",
               heatmap="Per-module max attention logit (log10)"),
 )
 
@@ -234,6 +235,8 @@ EVENT_KINDS: tuple[EventKind, ...] = (
 
 # configuration advice at step 0 (agent/setup.py; rules H5-H9, docs/early-warning-advice.md)
 EVENT_KINDS += (
+    EventKind("attention_coverage", "the modules whose attention logits the agent measures (the first sampled "
+                                    "step, and again whenever the set grows)"),
     EventKind("run_setup", "the run's setup, once per process with its first step: device and native bf16, "
                            "autocast dtype, GradScaler, Transformer or not, clip_grad_norm_ calls and the scaler "
                            "stage at them, EMA decay, a cosine schedule's base and final LRs (H5-H9)"),

@@ -216,6 +216,7 @@ class StepAssembler:
             top = self._top_grad_norms(grad_list())
             if top:
                 events.append({"step": record.step, "kind": "top_grad_norms", "data": {"params": top}})
+        events.extend({"step": record.step, **e} for e in get("events", ()))   # a collector's events (kind, data)
         events.extend(self._hunt(record.step, critical, grad_bad, act_index, lists, grad_list, get("nan_replay")))
         return step, events, critical
 

@@ -5,32 +5,29 @@ without qk-layernorm at a high learning rate the largest attention logit q·k/�
 softmax turns one-hot (rule H2); without z-loss the output logits' log-partition log Z drifts away
 from 0 until bf16 rounds away their differences (rule H3).
 
-Fused attention (``scaled_dot_product_attention``) never shows its logits, so they are recomputed
-from the queries and keys: on a sampled step's first forward, hooks read them where the model makes
-them and take the exact max of q·kᵀ·scale over all heads for the micro-batch's first sample and its
-first :data:`MAX_POSITIONS` positions (no mask applied: for a causal model this bounds the logits
-actually used from above). Recognised attention forms (:func:`find_attention`):
+The attention logits are measured where attention is computed, whatever the model's attribute names
+(:mod:`agent.capture.attention`): on a sampled step's first training forward a torch function mode
+sees every 4-D softmax over its last dimension (its input is the logits), every
+``scaled_dot_product_attention`` (``q·kᵀ·scale`` recomputed from its own q and k: after rotary,
+grouped-query heads repeated, its ``scale`` and masks honoured) and every ``multi_head_attention_forward``,
+and credits each to the innermost watched module on the call stack. The value is the max over every
+unmasked logit of the forward (all samples, heads and positions).
 
-* ``nn.MultiheadAttention``: q, k computed from ``in_proj_weight`` (or ``q_proj_weight`` /
-  ``k_proj_weight``) and ``in_proj_bias`` on the module's own inputs;
-* a module with child Linears named ``q_proj``/``k_proj``, ``query``/``key``, ``wq``/``wk``,
-  ``to_q``/``to_k``, ``q_lin``/``k_lin`` (their outputs; grouped-query attention too: fewer key heads);
-* a fused Linear ``c_attn``, ``qkv``, ``Wqkv``, ``qkv_proj`` whose output is [q | k | v] (GPT-2's
-  ``Conv1D`` ``c_attn`` in transformers too);
-
-with the head count read from the attention module (``num_heads``, ``n_head``, ``n_heads``, ``heads``,
-``num_attention_heads``, ``nhead``, or ``head_dim``), its ``scaling`` / ``scale`` when it has a float
-one (else 1/√head_dim), and, where it has children ``q_norm``/``k_norm`` (``q_layernorm``/``k_layernorm``,
-``q_ln``/``k_ln``), the queries and keys read after those norms (qk-layernorm). Other forms are named
-with ``attach(..., attention_modules="blocks.*.attn:8")`` (module names, fnmatch patterns, an optional
-``:heads``). Rotary embeddings are applied after the projections: the value is then the logit
-without the rotation (the same norms, so the same growth).
+Attention computed outside PyTorch's functions (an external flash-attention kernel) is not seen; such
+modules can be named with ``attach(..., attention_modules="blocks.*.attn:8")`` (module names, fnmatch
+patterns, an optional ``:heads``) and are then read from their projections (:func:`find_attention`:
+``nn.MultiheadAttention``; child Linears ``q_proj``/``k_proj``, ``query``/``key``, ``wq``/``wk``,
+``to_q``/``to_k``, ``q_lin``/``k_lin``; a fused ``c_attn``, ``qkv``, ``Wqkv``, ``qkv_proj``; the head
+count from ``num_heads``, ``n_head``, ... or ``:heads``; qk-layernorm children ``q_norm``/``k_norm``):
+an approximation — the first sample's first :data:`MAX_POSITIONS` positions, no mask, no rotary. A
+named module the mode does see keeps the mode's exact value.
 
 The output: the model's output tensor (or ``output.logits``, ``output["logits"]``) when its last
 dimension has at least 2 classes: its max logit and the mean over positions of log Z = logsumexp.
 
-Cost on a sampled step: a handful of small kernels per attention module and one logsumexp over the
-output; nothing on other steps (the hooks exist only during sampled forwards).
+Cost on a sampled step: every torch call of the first forward passes through the mode (a dict
+look-up), each attention call adds one ``amax`` or one chunked ``q·kᵀ``, and one logsumexp over the
+output; nothing on other steps (the mode and the hooks exist only during sampled forwards).
 """
 from __future__ import annotations
 
@@ -42,7 +39,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from gradwatch.agent.collectors.base import Collector, OneForwardHooks, scatter_measured, to_device
+from gradwatch.agent.capture.attention import AttentionLogitMode
+from gradwatch.agent.collectors.base import Collector, OneForwardHooks, scatter_measured
 
 # positions of the first sample whose pairs are scored (128² pairs per head)
 MAX_POSITIONS = 128
@@ -149,14 +147,14 @@ def parse_attention_modules(spec: Optional[str]) -> list[tuple[str, Optional[int
 
 
 def find_attention(model: torch.nn.Module, module_names: list[str], named: Optional[str] = None) -> list[Site]:
-    """The attention modules of ``model`` in module order, each with its place in ``module_names``.
-
-    ``named``: the user's ``attention_modules`` (see the module docstring). A named fused Linear
+    """The attention modules the user names in ``named`` (``attention_modules``, see the module
+    docstring) in a form read from their projections, in module order, each with its place in
+    ``module_names``; no name, no site. A named fused Linear
     (a module of its own) reads its head count from its parent or the ``:heads`` given.
 
-    >>> sites = find_attention(torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2)), ["0"])
-    >>> [(s.name, s.kind, s.heads) for s in sites]
-    [('0', 'mha', 2)]
+    >>> model = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
+    >>> [(s.name, s.kind, s.heads) for s in find_attention(model, ["0"], "0")], find_attention(model, ["0"])
+    ([('0', 'mha', 2)], [])
     """
     position = {n: i for i, n in enumerate(module_names)}
     mods = dict(model.named_modules())
@@ -165,14 +163,15 @@ def find_attention(model: torch.nn.Module, module_names: list[str], named: Optio
     taken: set[int] = set()          # ids of q-source modules already in a site
     for name, m in model.named_modules():
         heads = next((h for pat, h in wanted if fnmatch.fnmatchcase(name, pat)), None)
-        named_here = any(fnmatch.fnmatchcase(name, pat) for pat, _ in wanted)
+        if not any(fnmatch.fnmatchcase(name, pat) for pat, _ in wanted):
+            continue        # only the modules the user names: the rest are seen where attention is computed
         site = None
-        if isinstance(m, torch.nn.Linear) and named_here:
+        if isinstance(m, torch.nn.Linear):
             parent = mods.get(name.rsplit(".", 1)[0] if "." in name else "")
             h = heads or (_heads(parent, m.out_features // 3) if parent is not None else None)
             if h and m.out_features % 3 == 0 and (m.out_features // 3) % h == 0:
                 site = Site(name, -1, "fused", h, _scale(parent) if parent is not None else None, m, None)
-        elif not isinstance(m, torch.nn.Linear):
+        else:
             site = _site_of(name, m, heads, -1)
         if site is None or id(site.q) in taken:
             continue
@@ -261,10 +260,16 @@ def max_logits(pairs: list, heads: int) -> torch.Tensor:
 
 class AttentionLogits(OneForwardHooks):
     """Per attention module, the max attention logit (``layers.attn_logit_max``) and its max over the
-    modules (``attn_logit_max``), every ``attn_logits_every`` steps.
+    modules (``attn_logit_max``), every ``attn_logits_every`` steps, measured where attention is
+    computed (:class:`~agent.capture.attention.AttentionLogitMode`, on for the sampled step's first
+    forward only).
 
-    The hooks only keep views of the first sample's queries and keys (one slice each); the logits are
-    scored at the step's end, modules of one shape together in one batched matmul."""
+    Modules named in ``attention_modules`` whose attention the mode does not see (a kernel outside
+    PyTorch's functions) are read from their projections instead (:func:`find_attention`: the
+    first sample's first :data:`MAX_POSITIONS` positions, no mask, no rotary: an approximation).
+
+    Coverage: the first sampled step carries an ``attention_coverage`` event naming the modules
+    measured (and again whenever that set grows), so the run says which attention it watches."""
 
     name = "attn_logits"
     every = "attn_logits_every"
@@ -272,18 +277,27 @@ class AttentionLogits(OneForwardHooks):
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
         self.sites: list[Site] = []
-        if self.interval > 0:
-            names = [n for n, _ in watched.modules]
-            self.sites = find_attention(watched.model, names, getattr(watched.config, "attention_modules", None))
-        self.qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # site position -> (q, k), this step
+        named = getattr(watched.config, "attention_modules", None)
+        if self.interval > 0 and named:
+            self.sites = find_attention(watched.model, [n for n, _ in watched.modules], named)
+        self.qk: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}   # site position -> (q, k)
         self.partial: dict[int, tuple[bool, torch.Tensor]] = {}       # site position -> its q or k, until the other
         self.scales = [s.scale for s in self.sites]
+        # a named site gives way to the mode's exact value at its own module or its parent (a named fused Linear)
+        position = {n: i for i, (n, _) in enumerate(watched.modules)}
+        self.site_owners = [{s.index, position.get(s.name.rpartition(".")[0], s.index)} for s in self.sites]
+        # the watched modules a call is credited to (nn.Softmax wrappers: their parent is the attention)
+        owners = {id(m): i for i, (_, m) in enumerate(watched.modules) if not isinstance(m, torch.nn.Softmax)}
+        self.mode = AttentionLogitMode(owners, self._found, self._failed)
+        self.found: dict[int, torch.Tensor] = {}        # module position -> max logit, this forward
+        self.unplaced: list[torch.Tensor] = []           # calls in no watched module's forward (the root's own)
+        self.reported: set[int] = set()                  # module positions named in a coverage event so far
 
     def wanted(self) -> bool:
-        return self.interval > 0 and bool(self.sites)
+        return self.interval > 0
 
     def on_first_forward(self, step, args, kwargs) -> None:
-        handles = []
+        handles = [self.watched.model.register_forward_hook(self._leave, always_call=True)]
         for i, s in enumerate(self.sites):
             if s.kind == "mha":
                 handles.append(s.q.register_forward_pre_hook(self._mha_hook(i), with_kwargs=True))
@@ -293,8 +307,25 @@ class AttentionLogits(OneForwardHooks):
                 handles.append(s.q.register_forward_hook(self._pair_hook(i, True)))
                 handles.append(s.k.register_forward_hook(self._pair_hook(i, False)))
         self.hook_this_forward(handles)
+        self.mode.enter()
+
+    def _leave(self, module, args, output):
+        self.mode.leave()      # always_call: a forward that raises leaves the mode too
+        return None
+
+    def _found(self, position: Optional[int], value: torch.Tensor) -> None:
+        if position is None:
+            self.unplaced.append(value)
+            return
+        prev = self.found.get(position)
+        self.found[position] = value if prev is None else torch.maximum(prev, value.to(prev.device))
+
+    def _failed(self, e: BaseException) -> None:
+        self.mode.leave()
+        self.guards.failed(self.name, e)
 
     def forward_returned(self) -> None:
+        self.mode.leave()
         self.partial = {}   # a q without its k (or a k without its q) in that forward: nothing to score
 
     def _active(self, i: int) -> bool:
@@ -333,29 +364,53 @@ class AttentionLogits(OneForwardHooks):
             return None
         return hook
 
+    def _named_values(self, qk: dict, seen: dict) -> dict[int, torch.Tensor]:
+        """The named sites' max logits from their projections (module position -> 0-d tensor), for the
+        sites where the mode saw no attention (``seen``: its module positions)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (q, k) in qk.items():
+            if not self.site_owners[i].isdisjoint(seen):
+                continue
+            groups.setdefault((tuple(q.shape), None if k is None else tuple(k.shape), q.dtype, q.device,
+                               self.sites[i].heads), []).append(i)
+        out: dict[int, torch.Tensor] = {}
+        for key, members in groups.items():
+            values = max_logits([qk[i] for i in members], key[-1])
+            for k, i in enumerate(members):
+                q, kk = qk[i]
+                scale = self.scales[i] if self.scales[i] is not None else \
+                    1.0 / math.sqrt(q.shape[1] // (1 if kk is not None else 3) // self.sites[i].heads)
+                out[self.sites[i].index] = values[k] * scale
+        return out
+
     def end_step(self, step, rec) -> None:
+        self.mode.leave()
+        found, self.found = self.found, {}
+        unplaced, self.unplaced = self.unplaced, []
         qk, self.qk = self.qk, {}
-        if not qk or not self.guards.on(self.name):
+        if not (found or unplaced or qk) or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name), torch.no_grad():
-            groups: dict[tuple, list[int]] = {}
-            for i, (q, k) in qk.items():
-                groups.setdefault((tuple(q.shape), None if k is None else tuple(k.shape), q.dtype, q.device,
-                                   self.sites[i].heads),
-                                  []).append(i)
-            order: list[int] = []
-            parts = []
-            for key, members in groups.items():
-                order += members
-                parts.append(max_logits([qk[i] for i in members], key[-1]))
-            values = parts[0] if len(parts) == 1 else torch.cat(parts)
-            scale = [self.scales[i] if self.scales[i] is not None else
-                     1.0 / math.sqrt(qk[i][0].shape[1] // (1 if qk[i][1] is not None else 3) // self.sites[i].heads)
-                     for i in order]
-            values = values * to_device(scale, values.dtype, values.device)
+            if qk:
+                found.update(self._named_values(qk, found))
+            order = sorted(found)
+            parts = [found[i] for i in order] + unplaced
+            device = parts[0].device
+            values = torch.stack([p.to(device) for p in parts])
             rec.add("attn_logit_max", values.amax())
-            rec.add("layers.attn_logit_max", scatter_measured(values, [self.sites[i].index for i in order],
-                                                              len(self.watched.modules)))
+            if order:
+                rec.add("layers.attn_logit_max", scatter_measured(values[:len(order)], order,
+                                                                  len(self.watched.modules)))
+            if not self.reported.issuperset(order):
+                self.reported.update(order)
+                names = [self.watched.modules[i][0] for i in sorted(self.reported)]
+                rec.host.setdefault("events", []).append(
+                    {"kind": "attention_coverage", "data": {"measured": names, "count": len(names),
+                                                            "named": bool(self.sites)}})
+
+    def detach(self) -> None:
+        self.mode.leave()
+        super().detach()
 
 
 def output_logits(output: Any) -> Optional[torch.Tensor]:

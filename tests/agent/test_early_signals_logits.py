@@ -1,9 +1,10 @@
 """The early-warning logit signals (agent/collectors/early_logits.py) against plain PyTorch.
 
-Every attention form the agent recognises gets a tiny model; the max attention logit the agent
-sends for each module must equal max(q·kᵀ·scale) computed here independently from the module's own
-weights (first sample, first 128 positions), and the output's max logit and mean log Z must equal
-torch's; in fp32 and under bf16 autocast.
+Several attention forms get a tiny model; the max attention logit the agent sends for each module
+must equal max(q·kᵀ·scale) over every unmasked logit (all samples, heads and positions; the causal
+mask where the module uses one) computed here independently from the module's own weights, and the
+output's max logit and mean log Z must equal torch's; in fp32 and under bf16 autocast. The wider zoo
+(Hugging Face architectures, timm, hand-written styles) is tests/agent/test_attention_zoo.py.
 """
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradwatch import agent
-from gradwatch.agent.collectors.early_logits import MAX_POSITIONS, find_attention
+from gradwatch.agent.collectors.early_logits import find_attention
 
 D, HEADS, T = 16, 4, 10
 
 
 class PairAttention(nn.Module):
     """q_proj / k_proj / v_proj with ``num_heads``; optionally grouped-query (2 key heads) or qk-layernorm."""
+
+    causal = True
 
     def __init__(self, kv_heads: int = HEADS, qk_norm: bool = False):
         super().__init__()
@@ -51,7 +54,9 @@ class PairAttention(nn.Module):
 
 
 class KeysFirst(PairAttention):
-    """Makes its keys before its queries (the agent pairs them in either order)."""
+    """Makes its keys before its queries (no mask)."""
+
+    causal = False
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -64,6 +69,8 @@ class KeysFirst(PairAttention):
 
 class FusedAttention(nn.Module):
     """nanoGPT's form: one c_attn Linear making [q | k | v], ``n_head``."""
+
+    causal = True
 
     def __init__(self):
         super().__init__()
@@ -84,17 +91,20 @@ class FusedAttention(nn.Module):
 
 
 class MHA(nn.Module):
+    causal = False
+
     def __init__(self, batch_first: bool):
         super().__init__()
         self.batch_first = batch_first
         self.mha = nn.MultiheadAttention(D, HEADS, batch_first=batch_first)
 
     def qk(self, x):
+        """As nn.MultiheadAttention projects self-attention: one GEMM over the packed weight, on the
+        sequence-first layout it works in (under autocast the rounding depends on both)."""
         m = self.mha
-        wq, wk, _ = m.in_proj_weight.chunk(3)
-        bq, bk, _ = m.in_proj_bias.chunk(3)
         b, t, _ = x.shape
-        return F.linear(x, wq, bq).view(b, t, HEADS, D // HEADS), F.linear(x, wk, bk).view(b, t, HEADS, D // HEADS)
+        q, k, _ = F.linear(x.transpose(0, 1), m.in_proj_weight, m.in_proj_bias).chunk(3, dim=-1)
+        return (q.transpose(0, 1).reshape(b, t, HEADS, D // HEADS), k.transpose(0, 1).reshape(b, t, HEADS, D // HEADS))
 
     def forward(self, x):
         h = x if self.batch_first else x.transpose(0, 1)
@@ -128,14 +138,19 @@ FORMS = {
 
 
 def plain_max_logit(attn: nn.Module, x: torch.Tensor) -> float:
-    """The independent computation: the module's own q, k for sample 0, its first 128 positions (as the
-    model makes them: under autocast, in bf16), their products in fp32."""
-    q, k = attn.qk(x[:1, :MAX_POSITIONS])
+    """The independent computation: the module's own q, k (as the model makes them: under autocast, in
+    bf16), their products in fp32 over every sample, head and position pair, the causal mask applied
+    where the module attends causally."""
+    q, k = attn.qk(x)
     with torch.autocast("cpu", enabled=False):
-        q, k = q.float().transpose(1, 2), k.float().transpose(1, 2)         # (1, heads, t, d)
+        q, k = q.float().transpose(1, 2), k.float().transpose(1, 2)         # (batch, heads, t, d)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        return float((q @ k.transpose(-1, -2)).amax() / math.sqrt(q.shape[-1]))
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if attn.causal:
+            t = s.shape[-1]
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+        return float(s.amax())
 
 
 def run(model, recorder, settings, amp, steps=3, **kw):
@@ -195,34 +210,34 @@ def test_the_cadence_setting_samples_every_kth_step_and_zero_turns_it_off(record
     assert all(s.get("output_log_z") is None and s.get("output_logit_max") is None for s in steps)
 
 
-class Unnamed(nn.Module):
-    """An attention module in no recognised form: the q and k come from a single Linear 'proj_in'."""
+class HandSoftmax(PairAttention):
+    """Attention whose softmax is written out (exp / sum): no function the agent's mode sees, so it is
+    measured only when named, from its q_proj / k_proj (the first sample's positions, no mask)."""
 
-    def __init__(self):
-        super().__init__()
-        self.width = HEADS
-        self.proj_in = nn.Linear(D, 3 * D)
-
-    def qk(self, x):
-        b, t, _ = x.shape
-        q, k, _ = self.proj_in(x).split(D, dim=2)
-        return q.view(b, t, HEADS, D // HEADS), k.view(b, t, HEADS, D // HEADS)
+    causal = False
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (z.view(b, t, HEADS, D // HEADS).transpose(1, 2) for z in self.proj_in(x).split(D, dim=2))
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D)
+        q, k = (z.transpose(1, 2) for z in self.qk(x))
+        v = self.v_proj(x).view(b, t, HEADS, self.head_dim).transpose(1, 2)
+        s = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        w = torch.exp(s - s.amax(-1, keepdim=True))
+        return ((w / w.sum(-1, keepdim=True)) @ v).transpose(1, 2).reshape(b, t, D)
 
 
-def test_an_unrecognised_fused_projection_is_measured_once_named(recorder, agent_settings):
-    model = LM(Unnamed)
-    assert find_attention(model, [n for n, _ in model.named_modules() if n]) == []
-    expected, _ = run(model, recorder, agent_settings, False, attention_modules="attns.*.proj_in:4",
-                      attn_logits_every=1)
+def test_attention_the_mode_cannot_see_is_measured_once_named(recorder, agent_settings):
+    model = LM(HandSoftmax)
+    expected, _ = run(model, recorder, agent_settings, False, attn_logits_every=1)
+    assert all("attn_logit_max" not in (s.get("layers") or {}) for s in recorder.steps)   # not seen unnamed
+    recorder.bodies.clear()
+    assert [s.name for s in find_attention(model, [n for n, _ in model.named_modules() if n], "attns.*")] == \
+        ["attns.0", "attns.1"]
+    run(model, recorder, agent_settings, False, attention_modules="attns.*", attn_logits_every=1, run="r2")
     names = recorder.meta()["module_names"]
-    where = [names.index(f"attns.{i}.proj_in") for i in range(2)]
-    for s, (per, _, _) in zip(recorder.steps, expected):
-        assert [s["layers"]["attn_logit_max"][i] for i in where] == pytest.approx(per, rel=1e-5)
+    where = [names.index(f"attns.{i}") for i in range(2)]
+    for s in recorder.steps:
+        got = [s["layers"]["attn_logit_max"][i] for i in where]
+        assert all(v is not None and math.isfinite(v) for v in got)
 
 
 def test_a_regression_output_has_no_log_z(recorder, agent_settings):
@@ -245,8 +260,8 @@ def test_a_bad_attention_modules_entry_is_refused_at_attach(entry):
 
 
 def test_a_transformers_gpt2_is_recognised_and_measured(recorder, agent_settings):
-    """GPT-2 in transformers: a Conv1D ``c_attn`` under ``GPT2Attention`` (num_heads, scaling), and a
-    ``CausalLMOutput`` whose ``.logits`` are the output."""
+    """GPT-2 in transformers (its default attention implementation): every causal logit of every sample,
+    credited to ``GPT2Attention``, and a ``CausalLMOutput`` whose ``.logits`` are the output."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=12, n_positions=T, n_embd=D, n_layer=2, n_head=HEADS,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -264,10 +279,12 @@ def test_a_transformers_gpt2_is_recognised_and_measured(recorder, agent_settings
         opt.zero_grad()
         out = model(input_ids=idx, labels=idx)
         per = []
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
         for i in range(2):
-            q, k, _ = qkv[i][0].split(D, dim=-1)
-            q, k = q.view(T, HEADS, -1).transpose(0, 1), k.view(T, HEADS, -1).transpose(0, 1)
-            per.append(float((q @ k.transpose(1, 2)).amax()) / math.sqrt(D // HEADS))
+            q, k, _ = qkv[i].split(D, dim=-1)
+            q, k = q.view(3, T, HEADS, -1).transpose(1, 2), k.view(3, T, HEADS, -1).transpose(1, 2)
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(D // HEADS)
+            per.append(float(s.masked_fill(causal, -math.inf).amax()))
         lg = out.logits.detach().float()
         expected.append((per, float(lg.amax()), float(lg.logsumexp(-1).mean())))
         out.loss.backward()

@@ -1,0 +1,288 @@
+"""Attention logits where attention is computed: a torch function mode for one forward.
+
+Name lists miss someone's model (issue 33: ``self.h`` / ``self.dh``, GPT-NeoX's fused
+``query_key_value``, a ``to_qkv`` with einsum and a learned temperature), so the agent does not look
+for attention by attribute names. On a sampled step's first training forward it enters
+:class:`AttentionLogitMode`, a :class:`torch.overrides.TorchFunctionMode`, and sees the three ways
+PyTorch code computes attention:
+
+* ``softmax`` over the last dimension of a 4-D ``[batch, heads, query, key]`` tensor
+  (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``, ``nn.Softmax``): **the logits are the
+  softmax's input**, whatever made it (an explicit ``q @ kᵀ / √d``, an einsum, a learned
+  temperature, rotary embeddings applied before, an additive position bias such as T5's or ALiBi,
+  the mask added as ``finfo.min`` or ``-inf``);
+* ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``:
+  the fused kernel never shows its logits, so they are recomputed from its own ``q`` and ``k``
+  (after any rotary embedding, since those are the tensors it was given): ``q·kᵀ·scale`` with its
+  ``scale`` argument (else ``1/√E``), the key heads repeated for grouped-query attention, a float
+  ``attn_mask`` added, the entries a boolean ``attn_mask`` or ``is_causal`` masks left out;
+* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.Transformer*Layer``): per head
+  ``q·kᵀ/√head_dim`` from its in-projection, ``bias_k`` / ``add_zero_attn`` keys, ``attn_mask`` and
+  ``key_padding_mask`` applied as it applies them.
+
+A softmax over any other shape or dimension is not attention and passes untouched (a 3-D
+``[batch·heads, query, key]`` softmax is not seen: it cannot be told from a classifier's).
+
+The value is the **max over every unmasked logit** of the call (all samples, heads, query and key
+positions), kept as a 0-d tensor on the device (no host sync); a masked entry (``-inf``, or a
+``finfo.min`` fill) never wins a max. It is **credited to the innermost module** of the watched
+model whose ``forward`` is on the Python stack at the call: the frames are walked up from the call
+to the first one whose ``self`` is one of the watched modules (``nn.Softmax`` wrappers skipped, so a
+``self.softmax = nn.Softmax(-1)`` credits its attention module). A helper function called with the
+module as an argument (Hugging Face's ``eager_attention_forward(module, q, k, v, ...)``) is seen
+through: its caller's frame holds the module as ``self``.
+
+Cost: only while the mode is on (the sampled forward): every torch call of that forward passes
+through :meth:`AttentionLogitMode.__torch_function__` (a dict look-up and the call), the attention
+calls add one ``amax`` (softmax) or one batched ``q·kᵀ`` in chunks of at most :data:`CHUNK_LOGITS`
+logits (SDPA, MHA), and one short frame walk each. Nothing on other steps.
+
+Within the mode's handler the mode is off (PyTorch pops it), so the logits' own computation is not
+seen again, and neither are the calls a handled Python function makes inside it.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from gradwatch.agent.capture.shards import local_tensor
+
+# one chunk of recomputed logits holds at most this many (64 MB in float32)
+CHUNK_LOGITS = 1 << 24
+# how far up the Python stack a call's module is looked for
+MAX_FRAMES = 64
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
+
+
+def _dim_arg(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """The ``dim`` of a softmax call, in any of its spellings."""
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    return args[1] if len(args) > 1 else None
+
+
+def softmax_logit_max(x: torch.Tensor) -> torch.Tensor:
+    """The largest logit a softmax sees: the max of its input (masked entries are ``-inf`` or a
+    ``finfo.min`` fill and never win).
+
+    >>> softmax_logit_max(torch.tensor([[[[1.0, -float("inf")], [3.0, 2.0]]]])).item()
+    3.0
+    """
+    return x.detach().amax().float()
+
+
+def _chunks(n: int, per_item: int) -> int:
+    return max(1, CHUNK_LOGITS // max(1, per_item))
+
+
+def _batch_slice(t: Optional[torch.Tensor], lo: int, hi: int, batch: int, lead: int) -> Optional[torch.Tensor]:
+    """``t``'s rows ``lo:hi`` of the leading (batch) dimension when it has one of size ``batch`` at the
+    front of a ``lead + 2``-dim shape; else ``t`` itself (it broadcasts)."""
+    if t is None or t.dim() < lead + 2 or t.shape[0] != batch or batch == 1:
+        return t
+    return t[lo:hi]
+
+
+def scores_max(q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None,
+               causal: bool = False) -> torch.Tensor:
+    """max over the unmasked entries of ``q·kᵀ·scale (+ mask)`` for ``q`` ``[..., L, E]`` and ``k``
+    ``[..., S, E]`` with the same leading shape (or broadcastable), in float32, in chunks along the
+    first dimension of at most :data:`CHUNK_LOGITS` logits. ``mask``: boolean (True: kept) or
+    additive, broadcastable to ``[..., L, S]``; ``causal``: entries above the diagonal left out
+    (top-left aligned, as SDPA's ``is_causal``).
+
+    >>> q = torch.tensor([[[1.0, 0.0], [0.0, 2.0]]]); k = torch.tensor([[[3.0, 0.0], [0.0, 1.0]]])
+    >>> scores_max(q, k, 1.0).item(), scores_max(q, k, 1.0, causal=True).item()
+    (3.0, 3.0)
+    >>> scores_max(q, k, 0.5, mask=torch.tensor([[False, True], [True, True]])).item()
+    1.0
+    """
+    L, S = q.shape[-2], k.shape[-2]
+    lead = q.dim() - 2
+    batch = q.shape[0] if lead >= 1 else 1
+    keep_causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril() if causal else None
+    per = _chunks(batch, q[0].numel() // max(1, q.shape[-1]) * S if lead >= 1 else 1)
+    out = []
+    for lo in range(0, batch, per):
+        hi = min(batch, lo + per)
+        qs = q[lo:hi] if lead >= 1 else q
+        ks = k[lo:hi] if lead >= 1 and k.shape[0] == batch and batch > 1 else k
+        with torch.autocast(q.device.type, enabled=False):   # float32 products, not the autocast dtype's
+            s = torch.matmul(qs.float(), ks.float().transpose(-2, -1)) * scale
+        m = _batch_slice(mask, lo, hi, batch, lead)
+        if m is not None:
+            if m.dtype == torch.bool:
+                s = s.masked_fill(~m, -math.inf)
+            else:
+                s = s + m.float()
+        if keep_causal is not None:
+            s = s.masked_fill(~keep_causal, -math.inf)
+        out.append(s.amax())
+    return out[0] if len(out) == 1 else torch.stack(out).amax()
+
+
+def sdpa_logit_max(query: torch.Tensor, key: torch.Tensor, value: Any = None, attn_mask: Any = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                   enable_gqa: bool = False, **_: Any) -> torch.Tensor:
+    """The largest logit ``F.scaled_dot_product_attention`` computes for these arguments (the same
+    signature): ``q·kᵀ·scale`` with the key heads repeated for grouped-query attention."""
+    q, k = local_tensor(query).detach(), local_tensor(key).detach()
+    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mask = local_tensor(attn_mask).detach() if isinstance(attn_mask, torch.Tensor) else None
+    return scores_max(q, k, s, mask, bool(is_causal))
+
+
+def mha_logit_max(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """The largest logit ``F.multi_head_attention_forward`` computes for these arguments (its
+    signature): per head ``q·kᵀ/√head_dim``, the queries and keys from its in-projection (packed or
+    separate weights), ``bias_k`` and ``add_zero_attn``'s extra keys, ``attn_mask`` (boolean True:
+    masked, as nn.MultiheadAttention reads it; or additive), ``key_padding_mask`` the same, and
+    ``is_causal`` without a mask a causal one."""
+    a = _MHA_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    p = a.arguments
+    # called under no_grad (AttentionLogitMode._measure), on the tensors themselves: torch's in-projection
+    # packs the GEMMs by their identity (query is key is value: one GEMM), so these stay the same objects
+    query, key, value = (local_tensor(p[n]) for n in ("query", "key", "value"))
+    unbatched = query.dim() == 2                           # (L, E)
+    H = int(p["num_heads"])
+    E = query.shape[-1]
+    d = E // H
+    b = p["in_proj_bias"]
+    # as multi_head_attention_forward projects: the same kernels on the same layouts, so the same rounding
+    # under autocast; torch's own helpers where this version has them
+    packed, separate = getattr(F, "_in_projection_packed", None), getattr(F, "_in_projection", None)
+    if not p["use_separate_proj_weight"] and packed is not None:
+        q, k, _ = packed(query, key, value, local_tensor(p["in_proj_weight"]), None if b is None else local_tensor(b))
+    else:
+        if p["use_separate_proj_weight"]:
+            wq, wk, wv = (local_tensor(p[n]) for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight"))
+        else:
+            wq, wk, wv = local_tensor(p["in_proj_weight"]).chunk(3)
+        bq, bk, bv = local_tensor(b).chunk(3) if b is not None else (None, None, None)
+        if separate is not None:
+            q, k, _ = separate(query, key, value, wq, wk, wv, bq, bk, bv)
+        else:
+            q, k = F.linear(query, wq, bq), F.linear(key, wk, bk)
+    if unbatched:
+        q, k = q.unsqueeze(1), k.unsqueeze(1)
+    L, N = q.shape[0], q.shape[1]
+    if p["static_k"] is not None:
+        k = local_tensor(p["static_k"])                            # (N·H, S, d)
+    else:
+        if p["bias_k"] is not None:
+            k = torch.cat([k, local_tensor(p["bias_k"]).expand(1, N, E).to(k.dtype)])
+        k = k.reshape(k.shape[0], N * H, d).transpose(0, 1)       # (N·H, S, d)
+    if p["add_zero_attn"]:
+        k = torch.cat([k, k.new_zeros(k.shape[0], 1, d)], dim=1)
+    S = k.shape[1]
+    q = q.reshape(L, N * H, d).transpose(0, 1).reshape(N, H, L, d)
+    k = k.reshape(N, H, S, d)
+    mask = _mha_mask(p["attn_mask"], p["key_padding_mask"], N, H, L, S, bool(p["is_causal"]), q.device)
+    return scores_max(q, k, 1.0 / math.sqrt(d), mask)
+
+
+def _mha_mask(attn_mask: Any, key_padding_mask: Any, N: int, H: int, L: int, S: int, causal: bool,
+              device: torch.device) -> Optional[torch.Tensor]:
+    """nn.MultiheadAttention's masks as one additive float mask ``[N, H, L, S]`` (-inf where masked);
+    keys added by ``bias_k`` / ``add_zero_attn`` (columns past the masks' width) are never masked."""
+    out: Optional[torch.Tensor] = None
+
+    def additive(m: torch.Tensor) -> torch.Tensor:
+        m = local_tensor(m).detach()
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, device=m.device).masked_fill(m, -math.inf)
+        return m.float()
+
+    def pad(m: torch.Tensor) -> torch.Tensor:
+        return F.pad(m, (0, S - m.shape[-1])) if m.shape[-1] < S else m
+
+    if isinstance(attn_mask, torch.Tensor):
+        m = pad(additive(attn_mask))
+        out = m.reshape(N, H, L, S) if m.dim() == 3 else m          # (N·H, L, S) or (L, S)
+    elif causal:
+        out = torch.zeros(L, S, device=device).masked_fill(
+            ~torch.ones(L, S, dtype=torch.bool, device=device).tril(), -math.inf)
+    if isinstance(key_padding_mask, torch.Tensor):
+        kp = pad(additive(key_padding_mask))
+        kp = kp.reshape(N, 1, 1, S) if kp.dim() == 2 else kp.reshape(1, 1, 1, S)
+        out = kp if out is None else out + kp
+    return out
+
+
+def credited_module(frame: Any, owners: dict[int, int]) -> Optional[int]:
+    """The position (``owners[id(module)]``) of the innermost watched module whose method is running in
+    ``frame`` or a frame above it: the first frame whose ``self`` is a watched module."""
+    f = frame
+    for _ in range(MAX_FRAMES):
+        if f is None:
+            return None
+        code = f.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            where = owners.get(id(f.f_locals.get("self")))
+            if where is not None:
+                return where
+        f = f.f_back
+    return None
+
+
+class AttentionLogitMode(TorchFunctionMode):
+    """Sees the attention calls of one forward (see the module docstring) and hands each one's max
+    logit to ``found(position, value)`` (``position``: the credited module's, from ``owners``), or
+    to ``found(None, value)`` when no watched module holds the call. ``failed(exc)``: the measurement
+    raised; the call itself still runs and returns as it would have.
+
+    Entered by a forward pre-hook and left by the forward's post-hook (and, should the forward
+    raise, at the step's end): :meth:`leave` pops it only if it is still on the mode stack."""
+
+    def __init__(self, owners: dict[int, int], found: Callable[[Optional[int], torch.Tensor], None],
+                 failed: Callable[[BaseException], None]):
+        super().__init__()
+        self.owners, self.found, self.failed = owners, found, failed
+        self.active = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SOFTMAX:
+            x = args[0] if args else kwargs.get("input")
+            dim = _dim_arg(func, args, kwargs)
+            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3):
+                self._measure(softmax_logit_max, (local_tensor(x),), {})
+        elif func is F.scaled_dot_product_attention:
+            self._measure(sdpa_logit_max, args, kwargs)
+        elif func is F.multi_head_attention_forward:
+            self._measure(mha_logit_max, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _measure(self, how: Callable, args: tuple, kwargs: dict) -> None:
+        try:
+            with torch.no_grad():
+                value = how(*args, **kwargs)
+            if value is not None:
+                self.found(credited_module(sys._getframe(1), self.owners), value)
+        except Exception as e:  # noqa: BLE001 - never hurt the host: the attention call goes on
+            self.failed(e)
+
+    def enter(self) -> None:
+        if not self.active:
+            self.__enter__()
+            self.active = True
+
+    def leave(self) -> None:
+        """Pop the mode (once); a mode pushed above it meanwhile (the user's own) stays in place."""
+        if self.active:
+            self.active = False
+            try:
+                self.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - never hurt the host
+                pass
