@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from .api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
 from .db import Database, open_database, schema_problem
 from .live_news import DASHBOARD_THREADS, LiveNews
-from .metrics import IngestMetrics
+from .metrics import IngestMetrics, RetentionCounters
 from .schemas import IngestBatchIn
 from .settings import Settings
 from .pacing import LockHoldMeter
@@ -59,9 +59,18 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
                                 senders={"mailto": EmailSender(SmtpSettings.from_env(os.environ))})
         app.state.delivery_worker = worker
         await worker.start()
+        from .lifecycle.retention import RetentionJob, retention_configured
+
+        retention = None
+        if retention_configured(os.environ):     # docs/deployment.md, "Retention"
+            retention = RetentionJob(database, os.environ, gate=app.state.write_gate,
+                                     counters=app.state.retention_counters)
+            retention.start()
         try:
             yield
         finally:
+            if retention is not None:
+                retention.stop()
             await worker.stop()
             database.dispose()
 
@@ -72,6 +81,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.auth = None
     app.state.metrics = IngestMetrics()
     app.state.live_news = LiveNews()
+    app.state.retention_counters = RetentionCounters()   # on /metrics, whether or not the job runs
     app.state.lock_hold = LockHoldMeter()   # the ranks' pace follows it (server/pacing.py)
     app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(database.engine.dialect.name))
     if settings.auth:

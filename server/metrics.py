@@ -7,6 +7,7 @@ they agree across replicas.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from sqlalchemy import case, func, select
@@ -65,6 +66,47 @@ class IngestMetrics:
             yield f'gradwatch_ingest_batch_seconds_bucket{{le="+Inf"}} {self.latency_count}'
             yield f"gradwatch_ingest_batch_seconds_sum {self.latency_sum:.6f}"
             yield f"gradwatch_ingest_batch_seconds_count {self.latency_count}"
+
+
+@dataclass
+class RetentionCounters:
+    """The retention job's totals in this process (server/lifecycle/retention.py), for /metrics."""
+
+    rows: dict[str, int] = field(default_factory=dict)     # by table
+    bytes_freed: int = 0
+    runs: int = 0            # runs compacted (something deleted)
+    runs_checked: int = 0
+    passes: int = 0
+    errors: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, **n: int) -> None:
+        with self._lock:
+            for k, v in n.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def add(self, table: str, rows: int, nbytes: int) -> None:
+        with self._lock:
+            self.rows[table] = self.rows.get(table, 0) + rows
+            self.bytes_freed += nbytes
+
+    def lines(self) -> Iterable[str]:
+        with self._lock:
+            yield "# HELP gradwatch_retention_rows_compacted_total Raw rows and fine rollups deleted by retention."
+            yield "# TYPE gradwatch_retention_rows_compacted_total counter"
+            for table in sorted({"steps", "layer_stats", "layer_rollups", "step_rollups", *self.rows}):
+                yield f'gradwatch_retention_rows_compacted_total{{table="{table}"}} {self.rows.get(table, 0)}'
+            for name, value, doc in (
+                ("gradwatch_retention_bytes_freed_estimate_total", self.bytes_freed,
+                 "Bytes retention freed, estimated: blob lengths plus a per-row overhead."),
+                ("gradwatch_retention_runs_processed_total", self.runs, "Runs retention compacted rows of."),
+                ("gradwatch_retention_runs_checked_total", self.runs_checked, "Runs retention looked at."),
+                ("gradwatch_retention_passes_total", self.passes, "Passes of the retention job."),
+                ("gradwatch_retention_errors_total", self.errors, "Retention passes that failed (logged)."),
+            ):
+                yield f"# HELP {name} {doc}"
+                yield f"# TYPE {name} counter"
+                yield f"{name} {value}"
 
 
 def lock_hold_lines(average: float, paced: float) -> Iterable[str]:

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import EXTRA_BASE, STEP_SIGNAL_NAMES, is_step_signal, layer_stat, step_signal
 
+from .lifecycle.retention_config import CompactionRecord
 from .models import (ROLLUP_LEVELS, Alert, CustomScalar, LayerRollup, LayerStat, Project, RankLayout, Run, RunEvent, Step,
                      StepRollup)
 from .numbers import NULL_F32_BITS, extra_measured, unpack_extra
@@ -259,6 +260,12 @@ def _step_bounds(session: Session, table, run_id: int, rank: int, extra) -> tupl
     return _bounds(session, table.step, [table.run_id == run_id, table.rank == rank, *extra])
 
 
+def _compaction(session: Session, run_id: int) -> Optional[CompactionRecord]:
+    """What retention took from a run's raw rows (server/lifecycle/retention.py), or None: all are there.
+    Where raw rows are gone, series and heatmaps read the rollups retention kept."""
+    return CompactionRecord.of(session.scalar(select(Run.config).where(Run.id == run_id)))
+
+
 def _fetch_blobs(session: Session, stmt) -> list[tuple[int, bytes]]:
     """(int, bytes) rows without ORM overhead. On PostgreSQL the result comes in
     binary format: bytea in text format is hex, twice the bytes and a parse."""
@@ -356,6 +363,9 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
     table, col, nanflag, extra = _signal_source(signal)
     base = [table.run_id == run_id, table.rank == rank, *extra]
     lo, hi = bounds if bounds is not None else _step_bounds(session, table, run_id, rank, extra)
+    rec = _compaction(session, run_id) if table is Step else None    # custom scalars are kept raw
+    if rec is not None and bounds is None:
+        lo, hi = rec.bounds(rank, lo, hi)
     if lo is None:
         return 1, []
     start = lo if start is None else max(start, lo)
@@ -364,6 +374,8 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
         return 1, []
     where = [*base, table.step >= start, table.step <= end]
     bucket = max(1, math.ceil((end - start + 1) / max_points))
+    if rec is not None:     # raw rows compacted in the range: its buckets are a kept rollup level at least
+        bucket = max(bucket, rec.step_level_for(start))
     if bucket == 1:
         return 1, _raw_points(session, table, col, nanflag, where)
     level = choose_level(bucket) if table is Step else 0
@@ -467,6 +479,9 @@ def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Seque
     for signal, (table, _, _, extra) in sources.items():
         for run_id in run_ids:
             lo, hi = _step_bounds(session, table, run_id, rank, extra)
+            rec = _compaction(session, run_id) if table is Step else None
+            if rec is not None:
+                lo, hi = rec.bounds(rank, lo, hi)
             if lo is not None:
                 lo_all = lo if lo_all is None else min(lo_all, lo)
                 hi_all = hi if hi_all is None else max(hi_all, hi)
@@ -508,9 +523,13 @@ def layer_names_for(run: Run | RunDetail, stat: str) -> list[str]:
 
 
 def list_layer_stats(session: Session, *, run_id: int, rank: int = 0) -> list[str]:
-    return list(session.scalars(
+    stats = list(session.scalars(
         select(LayerStat.stat).where(LayerStat.run_id == run_id, LayerStat.rank == rank).distinct()
     ).all())
+    if _compaction(session, run_id) is not None:    # a statistic whose raw rows are gone lives on in its rollups
+        stats += [s for s in session.scalars(select(LayerRollup.stat).where(
+            LayerRollup.run_id == run_id, LayerRollup.rank == rank).distinct()) if s not in stats]
+    return stats
 
 
 def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optional[int] = None,
@@ -536,6 +555,9 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     names = layer_names_for(run, stat)
     base = [LayerStat.run_id == run_id, LayerStat.stat == stat, LayerStat.rank == rank]
     lo, hi = _bounds(session, LayerStat.step, base)
+    rec = CompactionRecord.of(run.config)
+    if rec is not None:
+        lo, hi = rec.bounds(rank, lo, hi)
     empty = LayerMatrix(run_id=run_id, stat=stat, rank=rank, agg=agg, bucket_size=1, layer_group_size=1,
                         steps=[], layers=names[:max_layers], values=[])
     if lo is None:
@@ -551,6 +573,9 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
                               f"{MAX_MATRIX_CELLS:,} cells: ask for fewer steps or layers")
     bucket = max(1, math.ceil((end - start + 1) / max_steps))
     level = _coarsest_keeping_columns(choose_level(bucket), bucket, end - start + 1)
+    if rec is not None and rec.layer_level_for(rank, start) > level:   # raw rows (or fine rollups) compacted
+        level = rec.layer_level_for(rank, start)
+        bucket = max(bucket, level)
     while True:
         # what the answer reads: partials of this level (or raw rows) × layers; too many, and the buckets
         # widen to the next level (a coarser heatmap of the same range) rather than the memory growing
@@ -863,6 +888,9 @@ def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], st
         raise RequestTooLarge(f"{len(ranks)} ranks × max_steps={max_steps} × {len(signals)} signals is more than "
                               f"{MAX_MATRIX_CELLS:,} cells: ask for fewer steps, ranks or signals")
     bounds = [_bounds(session, Step.step, [Step.run_id == run_id, Step.rank == r]) for r in ranks]
+    rec = CompactionRecord.of(run.config)
+    if rec is not None:
+        bounds = [rec.bounds(r, *b) for r, b in zip(ranks, bounds)]
     los = [lo for lo, _ in bounds if lo is not None]
     empty = [RankMatrix(run_id=run_id, signal=s, bucket_size=1, steps=[], ranks=ranks, min=[], max=[], last=[],
                         nonfinite=[]) for s in signals]
@@ -891,6 +919,8 @@ def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], st
     per_signal: dict[str, list] = {s: [] for s in signals}
     bucket_sizes: dict[str, int] = {}
     bucket = max(1, math.ceil(span / points))
+    if rec is not None:
+        bucket = max(bucket, rec.step_level_for(lo))
     level = choose_level(bucket)
     if level:
         # every rank's rollup partials in one read (a partial holds every step signal), merged for every

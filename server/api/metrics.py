@@ -23,6 +23,9 @@ def metrics(request: Request, session: SessionDep, settings: SettingsDep) -> Pla
     hold = request.app.state.lock_hold
     lines += lock_hold_lines(hold.average, hold.seconds)
     lines += database_lines(session)
+    retention = getattr(request.app.state, "retention_counters", None)     # server/lifecycle/retention.py
+    if retention is not None:
+        lines += retention.lines()
     body = "\n".join(lines) + "\n"
     auth = request.app.state.auth
     if auth is None:
