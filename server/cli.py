@@ -262,6 +262,8 @@ SUBCOMMANDS: list[Callable] = [
     _module(".webhooks.cli", "webhooks", "webhook endpoints and deliveries"),
     _module(".importers.cli", "import", "runs logged by TensorBoard or W&B, turned into gradwatch runs"),
     _module(".routing.cli", "silence", "silences: mute alerts matching labels until they expire"),
+    # registers runs, projects, backup and restore
+    _module(".lifecycle.cli", "runs", "list runs with their sizes, delete runs and projects, back up and restore"),
 ]
 
 
