@@ -113,15 +113,15 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     cfg = AgentConfig.from_sources({**config, "project": project, "run": run, "server": server})
     # the training stacks' wrappers (Accelerate, Lightning, Fabric, DeepSpeed) unwrapped; what cannot be
     # hooked is dropped and said once, instead of raising into the user's script (agent/unwrap.py)
-    model = unwrap_model(model)
+    model, why_model = unwrap_model(model)
     optimizer, why_optimizer = unwrap_optimizer(optimizer)
     scaler, why_scaler = unwrap_scaler(scaler)
-    if (why_optimizer or why_scaler) and cfg.mode != "disabled":
+    notes = [w for w in (why_model, why_optimizer, why_scaler) if w]
+    if notes and cfg.mode != "disabled":
         import logging
 
         logging.getLogger("gradwatch.agent").warning(
-            "gradwatch: %s; the rest is monitored as usual (docs/integrations.md)",
-            "; ".join(w for w in (why_optimizer, why_scaler) if w))
+            "gradwatch: %s; the rest is monitored as usual (docs/integrations.md)", "; ".join(notes))
     previous = existing(model)
     if previous is not None:
         if (previous.scaler is scaler and previous.ema is ema

@@ -40,10 +40,18 @@ _DEPTH = 6
 
 
 def hookable_optimizer(obj: Any) -> bool:
-    """Whether torch's step pre-/post-hooks can be registered on ``obj`` and it has param groups."""
+    """Whether torch's step pre-/post-hooks can be registered on ``obj`` and it has param groups.
+
+    The hook dictionaries must be the instance's own (``Optimizer.__init__`` ran on it): Fabric's
+    ``_FabricOptimizer`` forwards unknown attributes to the optimizer it wraps (``__getattr__``), so
+    ``getattr`` alone would call a wrapper hookable and hook it through the wrapped one's dicts."""
+    try:
+        own = vars(obj)
+    except TypeError:
+        return False
     return (isinstance(obj, torch.optim.Optimizer)
-            and isinstance(getattr(obj, "_optimizer_step_pre_hooks", None), dict)
-            and isinstance(getattr(obj, "_optimizer_step_post_hooks", None), dict)
+            and isinstance(own.get("_optimizer_step_pre_hooks"), dict)
+            and isinstance(own.get("_optimizer_step_post_hooks"), dict)
             and isinstance(getattr(obj, "param_groups", None), list))
 
 
@@ -88,16 +96,21 @@ def unwrap_optimizer(optimizer: Any) -> tuple[Any, Optional[str]]:
                   f"or at each monitor.log(loss=...) instead of at the optimizer's step")
 
 
-def unwrap_model(model: Any) -> Any:
-    """The ``nn.Module`` to watch: Fabric's and DeepSpeed's wrappers unwrapped; DDP/FSDP kept."""
-    obj = model
+def unwrap_model(model: Any) -> tuple[Any, Optional[str]]:
+    """The ``nn.Module`` to watch (Fabric's and DeepSpeed's wrappers unwrapped; DDP/FSDP kept) and,
+    for a DeepSpeed engine, what a plain ``attach`` misses (for the warning)."""
+    obj, note = model, None
     for _ in range(_DEPTH):
         if isinstance(obj, torch.nn.Module):
             inner = None
+            if _is_deepspeed_engine(obj):
+                note = ("a DeepSpeed engine keeps the grad norm, the loss scale and the skipped steps itself "
+                        "(under ZeRO 1/2 no p.grad is left to measure): "
+                        "gradwatch.agent.integrations.deepspeed.watch(engine) records them")
             if _is_fabric_module(obj) or _is_deepspeed_engine(obj):
                 inner = _inner(obj, _MODEL_INNER)
             if not isinstance(inner, torch.nn.Module):
-                return obj
+                return obj, note
             obj = inner
             continue
         inner = _inner(obj, _MODEL_INNER)
@@ -109,9 +122,9 @@ def unwrap_model(model: Any) -> Any:
                 pass
             inner = modules[0] if len(modules) == 1 else None
         if inner is None:
-            return model     # nothing inside: attach says what it needs
+            return model, None     # nothing inside: attach says what it needs
         obj = inner
-    return obj
+    return obj, note
 
 
 def _is_fabric_module(obj: Any) -> bool:

@@ -111,14 +111,13 @@ def run_fabric(args, out: Path) -> dict:
         monitor = agent.attach(model, optimizer=opt, **_attach_kwargs(args))
     else:
         monitor = watch(fabric, model, opt, **_attach_kwargs(args))
-    losses, norms, current = [], [], 0.0
+    losses, norms, current, step_loss = [], [], 0.0, None
     for i, (x, y) in enumerate(loader):
         accumulating = (i + 1) % args.accum != 0
         with fabric.no_backward_sync(model, enabled=accumulating):
             loss = torch.nn.functional.mse_loss(model(x).float(), y) / args.accum
             fabric.backward(loss)
-            if args.wrapper:
-                monitor.log(loss=loss.detach())
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
             current += loss.item()
         if not accumulating:
             norms.append(float(fabric.clip_gradients(model, opt, max_norm=1.0)))
@@ -126,6 +125,9 @@ def run_fabric(args, out: Path) -> dict:
             current = 0.0
             opt.step()
             opt.zero_grad()
+            if args.wrapper:   # no optimizer hook: each monitor.log(loss=...) is one step, after the update
+                monitor.log(loss=step_loss)
+            step_loss = None
     monitor.close()
     return {"world_size": fabric.world_size, "steps": len(losses), "loss": losses, "grad_norm": norms,
             "model": type(model).__name__}

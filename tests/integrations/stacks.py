@@ -47,3 +47,19 @@ def max_rel(actual: list, expected: list) -> float:
         assert a is not None and e is not None, (actual, expected)
         worst = max(worst, abs(float(a) - float(e)) / max(abs(float(e)), 1e-12))
     return worst
+
+
+def require_installed(module: str) -> None:
+    """Skip the calling test module when ``module`` is not installed (fail under CI=true), without
+    importing it here: the stacks run in their own processes."""
+    import importlib.util
+
+    import pytest
+
+    from tests.conftest import IN_CI
+
+    if importlib.util.find_spec(module) is None:
+        what = f"{module} (pip install -e '.[test]')"
+        if IN_CI:
+            pytest.fail(f"{what} is required when CI=true", pytrace=False)
+        pytest.skip(f"{what} not available", allow_module_level=True)
