@@ -54,8 +54,12 @@ def _import_pages() -> None:
     _callback.GLOBAL_CALLBACK_LIST.clear()
 
 
-def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=None):
+def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=None, write_sessionmaker=None,
+                write_gate=None):
     """The dashboard app, reading through ``sessionmaker``; mount ``app.server`` at "/".
+
+    ``write_sessionmaker`` / ``write_gate``: the server's ingest write sessions and gate, which a run's
+    delete takes for each of its bounded transactions (server/lifecycle/delete.py).
 
     ``deliveries_queued``: called (from any thread) after the dashboard queues a webhook delivery.
     ``live_news``: the server's :class:`~gradwatch.server.live_news.LiveNews` (None: run pages poll).
@@ -66,7 +70,8 @@ def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=Non
 
     from gradwatch.dashboard import gateway
 
-    gateway.configure(sessionmaker, settings, deliveries_queued=deliveries_queued, live_news=live_news)
+    gateway.configure(sessionmaker, settings, deliveries_queued=deliveries_queued, live_news=live_news,
+                      write_sessionmaker=write_sessionmaker, write_gate=write_gate)
     # Our own Flask app, told its instance folder (never used): left to find it, Flask walks the
     # top-level package's search path, and `gradwatch` is a namespace package whose editable-install
     # path holds no folder it can match (StopIteration: the dashboard would not load).

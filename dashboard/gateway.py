@@ -17,15 +17,20 @@ _sessionmaker = None
 _settings = None
 _deliveries_queued = None   # the server's "send due webhook deliveries now" (None: it polls every second)
 _live_news = None           # the server's LiveNews: run pages wait for new steps (None: they poll)
+_write_sessionmaker = None  # the server's write sessions and ingest gate: a delete's transactions take them
+_write_gate = None
 
 
-def configure(sessionmaker, settings, *, deliveries_queued=None, live_news=None) -> None:
+def configure(sessionmaker, settings, *, deliveries_queued=None, live_news=None, write_sessionmaker=None,
+              write_gate=None) -> None:
     """Called once by ``create_dash``: every later call reads through this sessionmaker."""
-    global _sessionmaker, _settings, _deliveries_queued, _live_news
+    global _sessionmaker, _settings, _deliveries_queued, _live_news, _write_sessionmaker, _write_gate
     _sessionmaker = sessionmaker
     _settings = settings
     _deliveries_queued = deliveries_queued
     _live_news = live_news
+    _write_sessionmaker = write_sessionmaker
+    _write_gate = write_gate
 
 
 def settings():
@@ -142,10 +147,16 @@ def _series(result: Any) -> dict:
 
 
 def list_runs(*, project: Optional[str] = None, status: Optional[str] = None, name: Optional[str] = None) -> list[dict]:
+    """The runs, each with ``bytes``: its estimated size (server/lifecycle/sizes.py)."""
     from gradwatch.server import queries
+    from gradwatch.server.lifecycle import sizes
     with _session() as s:
-        return _unwrap(queries.list_runs(s, project=_scoped(project), status=status or None, name=name or None,
+        runs = _unwrap(queries.list_runs(s, project=_scoped(project), status=status or None, name=name or None,
                                          stall_seconds=_stall_seconds()), "runs")
+        size = sizes.run_bytes(s, [r["id"] for r in runs])
+    for r in runs:
+        r["bytes"] = size.get(r["id"])
+    return runs
 
 
 def get_run(run_id: int) -> Optional[dict]:
@@ -461,3 +472,55 @@ def expire_silence(silence_id: int) -> bool:
     if _deliveries_queued is not None:
         _deliveries_queued()
     return row is not None
+
+
+# --------------------------------------------------------------------------- data lifecycle
+
+def delete_preview(run_id: int) -> Optional[dict]:
+    """What deleting a run would take: its name, project, status and estimated bytes (None: not visible)."""
+    from gradwatch.server.lifecycle import delete, sizes
+    with _session() as s:
+        if not _run_visible(s, run_id):
+            return None
+        refs = delete.select_runs(s, run_ids=[run_id], stall_seconds=_stall_seconds())
+        if not refs:
+            return None
+        r = refs[0]
+        return {"id": r.id, "name": r.name, "project": r.project, "status": r.status,
+                "bytes": sizes.run_bytes(s, [r.id]).get(r.id, 0)}
+
+
+def delete_run(run_id: int, *, force: bool) -> dict:
+    """Delete a run (server/lifecycle/delete.py): ``{"deleted": bool, "rows", "bytes", "message"}``.
+    A run still sending is refused unless ``force`` (the message says so)."""
+    from types import SimpleNamespace
+
+    from gradwatch.server.lifecycle import delete
+    with _session() as s:
+        if not _run_visible(s, run_id):
+            return {"deleted": False, "rows": 0, "bytes": 0, "message": f"run {run_id} not found"}
+        refs = delete.select_runs(s, run_ids=[run_id], stall_seconds=_stall_seconds())
+    if not refs:
+        return {"deleted": False, "rows": 0, "bytes": 0, "message": f"run {run_id} not found"}
+    database = SimpleNamespace(sessionmaker=_sessionmaker, write_sessionmaker=_write_sessionmaker or _sessionmaker)
+    try:
+        report = delete.delete_runs(database, runs=refs, force=force, stall_seconds=_stall_seconds(),
+                                    gate=_write_gate)
+    except delete.RunStillSending as e:
+        return {"deleted": False, "rows": 0, "bytes": 0, "message": str(e)}
+    done = bool(report.runs)
+    return {"deleted": done, "rows": report.rows, "bytes": sum(report.bytes.values()),
+            "message": f"deleted run {refs[0].name!r}" if done else f"run {run_id} was already being deleted"}
+
+
+def format_bytes(n: Optional[float]) -> str:
+    """``1.38 GB``: decimal units, as the CLI prints them."""
+    from gradwatch.server.lifecycle.cli import human_bytes
+    return human_bytes(n)
+
+
+def database_size() -> dict:
+    """``{"dialect", "bytes", "free_bytes"}`` (server/lifecycle/sizes.py)."""
+    from gradwatch.server.lifecycle import sizes
+    with _session() as s:
+        return _plain(sizes.database_size(s))

@@ -148,7 +148,8 @@ def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> No
                 worker.wake()
 
         dash_app = create_dash(database.sessionmaker, settings, deliveries_queued=deliveries_queued,
-                               live_news=app.state.live_news)
+                               live_news=app.state.live_news, write_sessionmaker=database.write_sessionmaker,
+                               write_gate=app.state.write_gate)
     except Exception as e:  # noqa: BLE001 - the API must keep serving even if the dashboard cannot load
         log.exception("dashboard failed to load; serving the API only")
         from fastapi.responses import PlainTextResponse

@@ -5,6 +5,10 @@ The "Early warning" column (docs/dashboard.md): a run with a firing alert of the
 info-level notes (the configuration advice H5-H9, mostly) show a quieter "advice" mark with their count.
 An acknowledged alert still counts while it fires, as in the Health column: acknowledging says someone
 saw it, not that the condition went away; a resolved one no longer counts.
+
+"Size" is the run's estimated bytes in the database (server/lifecycle/sizes.py). Each row's "Delete" asks
+for confirmation first (naming the run, its project and size, and saying when it is still sending), then
+deletes the run and every row it owns (server/lifecycle/delete.py).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import time
 from typing import Optional
 
 import dash
-from dash import Input, Output, State, callback, dcc, html, no_update
+from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from gradwatch.dashboard import gateway
 from gradwatch.dashboard.ticks import pause_while_running
@@ -55,7 +59,7 @@ def runs_table(runs: list[dict], *, now: float, stall_seconds: float,
     early = early or {}
     head = html.Thead(html.Tr([html.Th(h) for h in
                                ("Run", "Project", "Status", "Health", "Early warning", "Last step", "Last loss",
-                                "Started", "Last data")]))
+                                "Started", "Last data", "Size", "")]))
     rows = []
     for r in runs:
         status = display_status(r, now=now, stall_seconds=stall_seconds)
@@ -69,10 +73,13 @@ def runs_table(runs: list[dict], *, now: float, stall_seconds: float,
             html.Td(format_number(r.get("last_loss")), className="gw-num"),
             html.Td(format_time(r.get("started_at")), className="gw-muted"),
             html.Td(format_ago(r.get("last_seen"), now), className="gw-muted"),
+            html.Td(gateway.format_bytes(r.get("bytes")), className="gw-num gw-run-size"),
+            html.Td(html.Button("Delete", id={"type": "runs-delete", "run": r["id"]}, n_clicks=0,
+                                className="gw-button gw-button-danger", title="delete this run and all its data")),
         ], className="gw-run-row", id=f"runs-row-{r['id']}", **{"data-status": status}))
     if not rows:
         rows = [html.Tr(html.Td("No runs yet. Attach the agent to a training loop: "
-                                "agent.attach(model, scaler, server=...)", colSpan=9, className="gw-empty"))]
+                                "agent.attach(model, scaler, server=...)", colSpan=11, className="gw-empty"))]
     return html.Table([head, html.Tbody(rows)], className="gw-table", id="runs-table-el")
 
 
@@ -89,7 +96,10 @@ def layout(**_query):
                           className="gw-input"),
             ], className="gw-filters"),
         ], className="gw-page-head"),
+        html.Div(id="runs-delete-status", className="gw-muted"),
         html.Div(id="runs-table", className="gw-card"),
+        dcc.ConfirmDialog(id="runs-delete-confirm"),
+        dcc.Store(id="runs-delete-target"),
         dcc.Store(id="runs-signature"),
         dcc.Interval(id="runs-interval", interval=REFRESH_MS),
     ])
@@ -120,12 +130,55 @@ def refresh_runs(_tick, project, status, name, signature):
     early = gateway.early_warnings([r["id"] for r in runs])
     # "last data" is relative to now, so it changes every tick; compare it in 5 s steps.
     new_sig = [[r["id"], r.get("status"), r.get("last_step"), str(r.get("last_loss")), r.get("health"),
-                r.get("open_alerts"), early.get(r["id"]), int((now - (r.get("last_seen") or now)) // 5)] for r in runs]
+                r.get("open_alerts"), early.get(r["id"]), int((now - (r.get("last_seen") or now)) // 5),
+                r.get("bytes")] for r in runs]
     new_sig = {"rows": new_sig, "projects": projects, "filters": [project, status, name]}
     if new_sig == signature:
         return no_update, no_update, no_update
     return (runs_table(runs, now=now, stall_seconds=stall, early=early),
             [{"label": p, "value": p} for p in projects], new_sig)
+
+
+def delete_message(run: dict) -> str:
+    """The confirmation's text: what goes, how big it is, and that it cannot be undone."""
+    text = (f"Delete run {run['name']!r} of project {run['project']!r} ({gateway.format_bytes(run.get('bytes'))})?\n\n"
+            f"Every step, layer statistic, alert and incident of it is removed. This cannot be undone.")
+    if run.get("status") == "running":
+        text += "\n\nIt is still sending: its later batches will be refused."
+    return text
+
+
+@callback(
+    Output("runs-delete-confirm", "displayed"),
+    Output("runs-delete-confirm", "message"),
+    Output("runs-delete-target", "data"),
+    Input({"type": "runs-delete", "run": ALL}, "n_clicks"),
+    prevent_initial_call=True,
+)
+def ask_delete(_clicks):
+    trigger = ctx.triggered_id
+    if not isinstance(trigger, dict) or not (ctx.triggered and ctx.triggered[0].get("value")):
+        return no_update, no_update, no_update      # the table re-rendered: no click
+    run = gateway.delete_preview(int(trigger["run"]))
+    if run is None:
+        return no_update, no_update, no_update
+    return True, delete_message(run), {"id": run["id"], "force": run["status"] == "running"}
+
+
+@callback(
+    Output("runs-delete-status", "children"),
+    Input("runs-delete-confirm", "submit_n_clicks"),
+    State("runs-delete-target", "data"),
+    prevent_initial_call=True,
+)
+def confirm_delete(_submitted, target):
+    if not target:
+        return no_update
+    # the user confirmed a dialog that said whether the run is still sending: that is the force
+    out = gateway.delete_run(int(target["id"]), force=bool(target.get("force")))
+    if out["deleted"]:
+        return f"{out['message']}: {out['rows']:,} rows, {gateway.format_bytes(out['bytes'])} estimated"
+    return out["message"]
 
 
 dash.register_page(__name__, path="/", name="Runs", title="gradwatch · runs", order=0, layout=layout)

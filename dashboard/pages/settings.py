@@ -26,12 +26,23 @@ def _projects() -> list[str]:
     return sorted({r.get("project", "") for r in gateway.list_runs()} | {"default"})
 
 
+def storage_line(size: dict) -> html.P:
+    """The database's total size (server/lifecycle/sizes.py); each run's own is on the runs page."""
+    kind = "SQLite" if size.get("dialect") == "sqlite" else "PostgreSQL"
+    text = f"Database: {kind}, {gateway.format_bytes(size.get('bytes'))}"
+    if size.get("free_bytes"):
+        text += f" ({gateway.format_bytes(size['free_bytes'])} of it free, reused by new data)"
+    return html.P(text + ". Each run's size is on the Runs page; deleting runs: docs/deployment.md.",
+                  id="settings-storage", className="gw-muted")
+
+
 def layout(**_query):
     projects = _projects()
     first = next((p for p in projects if p != "default"), "default")
     options = [{"label": p, "value": p} for p in projects]
     return html.Div([
         html.H1("Settings", className="gw-title"),
+        storage_line(gateway.database_size()),
         html.Section([
             html.H2("Webhook endpoints", className="gw-subtitle"),
             html.P("Alerts of a project at or above the chosen severity are POSTed to its endpoints (HMAC-signed "
