@@ -59,6 +59,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
                                 senders={"mailto": EmailSender(SmtpSettings.from_env(os.environ))})
         app.state.delivery_worker = worker
         await worker.start()
+        _finish_deletes(database, app.state.write_gate)
         from .lifecycle.retention import RetentionJob, retention_configured
 
         retention = None
@@ -115,6 +116,29 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
         # Mounted last so every API route above wins; the Dash app gets the rest.
         _mount_dashboard(app, database, settings)
     return app
+
+
+def _finish_deletes(database: Database, gate) -> None:
+    """Deletes a stopped server left half-done (runs marked deleted, rows still there) are finished in the
+    background: the runs stay hidden and refused meanwhile (server/lifecycle/delete.py)."""
+    import threading
+
+    from sqlalchemy import select
+
+    from .lifecycle.delete import purge_pending
+    from .models import Run
+
+    with database.sessionmaker() as session:
+        if session.scalar(select(Run.id).where(Run.deleted_at.is_not(None)).limit(1)) is None:
+            return
+
+    def work():
+        try:
+            purge_pending(database.write_sessionmaker, gate=gate)
+        except Exception:  # noqa: BLE001 - the next start finishes it
+            log.exception("finishing an interrupted delete failed; the next start tries again")
+
+    threading.Thread(target=work, name="gradwatch-finish-deletes", daemon=True).start()
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -166,3 +166,25 @@ def test_run_list_and_detail_carry_bytes_and_storage_the_database_size(server_fa
     assert status == 200 and storage["dialect"] == "sqlite"
     assert storage["bytes"] == os.path.getsize(path)
     assert runs[big]["bytes"] < storage["bytes"]
+
+
+def test_a_delete_cut_short_is_finished_at_the_next_start(server_factory, db_url):
+    from gradwatch.server.db import open_database
+    from gradwatch.server.lifecycle.delete import mark_runs, select_runs
+
+    srv = server_factory(db_url)
+    run_id = fill_run(srv, project="p", run="cut", steps=40)
+    alerts, groups = _owned_ids(db_url, run_id)
+    srv.stop()
+    # the server stopped right after the mark committed: the rows are all still there
+    database = open_database(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with database.write_sessionmaker() as session:
+        refs = select_runs(session, run_ids=[run_id], stall_seconds=300)
+        mark_runs(session, runs=refs, force=True, stall_seconds=300)
+        session.commit()
+    database.dispose()
+    assert rows_of_run(db_url, run_id)["steps"] > 0
+    srv.start()
+    assert srv.get(f"/api/v1/runs/{run_id}")[0] == 404       # hidden from the start
+    wait_until(lambda: rows_of_run(db_url, run_id)["runs"] == 0, timeout=60, what="the purge finished at start")
+    assert_no_orphans(db_url, run_id, alerts, groups)
