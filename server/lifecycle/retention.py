@@ -340,19 +340,20 @@ def compact_run(database, *, run_id: int, policy: RetentionPolicy, now: Optional
                                 col="bucket", lo=0, hi=raw_before // level, blob="data", label="step_rollups",
                                 **common)
         # the partials left of each kept bucket (one per batch that touched it: an agent's 0.5 s batches
-        # leave ~13 per level-256 bucket) merged into one, level by level; buckets wholly below the boundary
+        # leave ~13 per level-256 bucket) merged into one, level by level, up to the bucket holding the
+        # boundary (merging is exact whenever it runs: a reader merges a merged partial with later ones)
         old_before = old.raw_before if old else 0
         for level in (lv for lv in ROLLUP_LEVELS if lv >= policy.step_level):
             for r in ranks:
                 _merge_windows(writer, table="step_rollups", keys={"run_id": run_id, "rank": r, "level": level},
-                               lo=old_before // level, hi=raw_before // level, batch_rows=batch_rows,
+                               lo=old_before // level, hi=-(-raw_before // level), batch_rows=batch_rows,
                                merge=merge_step_blobs, counters=counters, job=job)
         for level in (lv for lv in ROLLUP_LEVELS if lv >= policy.layer_level):
             for stat in rollup_stats:
                 for r in layer_ranks:
                     _merge_windows(writer, table="layer_rollups",
                                    keys={"run_id": run_id, "stat": stat, "rank": r, "level": level},
-                                   lo=old_before // level, hi=raw_before // level, batch_rows=batch_rows,
+                                   lo=old_before // level, hi=-(-raw_before // level), batch_rows=batch_rows,
                                    merge=merge_layer_blobs, counters=counters, job=job)
     if rank_before > raw_before:
         # the ranks' own per-layer rows of steps whose combined row exists (server/ranks.py)
