@@ -117,7 +117,7 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     optimizer, why_optimizer = unwrap_optimizer(optimizer)
     scaler, why_scaler = unwrap_scaler(scaler)
     notes = [w for w in (why_model, why_optimizer, why_scaler) if w]
-    if notes and cfg.mode != "disabled":
+    if notes:
         import logging
 
         logging.getLogger("gradwatch.agent").warning(

@@ -54,11 +54,21 @@ def test_attach_validates_before_training_starts(tmp_path):
     model = TinyNet()
     with pytest.raises(ValueError, match="mode="):
         agent.attach(model, mode="sometimes")
-    with pytest.raises(ValueError, match="scaler="):
-        agent.attach(model, scaler=object())
     with pytest.raises(ValueError, match="model="):
         agent.attach(object())
     assert not model._forward_pre_hooks    # nothing was installed
+
+
+def test_attach_drops_a_scaler_or_optimizer_it_cannot_hook_with_one_warning(caplog):
+    """Not a bad setting: a wrapper it does not know (issue 36). Tested further in
+    tests/integrations/test_unknown_wrappers.py."""
+    model = TinyNet()
+    with caplog.at_level("WARNING", logger="gradwatch.agent"):
+        monitor = agent.attach(model, scaler=object(), optimizer=object(), mode="disabled")
+    assert monitor.scaler is None and monitor.optimizer is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "gradwatch.agent"]
+    assert "scaler object is not a torch.amp.GradScaler" in warning and "optimizer object" in warning
+    monitor.close()
 
 
 def test_attach_reads_the_environment(monkeypatch, tmp_path):

@@ -33,9 +33,9 @@ def _check(server, name: str, records: list[dict], *, grad_norm_signal: str = "g
         assert rec["warnings"] == []
         loss = stored(server, rid, "loss", rank)
         assert sorted(loss) == list(range(STEPS)), f"rank {rank}: one gradwatch step per optimizer step"
-        assert max_rel([loss[s] for s in range(STEPS)], rec["loss"]) <= 1e-6
+        assert max_rel([loss[s] for s in range(STEPS)], rec["loss"], f"{name} rank {rank} loss") <= 1e-6
         norm = stored(server, rid, grad_norm_signal, rank)
-        assert max_rel([norm[s] for s in range(STEPS)], rec["grad_norm"]) <= 1e-6
+        assert max_rel([norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} rank {rank} {grad_norm_signal}") <= 1e-6
     # the gradients are all-reduced: one grad norm on both ranks; each rank's loss its own batches'
     assert max_rel(records[0]["grad_norm"], records[1]["grad_norm"]) <= 1e-6
     assert records[0]["loss"] != records[1]["loss"]

@@ -39,13 +39,16 @@ def stored(server, rid: int, signal: str, rank: int = 0) -> dict[int, float | No
     return {p["step"]: None if p["last"] is None else float(p["last"]) for p in body["steps"]}
 
 
-def max_rel(actual: list, expected: list) -> float:
-    """The largest relative difference (the measure the closing note reports)."""
+def max_rel(actual: list, expected: list, label: str = "") -> float:
+    """The largest relative difference; printed with ``label`` (``pytest -s`` shows the figures that
+    docs/integrations.md quotes)."""
     assert len(actual) == len(expected), (actual, expected)
     worst = 0.0
     for a, e in zip(actual, expected):
         assert a is not None and e is not None, (actual, expected)
         worst = max(worst, abs(float(a) - float(e)) / max(abs(float(e)), 1e-12))
+    if label:
+        print(f"\n[max rel] {label}: {worst:.2e}")
     return worst
 
 

@@ -32,5 +32,5 @@ def test_accelerate_loop_stores_acceleratess_loss_and_grad_norm(gw_server, tmp_p
     rid = run_id(gw_server, name)
     loss, grad_norm = stored(gw_server, rid, "loss"), stored(gw_server, rid, "grad_norm")
     assert sorted(loss) == list(range(STEPS)), "one gradwatch step per optimizer step, not per micro-batch"
-    assert max_rel([loss[s] for s in range(STEPS)], rec["loss"]) <= 1e-6
-    assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"]) <= 1e-6
+    assert max_rel([loss[s] for s in range(STEPS)], rec["loss"], f"{name} loss") <= 1e-6
+    assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} grad_norm") <= 1e-6

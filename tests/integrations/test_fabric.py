@@ -29,8 +29,8 @@ def test_fabric_loop_stores_fabrics_loss_and_grad_norm(gw_server, tmp_path, prec
     rid = run_id(gw_server, name)
     loss, grad_norm = stored(gw_server, rid, "loss"), stored(gw_server, rid, "grad_norm")
     assert sorted(loss) == list(range(STEPS))
-    assert max_rel([loss[s] for s in range(STEPS)], rec["loss"]) <= 1e-6
-    assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"]) <= 1e-6
+    assert max_rel([loss[s] for s in range(STEPS)], rec["loss"], f"{name} loss") <= 1e-6
+    assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} grad_norm") <= 1e-6
 
 
 def test_an_unknown_optimizer_wrapper_warns_once_and_the_loop_runs(gw_server, tmp_path):
@@ -46,6 +46,6 @@ def test_an_unknown_optimizer_wrapper_warns_once_and_the_loop_runs(gw_server, tm
     rid = run_id(gw_server, name)
     loss, grad_norm = stored(gw_server, rid, "loss"), stored(gw_server, rid, "grad_norm")
     assert sorted(loss) == list(range(STEPS))
-    assert max_rel([loss[s] for s in range(STEPS)], rec["loss"]) <= 1e-6
-    assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"]) <= 1e-6
+    assert max_rel([loss[s] for s in range(STEPS)], rec["loss"], f"{name} loss") <= 1e-6
+    assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} grad_norm") <= 1e-6
     assert not any(v is not None for v in stored(gw_server, rid, "lr").values()), "no LR without the optimizer"
