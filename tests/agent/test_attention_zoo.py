@@ -93,17 +93,17 @@ def reference_mha_max(mha: nn.MultiheadAttention, query, key, key_padding_mask=N
     assert mha.bias_k is None and not mha.add_zero_attn
     if mha.batch_first:
         query, key = query.transpose(0, 1), key.transpose(0, 1)
-    query, key = query.detach().double(), key.detach().double()
     e, h = mha.embed_dim, mha.num_heads
     hd = e // h
     if mha._qkv_same_embed_dim:
-        wq, wk, _ = mha.in_proj_weight.detach().double().chunk(3)
+        wq, wk, _ = mha.in_proj_weight.detach().chunk(3)
     else:
-        wq, wk = mha.q_proj_weight.detach().double(), mha.k_proj_weight.detach().double()
+        wq, wk = mha.q_proj_weight.detach(), mha.k_proj_weight.detach()
     bq = bk = None
     if mha.in_proj_bias is not None:
-        bq, bk, _ = mha.in_proj_bias.detach().double().chunk(3)
-    q, k = F.linear(query, wq, bq), F.linear(key, wk, bk)           # (L, N, E), (S, N, E)
+        bq, bk, _ = mha.in_proj_bias.detach().chunk(3)
+    with torch.no_grad():    # projected as the model projects them (under autocast: its dtype), then float64
+        q, k = F.linear(query, wq, bq).double(), F.linear(key, wk, bk).double()   # (L, N, E), (S, N, E)
     L, n = q.shape[:2]
     S = k.shape[0]
     best = -math.inf
@@ -262,9 +262,11 @@ def check_ground_truth(z: ZooModel, model: nn.Module, gt: GroundTruth) -> dict[s
 
 # --------------------------------------------------------------------------- training with the agent attached
 
-def train(z: ZooModel, settings: dict, **attach) -> tuple[nn.Module, list[dict[str, float]], list[GroundTruth]]:
+def train(z: ZooModel, settings: dict, amp: bool = False,
+          **attach) -> tuple[nn.Module, list[dict[str, float]], list[GroundTruth]]:
     """``STEPS`` real optimizer steps with the agent attached (attn_logits_every=1); per step the ground
-    truth of that step's forward, from a replay of it before the weights move."""
+    truth of that step's forward, from a replay of it before the weights move. ``amp``: the forwards
+    under bf16 autocast."""
     model = z.build()
     opt = torch.optim.AdamW(model.parameters(), lr=z.lr)
     monitor = agent.attach(model, None, optimizer=opt, attn_logits_every=1, **settings, **attach)
@@ -272,14 +274,16 @@ def train(z: ZooModel, settings: dict, **attach) -> tuple[nn.Module, list[dict[s
     for step in range(STEPS):
         batch, inputs = model_inputs(z, step)
         opt.zero_grad()
-        out = model(**inputs)
-        with GroundTruth(model) as gt:
-            again = model(**inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = model(**inputs)
+            loss = z.loss(out, batch)
+            with GroundTruth(model) as gt:
+                again = model(**inputs)
         # the replay computed what the training forward computed
         torch.testing.assert_close(main_tensor(again), main_tensor(out), rtol=0, atol=0)
         truths.append(check_ground_truth(z, model, gt))
         replays.append(gt)
-        z.loss(out, batch).backward()
+        loss.float().backward()
         opt.step()
     monitor.close()
     return model, truths, replays
@@ -293,10 +297,11 @@ def measured(recorder, step: int) -> tuple[dict[str, float], Optional[float]]:
     return {names[i]: v for i, v in enumerate(per) if v is not None}, s.get("attn_logit_max")
 
 
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("model_id", list(ZOO))
-def test_stored_attention_logits_equal_the_models_own(model_id, recorder, agent_settings):
+def test_stored_attention_logits_equal_the_models_own(model_id, amp, recorder, agent_settings):
     z = ZOO[model_id]
-    model, truths, replays = train(z, agent_settings, transport=recorder)
+    model, truths, replays = train(z, agent_settings, amp=amp, transport=recorder)
     expected = declared_attention(z, model)
     # where the masks decide a module's value, an agent that ignored them would fail here
     masked_away = sum(len(g.masked_away()) for g in replays)
@@ -313,7 +318,7 @@ def test_stored_attention_logits_equal_the_models_own(model_id, recorder, agent_
             worst = max(worst, rel_err(got[module], truth[module]))
         assert run_level == pytest.approx(max(truth.values()), rel=REL), (model_id, step)
         worst = max(worst, rel_err(run_level, max(truth.values())))
-    print(f"\nzoo: {model_id}: {len(expected)}/{len(expected)} modules, max rel error {worst:.1e}, "
+    print(f"\nzoo: {model_id} {'bf16-autocast' if amp else 'fp32'}: {len(expected)}/{len(expected)} modules, max rel error {worst:.1e}, "
           f"logits {min(min(t.values()) for t in truths):.3g}..{max(max(t.values()) for t in truths):.3g}, "
           f"decided by a mask in {masked_away}/{len(expected) * STEPS}")
 
