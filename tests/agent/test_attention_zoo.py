@@ -257,6 +257,8 @@ def check_ground_truth(z: ZooModel, model: nn.Module, gt: GroundTruth) -> dict[s
         src = gt.sources(module)
         if "mha" in src and "sdpa" in src:
             assert rel_err(src["sdpa"], src["mha"]) <= TWIN_REL, (module, src)
+        calls = [s for m, s, _ in gt.calls if m == module and not ("mha" in src and s == "sdpa")]
+        assert len(calls) == z.calls_per_module, (z.id, module, calls)
     return truth
 
 

@@ -10,7 +10,8 @@ What is in it (docs/early-warning-logits.md, "The attention-logit zoo", says wha
 
 * Hugging Face transformers, built from their configs, each with ``attn_implementation`` "eager" and
   "sdpa": GPT-2 (per-layer scaling 1/(√d·(layer+1))), Llama (grouped-query, rotary), Mistral
-  (grouped-query, rotary, sliding window, padding), BERT and DistilBERT (padding), ViT, OPT,
+  (grouped-query, rotary, sliding window, padding), BERT and DistilBERT (padding), ALBERT (one
+  attention module shared by all layers: several calls a forward), ViT, OPT,
   GPT-NeoX (fused ``query_key_value``, partial rotary), T5 (relative position bias, no scaling;
   encoder, causal decoder and cross attention, padding).
 * A ViT written as timm's ``VisionTransformer`` is (``timm.layers.Attention``: fused ``qkv``,
@@ -58,6 +59,7 @@ class ZooModel:
     # the test asserts that in some module and step a masked SDPA / MultiheadAttention logit would have
     # been the max: set where that holds for these weights and inputs (docs/early-warning-logits.md)
     masks_matter: bool = False
+    calls_per_module: int = 1                    # attention calls credited to each module in one forward
 
 
 # --------------------------------------------------------------------------- inputs
@@ -149,6 +151,12 @@ def hf_models() -> list[ZooModel]:
          dict(vocab_size=VOCAB, dim=D, n_layers=2, n_heads=HEADS, hidden_dim=64, max_position_embeddings=16,
               dropout=0.0, attention_dropout=0.0, pad_token_id=0),
          lambda s: lm_batch(s, pad=True), ("DistilBertSelfAttention",), 2, "q_lin/k_lin, padding"),
+        ("albert", "AlbertForMaskedLM", "AlbertConfig",
+         dict(vocab_size=VOCAB, embedding_size=16, hidden_size=D, num_hidden_layers=3, num_attention_heads=HEADS,
+              intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+              attention_probs_dropout_prob=0.0, pad_token_id=0),
+         lambda s: lm_batch(s, pad=True), ("AlbertAttention",), 1,
+         "one attention module shared by the 3 layers: called 3 times a forward, its value the max of the 3; padding"),
         ("vit", "ViTForImageClassification", "ViTConfig",
          dict(image_size=16, patch_size=4, num_channels=3, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
               intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
@@ -172,7 +180,8 @@ def hf_models() -> list[ZooModel]:
         for impl, other in (("eager", "sdpa"), ("sdpa", "eager")):
             out.append(ZooModel(f"hf-{ident}-{impl}", _hf(cls, cfg_cls, impl, **cfg), batch, hf_loss, types,
                                 twin=f"hf-{ident}-{other}", notes=notes, expected_count=count,
-                                masks_matter=impl == "sdpa" and ident != "vit"))
+                                masks_matter=impl == "sdpa" and ident != "vit",
+                                calls_per_module=cfg.get("num_hidden_layers", 1) if ident == "albert" else 1))
     return out
 
 
