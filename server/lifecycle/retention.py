@@ -88,8 +88,10 @@ def _stats(session, table: str, run_id: int) -> list[str]:
         out.append(cur)
 
 
-def policy_cutoff(session, run: Run, policy: RetentionPolicy, *, now: float, rank: int) -> Optional[int]:
-    """The first step whose raw rows the policy keeps (rows of earlier steps may go), or None: keep all."""
+def policy_cutoff(session, run: Run, policy: RetentionPolicy, *, now: float, rank: int,
+                  floor: int = 0) -> Optional[int]:
+    """The first step whose raw rows the policy keeps (rows of earlier steps may go), or None: keep all.
+    ``floor``: raw rows below it are gone already (the search for the first young step starts there)."""
     if policy.raw_days is None and policy.raw_steps is None:
         return None
     keep = []
@@ -100,8 +102,11 @@ def policy_cutoff(session, run: Run, policy: RetentionPolicy, *, now: float, ran
         keep.append(int(last) + 1 - policy.raw_steps)
     if policy.raw_days is not None:
         # the step's own time (the agent's clock): the first step young enough to keep
-        young = session.scalar(select(func.min(Step.step)).where(
-            Step.run_id == run.id, Step.rank == rank, Step.time >= now - policy.raw_days * 86400.0))
+        # in step order from the floor, stopping at the first young row: it reads the rows about to go
+        # (a min() with the time condition would read every row of the rank)
+        young = session.scalar(select(Step.step).where(
+            Step.run_id == run.id, Step.rank == rank, Step.step >= floor,
+            Step.time >= now - policy.raw_days * 86400.0).order_by(Step.step).limit(1))
         if young is None:
             last = session.scalar(select(func.max(Step.step)).where(Step.run_id == run.id, Step.rank == rank))
             if last is None:
@@ -286,7 +291,7 @@ def compact_run(database, *, run_id: int, policy: RetentionPolicy, now: Optional
         # one boundary for the whole run (every rank), on a step-rollup bucket's edge; finer rollups and
         # merges only touch buckets wholly below it, and a read from below it reads the kept levels
         align = policy.step_level
-        cut = policy_cutoff(session, run, policy, now=now, rank=lead)
+        cut = policy_cutoff(session, run, policy, now=now, rank=lead, floor=old.raw_before if old else 0)
         raw_before = max(old.raw_before if old else 0, _align(cut, align) if cut is not None and cut > 0 else 0)
         rank_before = old.rank_layers_before if old else 0
         if sharded and policy.rank_layer_steps is not None:
@@ -295,7 +300,7 @@ def compact_run(database, *, run_id: int, policy: RetentionPolicy, now: Optional
             if combined_last is not None:
                 last = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id, Step.rank == lead))
                 c = min(int(combined_last) + 1, int(last) + 1 - policy.rank_layer_steps)
-                rank_before = max(rank_before, _align(c, LEVELS_FINEST) if c > 0 else 0)
+                rank_before = max(rank_before, _align(c, ROLLUP_LEVELS[0]) if c > 0 else 0)
         if raw_before <= 0 and rank_before <= 0:
             return job
         if (old and raw_before <= old.raw_before and rank_before <= old.rank_layers_before
@@ -369,8 +374,6 @@ def compact_run(database, *, run_id: int, policy: RetentionPolicy, now: Optional
                  run_id, raw_before, rank_before, job.rows, job.bytes_freed / 1e6)
     return job
 
-
-LEVELS_FINEST = ROLLUP_LEVELS[0]
 
 
 def _raw_left(session, run_id: int, ranks: list[int], raw_before: int) -> bool:
