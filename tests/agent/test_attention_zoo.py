@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradwatch import agent
-from agent_helpers import find_run
+from agent_helpers import find_run, stored_events
 from tests.conftest import wait_until
 from zoo_models import ZOO, ZooModel, model_inputs
 
@@ -320,6 +320,9 @@ def test_stored_attention_logits_equal_the_models_own(model_id, amp, recorder, a
             worst = max(worst, rel_err(got[module], truth[module]))
         assert run_level == pytest.approx(max(truth.values()), rel=REL), (model_id, step)
         worst = max(worst, rel_err(run_level, max(truth.values())))
+    # the run says which modules it measures: one coverage event (the set never grew), naming them all
+    coverage = [e["data"] for e in recorder.events if e["kind"] == "attention_coverage"]
+    assert len(coverage) == 1 and sorted(coverage[0]["measured"]) == sorted(expected), coverage
     print(f"\nzoo: {model_id} {'bf16-autocast' if amp else 'fp32'}: {len(expected)}/{len(expected)} modules, max rel error {worst:.1e}, "
           f"logits {min(min(t.values()) for t in truths):.3g}..{max(max(t.values()) for t in truths):.3g}, "
           f"decided by a mask in {masked_away}/{len(expected) * STEPS}")
@@ -427,6 +430,8 @@ def test_a_zoo_model_through_a_real_server_stores_the_true_logits(shared_server,
     for step, truth in enumerate(truths):
         for module in expected:
             assert rows[module][step] == pytest.approx(truth[module], rel=REL), (step, module)
+    (event,) = stored_events(srv, "zoo", "t5-sdpa", kind="attention_coverage")
+    assert sorted(event["data"]["measured"]) == sorted(expected), event
     status, series = srv.get(f"/api/v1/runs/{run['id']}/series?signal=attn_logit_max&max_points=100")
     assert status == 200, series
     assert [(p["step"], p["count"]) for p in series["steps"]] == [(s, 1) for s in range(STEPS)]
