@@ -52,13 +52,14 @@ def watch(accelerator: Any, model: Any, optimizer: Any = None, **attach_kwargs: 
     The wrapper is set on the accelerator instance and does nothing once the monitor is closed."""
     scaler = getattr(accelerator, "scaler", None)
     monitor = agent.attach(model, scaler, optimizer=optimizer, **attach_kwargs)
-    if scaler is None or not getattr(scaler, "_enabled", True):
+    if scaler is None:   # with a scaler (enabled or not) Accelerate calls scaler.scale(loss): the agent sees it
         _report_backward_loss(accelerator, monitor)
     return monitor
 
 
 def _report_backward_loss(accelerator: Any, monitor: Any) -> None:
-    original = accelerator.backward
+    # watch() again: replace the earlier wrapper instead of stacking a second one (the loss twice)
+    original = getattr(accelerator.backward, "_gradwatch_original", accelerator.backward)
 
     def backward(loss, **kwargs):
         if not monitor.closed:
@@ -74,4 +75,5 @@ def _report_backward_loss(accelerator: Any, monitor: Any) -> None:
                 log.exception("gradwatch: could not report the loss; continuing without it")
         return original(loss, **kwargs)
 
+    backward._gradwatch_original = original
     accelerator.backward = backward

@@ -54,7 +54,9 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
     ``step`` are wrapped on the instance and pass through once the monitor is closed."""
     monitor = agent.attach(engine.module, None, optimizer=None, **attach_kwargs)
     step_loss = StepLoss()
-    backward, step = engine.backward, engine.step
+    # watch() again: replace the earlier wrappers instead of stacking second ones (the loss twice)
+    backward = getattr(engine.backward, "_gradwatch_original", engine.backward)
+    step = getattr(engine.step, "_gradwatch_original", engine.step)
 
     def wrapped_backward(loss, *args, **kwargs):
         if not monitor.closed:
@@ -83,6 +85,7 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
                 log.exception("gradwatch: could not report the step; continuing without it")
         return result
 
+    wrapped_backward._gradwatch_original, wrapped_step._gradwatch_original = backward, step
     engine.backward, engine.step = wrapped_backward, wrapped_step
     return monitor
 

@@ -51,7 +51,8 @@ def watch(fabric: Any, model: Any, optimizer: Any = None, **attach_kwargs: Any) 
     scaler = getattr(precision, "scaler", None)   # lightning.fabric MixedPrecision.scaler (public attribute)
     monitor = agent.attach(model, scaler, optimizer=optimizer, **attach_kwargs)
     if scaler is None:
-        original = fabric.backward
+        # watch() again: replace the earlier wrapper instead of stacking a second one (the loss twice)
+        original = getattr(fabric.backward, "_gradwatch_original", fabric.backward)
 
         def backward(tensor, *args, **kwargs):
             if not monitor.closed:
@@ -61,5 +62,6 @@ def watch(fabric: Any, model: Any, optimizer: Any = None, **attach_kwargs: Any) 
                     log.exception("gradwatch: could not report the loss; continuing without it")
             return original(tensor, *args, **kwargs)
 
+        backward._gradwatch_original = original
         fabric.backward = backward
     return monitor

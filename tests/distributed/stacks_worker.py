@@ -72,6 +72,8 @@ def run_accelerate(args, out: Path) -> dict:
         monitor = agent.attach(model, acc.scaler, optimizer=opt, **_attach_kwargs(args))
     else:
         monitor = watch(acc, model, opt, **_attach_kwargs(args))
+        if args.twice:   # attaching again is harmless: the same monitor, the loss reported once
+            assert watch(acc, model, opt, **_attach_kwargs(args)) is monitor
     losses, norms, current = [], [], 0.0
     for x, y in loader:
         with acc.accumulate(model):
@@ -186,6 +188,7 @@ def main() -> None:
     ap.add_argument("--zero-stage", type=int, default=0)
     ap.add_argument("--plain", action="store_true", help="accelerate: agent.attach + monitor.log, not watch()")
     ap.add_argument("--wrapper", action="store_true", help="fabric: hide the optimizer in an unknown wrapper")
+    ap.add_argument("--twice", action="store_true", help="accelerate: call watch() twice")
     args = ap.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))

@@ -21,11 +21,14 @@ require_installed("accelerate")
 STEPS = 4
 
 
-@pytest.mark.parametrize("precision,accum,plain", [("no", 1, True), ("no", 2, False), ("bf16", 2, False),
-                                                   ("bf16", 1, True)])
-def test_accelerate_loop_stores_acceleratess_loss_and_grad_norm(gw_server, tmp_path, precision, accum, plain):
+@pytest.mark.parametrize("precision,accum,how", [("no", 1, "attach"), ("no", 2, "watch"), ("bf16", 2, "watch-twice"),
+                                                 ("bf16", 1, "attach")])
+def test_accelerate_loop_stores_accelerates_loss_and_grad_norm(gw_server, tmp_path, precision, accum, how):
+    """``how``: the plain ``agent.attach`` line with ``monitor.log(loss=...)``; ``watch``; ``watch`` called
+    twice (the second call returns the same monitor and the loss is not reported twice)."""
     name = f"acc-{precision}-{accum}-{uuid.uuid4().hex[:6]}"
-    extra = ("--precision", precision, "--accum", str(accum)) + (("--plain",) if plain else ())
+    extra = ("--precision", precision, "--accum", str(accum)) + {
+        "attach": ("--plain",), "watch": (), "watch-twice": ("--twice",)}[how]
     (rec,) = launch("accelerate", tmp_path, server=gw_server, run=name, steps=STEPS, extra=extra)
     assert rec["steps"] == STEPS and rec["world_size"] == 1
     assert rec["warnings"] == [], "Accelerate's wrappers are unwrapped without a warning"
