@@ -6,7 +6,8 @@ one ``custom:<key>`` column per value logged with ``monitor.log(...)``. Steps
 are exported at full resolution (never downsampled). Non-finite values stay
 non-finite: ``nan`` / ``inf`` / ``-inf`` in CSV (what ``float()`` and pandas
 read back), IEEE values in Parquet; an empty CSV cell (a Parquet null) means
-"not measured at this step".
+"not measured at this step". Steps a retention policy compacted (docs/deployment.md, "Retention")
+are not exported: only their rollups remain, and a bucket is no step.
 
 The data comes either straight from the database (``--db URL``, read through
 ``server.queries``) or from a running server's read API (``--server URL``,
@@ -115,6 +116,9 @@ class DatabaseSource:
         from . import queries
 
         with self.database.sessionmaker() as session:
+            start = max(start, queries.raw_steps_from(session, run_id=run.id))
+            if start > end:
+                return []
             s = queries.get_series(session, run_id=run.id, signal=signal, start=start, end=end,
                                    max_points=end - start + 1, rank=rank)
         return [(p.step, p.last) for p in s.points]
@@ -163,6 +167,14 @@ class HttpSource:
         return list(detail.get("signals") or STEP_SIGNAL_NAMES)
 
     def points(self, run: RunRef, signal: str, rank: int, start: int, end: int):
+        known = self.__dict__.setdefault("_raw_from", {})
+        if run.id not in known:
+            # steps below the run's retention boundary are rollups only (runs.config["_retention"])
+            config = self._get(f"/api/v1/runs/{run.id}").get("config") or {}
+            known[run.id] = int((config.get("_retention") or {}).get("raw_before") or 0)
+        start = max(start, known[run.id])
+        if start > end:
+            return []
         body = self._get(f"/api/v1/runs/{run.id}/series", signal=signal, start=start, end=end,
                          max_points=min(100_000, end - start + 1), rank=rank)
         return [(p["step"], _from_wire(p["last"])) for p in body["steps"]]

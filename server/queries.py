@@ -266,6 +266,13 @@ def _compaction(session: Session, run_id: int) -> Optional[CompactionRecord]:
     return CompactionRecord.of(session.scalar(select(Run.config).where(Run.id == run_id)))
 
 
+def raw_steps_from(session: Session, *, run_id: int) -> int:
+    """The first step whose raw rows a retention policy left (0: every step's), for readers that want
+    steps, not buckets (``gradwatch export``)."""
+    rec = _compaction(session, run_id)
+    return rec.raw_before if rec is not None else 0
+
+
 def _fetch_blobs(session: Session, stmt) -> list[tuple[int, bytes]]:
     """(int, bytes) rows without ORM overhead. On PostgreSQL the result comes in
     binary format: bytea in text format is hex, twice the bytes and a parse."""

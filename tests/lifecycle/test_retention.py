@@ -178,6 +178,17 @@ def test_retention_compacts_old_runs_and_keeps_what_the_charts_draw(server_facto
         assert run.param_names == [f"p{k}.weight" for k in range(N_PARAMS)] and run.config["max_norm"] == 1.0
     database.dispose()
 
+    # export writes steps, not buckets: the old run's raw tail only, from the database and from the server
+    from gradwatch.server.export import DatabaseSource, HttpSource, collect
+    for source in (DatabaseSource(db_url), HttpSource(srv.url)):
+        try:
+            table = collect(source, source.find_run(str(old), None))
+        finally:
+            source.close()
+        col = table.columns.index("loss")
+        assert [r[0] for r in table.rows] == list(range(688, STEPS))
+        assert [r[col] for r in table.rows] == pytest.approx([sent_old[i] for i in range(688, STEPS)])
+
     # the live run: only steps before its last 300 (on a 16-step edge) compacted; it goes on receiving
     assert _count(db_url, Step.run_id == live, Step.step < 400) == 0
     assert _count(db_url, Step.run_id == live, Step.step >= 400) == 300
