@@ -1,7 +1,11 @@
-"""Framework integrations: a callback per framework that calls ``agent.attach`` for you.
+"""Framework integrations: a callback per framework, or a ``watch`` per custom-loop stack, that calls
+``agent.attach`` for you.
 
 * :mod:`agent.integrations.hf` — ``GradwatchCallback`` for ``transformers.Trainer``
 * :mod:`agent.integrations.lightning` — ``GradwatchCallback`` for Lightning's ``Trainer``
+* :mod:`agent.integrations.accelerate` — ``watch(accelerator, model, optimizer)`` for an Accelerate loop
+* :mod:`agent.integrations.fabric` — ``watch(fabric, model, optimizer)`` for a Lightning Fabric loop
+* :mod:`agent.integrations.deepspeed` — ``watch(engine)`` for a DeepSpeed engine
 
 This package imports neither framework: each submodule imports its own
 framework when it is imported, so ``from gradwatch import agent`` stays torch + standard
