@@ -46,7 +46,11 @@ from ..models import Base, DeletedRun, Project, Run
 log = logging.getLogger("gradwatch.lifecycle")
 
 # Target seconds per purge transaction: the longest a batch of another run waits behind a delete.
-CHUNK_SECONDS = 0.02
+CHUNK_SECONDS = 0.01
+# After each transaction the purge sleeps this many times as long as it took: the delete takes at most
+# half of a core and of the database's time, the rest is ingest's (on PostgreSQL without the pause,
+# ingest p99 was 230 ms while a 1M-step run was deleted; docs/performance.md, "Deleting a 1M-step run")
+PAUSE_FRACTION = 1.0
 FIRST_CHUNK_ROWS = 2000
 MAX_CHUNK_ROWS = 200_000
 MIN_CHUNK_ROWS = 100
@@ -247,12 +251,13 @@ def _chunk_delete_sql(dialect: str, owned: _Owned, limit: int) -> str:
 
 
 def purge_run(factory: sessionmaker, *, run_id: int, gate: Optional[ContextManager] = None,
-              chunk_seconds: float = CHUNK_SECONDS,
+              chunk_seconds: float = CHUNK_SECONDS, pause_fraction: float = PAUSE_FRACTION,
               progress: Optional[Callable[[str, int], None]] = None) -> PurgeResult:
     """Remove every row of a run marked deleted, a bounded chunk per transaction; the run row last.
 
     ``gate``: the app's ingest write gate, taken for each transaction (ingest batches queued meanwhile go
-    first). ``progress(table, rows)`` is called after each chunk.
+    first). After each transaction the purge sleeps ``pause_fraction`` times its duration, outside the
+    gate. ``progress(table, rows)`` is called after each chunk.
     """
     started = time.perf_counter()
     result = PurgeResult(run_id=run_id)
@@ -273,6 +278,8 @@ def purge_run(factory: sessionmaker, *, run_id: int, gate: Optional[ContextManag
                     session.commit()
                 took = time.perf_counter() - t0
             result.transactions += 1
+            if pause_fraction > 0 and n:
+                time.sleep(took * pause_fraction)
             if n:
                 result.rows[owned.table.name] = result.rows.get(owned.table.name, 0) + n
                 if progress is not None:
