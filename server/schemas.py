@@ -187,6 +187,9 @@ class RunDetailOut(RunOut):
     bn_names: list[Any]
     config: dict[str, Any]
     signals: list[str] = []       # every series the run can be read as: step signals, then custom:<key>
+    # the modules whose attention logits the agent measures (its latest attention_coverage event); None: the agent
+    # has not said (logits off, or an agent before issue 33); [] with the model a Transformer: rule H11's note
+    attention_modules: Optional[list[str]] = None
 
 
 class RunListOut(BaseModel):

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from gradwatch.agent.capture.attention import AttentionLogitMode
+from gradwatch.agent.setup import transformer_part
 from gradwatch.agent.collectors.base import Collector, OneForwardHooks, scatter_measured
 
 # positions of the first sample whose pairs are scored (128² pairs per head)
@@ -258,6 +259,13 @@ def max_logits(pairs: list, heads: int) -> torch.Tensor:
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
+# Denser sampling while the max attention logit grows (see AttentionLogits): past BOOST_FLOOR and BOOST_GROWTH
+# times its value one interval earlier, every step is sampled for the next BOOST_INTERVALS intervals.
+BOOST_FLOOR = 10.0
+BOOST_GROWTH = 1.5
+BOOST_INTERVALS = 2
+
+
 class AttentionLogits(OneForwardHooks):
     """Per attention module, the max attention logit (``layers.attn_logit_max``) and its max over the
     modules (``attn_logit_max``), every ``attn_logits_every`` steps, measured where attention is
@@ -269,7 +277,15 @@ class AttentionLogits(OneForwardHooks):
     first sample's first :data:`MAX_POSITIONS` positions, no mask, no rotary: an approximation).
 
     Coverage: the first sampled step carries an ``attention_coverage`` event naming the modules
-    measured (and again whenever that set grows), so the run says which attention it watches."""
+    measured (and again whenever that set grows), so the run says which attention it watches.
+
+    Cadence for lead time: a logit that grows fast would need several samples, tens of steps apart,
+    before rule H2 can call it sustained. So while the run's max logit is at least
+    :data:`BOOST_FLOOR` and :data:`BOOST_GROWTH` times its value one interval (``attn_logits_every``
+    steps) before, every step is sampled for the next :data:`BOOST_INTERVALS` intervals: H2 then
+    confirms a growth within a few steps of noticing it. The training thread reads the sampled values
+    without a sync: on the CPU they are host values already; on a GPU each is copied to pinned memory
+    behind a CUDA event and read once the event has passed (:meth:`due` polls it)."""
 
     name = "attn_logits"
     every = "attn_logits_every"
@@ -291,7 +307,42 @@ class AttentionLogits(OneForwardHooks):
         self.mode = AttentionLogitMode(owners, self._found, self._failed)
         self.found: dict[int, torch.Tensor] = {}        # module position -> max logit, this forward
         self.unplaced: list[torch.Tensor] = []           # calls in no watched module's forward (the root's own)
-        self.reported: set[int] = set()                  # module positions named in a coverage event so far
+        self.reported: Optional[set[int]] = None         # module positions named in a coverage event so far
+        self.looks_like = transformer_part(watched.model, [])   # whether the model looks like a Transformer
+        self.sampled = False                             # a sampled forward ran this step
+        self.boost_until = -1                            # sample every step up to this step
+        self.history: list[tuple[int, float]] = []       # (step, run-level max logit) read back, recent ones
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []   # (step, host copy, CUDA event) not read yet
+
+    def due(self, step: int) -> bool:
+        if self.pending:
+            self._read_back()
+        return super().due(step) or (self.interval > 0 and step <= self.boost_until)
+
+    def _read_back(self) -> None:
+        """Read the sampled maxima whose copies have landed (never waits), oldest first."""
+        while self.pending:
+            step, host, event = self.pending[0]
+            if event is not None and not event.query():
+                return
+            self.pending.pop(0)
+            self._observe(step, float(host))
+
+    def _observe(self, step: int, value: float) -> None:
+        before = [v for s, v in self.history if s <= step - self.interval]
+        self.history = [(s, v) for s, v in self.history if s > step - 2 * self.interval] + [(step, value)]
+        if before and math.isfinite(value) and value >= BOOST_FLOOR and value >= BOOST_GROWTH * before[-1]:
+            self.boost_until = step + BOOST_INTERVALS * self.interval
+
+    def _keep_for_boost(self, step: int, top: torch.Tensor) -> None:
+        if top.device.type == "cpu":
+            self._observe(step, float(top))
+        elif top.device.type == "cuda" and len(self.pending) < 64:
+            host = torch.empty((), dtype=top.dtype, pin_memory=True)
+            host.copy_(top, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append((step, host, event))
 
     def wanted(self) -> bool:
         return self.interval > 0
@@ -307,6 +358,7 @@ class AttentionLogits(OneForwardHooks):
                 handles.append(s.q.register_forward_hook(self._pair_hook(i, True)))
                 handles.append(s.k.register_forward_hook(self._pair_hook(i, False)))
         self.hook_this_forward(handles)
+        self.sampled = True
         self.mode.enter()
 
     def _leave(self, module, args, output):
@@ -388,7 +440,12 @@ class AttentionLogits(OneForwardHooks):
         found, self.found = self.found, {}
         unplaced, self.unplaced = self.unplaced, []
         qk, self.qk = self.qk, {}
-        if not (found or unplaced or qk) or not self.guards.on(self.name):
+        sampled, self.sampled = self.sampled, False
+        if not self.guards.on(self.name):
+            return
+        if sampled and self.reported is None and not (found or unplaced or qk):
+            self._coverage(rec, set())          # the first sampled forward saw no attention: said, never silent
+        if not (found or unplaced or qk):
             return
         with self.guards.guard(self.name), torch.no_grad():
             if qk:
@@ -397,16 +454,24 @@ class AttentionLogits(OneForwardHooks):
             parts = [found[i] for i in order] + unplaced
             device = parts[0].device
             values = torch.stack([p.to(device) for p in parts])
-            rec.add("attn_logit_max", values.amax())
+            top = values.amax()
+            rec.add("attn_logit_max", top)
+            self._keep_for_boost(step, top.detach())
             if order:
                 rec.add("layers.attn_logit_max", scatter_measured(values[:len(order)], order,
                                                                   len(self.watched.modules)))
-            if not self.reported.issuperset(order):
-                self.reported.update(order)
-                names = [self.watched.modules[i][0] for i in sorted(self.reported)]
-                rec.host.setdefault("events", []).append(
-                    {"kind": "attention_coverage", "data": {"measured": names, "count": len(names),
-                                                            "named": bool(self.sites)}})
+            if self.reported is None or not self.reported.issuperset(order):
+                self._coverage(rec, (self.reported or set()) | set(order))
+
+    def _coverage(self, rec, positions: set[int]) -> None:
+        """The ``attention_coverage`` event: the modules measured so far, and whether the model looks like
+        a Transformer (agent/setup.py's test, so rule H11 can say when none is measured)."""
+        self.reported = positions
+        names = [self.watched.modules[i][0] for i in sorted(positions)]
+        rec.host.setdefault("events", []).append(
+            {"kind": "attention_coverage",
+             "data": {"measured": names, "count": len(names), "named": [s.name for s in self.sites],
+                      "transformer": self.looks_like["transformer"], "attention_like": self.looks_like["attention"]}})
 
     def detach(self) -> None:
         self.mode.leave()

@@ -86,8 +86,11 @@ def get_run(run_id: RunId, session: SessionDep, settings: SettingsDep, scope: Re
     r = queries.get_run(session, run_id=run_id, stall_seconds=settings.stall_seconds)
     if r is None:
         raise HTTPException(404, f"run {run_id} not found")
+    coverage = queries.list_events(session, run_id=run_id, kind="attention_coverage")
+    measured = coverage[-1].data.get("measured") if coverage and isinstance(coverage[-1].data, dict) else None
     return _run_out(r, RunDetailOut, bytes=sizes.run_bytes(session, [run_id]).get(run_id), param_names=r.param_names, module_names=r.module_names,
-                    bn_names=r.bn_names, config=r.config, signals=queries.list_signals(session, run_id=run_id))
+                    bn_names=r.bn_names, config=r.config, signals=queries.list_signals(session, run_id=run_id),
+                    attention_modules=measured)
 
 
 @router.get("/api/v1/runs/{run_id}/ranks", responses={404: {"description": "no such run"}})

@@ -297,3 +297,37 @@ def test_a_transformers_gpt2_is_recognised_and_measured(recorder, agent_settings
         assert [s["layers"]["attn_logit_max"][i] for i in where] == pytest.approx(per, rel=1e-5)
         assert s["output_logit_max"] == pytest.approx(out_max, rel=1e-5)
         assert s["output_log_z"] == pytest.approx(log_z, rel=1e-5)
+
+
+def test_a_fast_growing_logit_is_sampled_every_step_until_it_stops_growing(recorder, agent_settings):
+    """Cadence for lead time: once the max logit is >= 10 and 1.5x what it was one interval before, every
+    step is sampled for two intervals; when it stops growing, the cadence goes back to every 4th step."""
+    from gradwatch.agent.collectors.early_logits import BOOST_FLOOR, BOOST_GROWTH
+
+    torch.manual_seed(0)
+    model = LM(FORMS["q_proj/k_proj"], layers=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)     # the weights move only as the test scales them
+    monitor = agent.attach(model, None, optimizer=opt, transport=recorder, attn_logits_every=4, **agent_settings)
+    idx = torch.randint(0, 12, (3, T))
+    for step in range(40):
+        if 4 <= step < 16:       # the queries grow 1.25x a step (x2.4 over an interval of 4) for 12 steps
+            with torch.no_grad():
+                model.attns[0].q_proj.weight.mul_(1.25)
+                model.attns[0].q_proj.bias.mul_(1.25)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(idx).reshape(-1, 12), idx.reshape(-1))
+        monitor.log(loss=loss)
+        loss.backward()
+        opt.step()
+    monitor.close()
+    sampled = {s["step"]: s["attn_logit_max"] for s in recorder.steps if s.get("attn_logit_max") is not None}
+    # the independent reading: which steps qualify, from the values sent (every 4th step is always sampled)
+    steps = sorted(sampled)
+    assert {0, 4, 8, 12, 16, 20, 24, 28, 32, 36} <= set(steps)
+    extra = [s for s in steps if s % 4]
+    assert extra, f"no denser sampling while the logit grew: {sampled}"
+    first = extra[0] - 1                                              # the sample that triggered it
+    value, before = sampled[first], sampled[max(s for s in steps if s <= first - 4)]
+    assert value >= BOOST_FLOOR and value >= BOOST_GROWTH * before
+    assert all(s in steps for s in range(first + 1, first + 9))      # every step for two intervals
+    assert not any(s % 4 for s in steps if s > 30)                    # back to every 4th once growth stops

@@ -162,6 +162,24 @@ def test_b6_gradients_underflowing_to_zero_name_the_layer_against_its_own_histor
             s["layers"]["grad_zero_fraction"][1] = 0.01
     rdb.feed(quiet, steps, meta=meta)
     assert "B6" not in rdb.rules(quiet)
+    assert "fp16" in a.diagnosis and a.evidence["grad_scaler"] is True      # a GradScaler run: fp16's underflow
+
+
+def test_b6_on_a_run_without_a_grad_scaler_does_not_blame_fp16(rdb):
+    """Issue 33: an fp32 run's gradient zeros were explained by fp16's 6e-8 flush. Without a loss scale
+    on its steps (no GradScaler: bf16 or fp32) the alert names the model's own causes."""
+    name = run_name()
+    meta = {"param_names": ["emb.weight", "fc1.weight", "fc2.weight"]}
+    steps = healthy(120)
+    for s in steps:
+        s.pop("loss_scale")
+        if s["step"] % 5 == 0:
+            s["layers"] = {"grad_zero_fraction": [0.9, 0.97 if s["step"] >= 80 else 0.01, 0.02]}
+    rdb.feed(name, steps, meta=meta)
+    a = rdb.rules(name)["B6"]
+    assert a.first_step == 80 and a.evidence["grad_scaler"] is False
+    assert "6e-8" not in a.diagnosis and "not a number-format underflow" in a.diagnosis
+    assert not any("GradScaler" in x or "bf16" in x for x in a.actions) and any(".detach()" in x for x in a.actions)
 
 
 def test_c3_spike_then_critical_after_five(rdb):

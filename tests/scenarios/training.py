@@ -38,6 +38,7 @@ class Scenario:
     what: str
     onset: Optional[Callable[[list[float]], Optional[int]]] = None
     min_lead: Optional[int] = None
+    held_out: bool = False          # not used to tune its rule's thresholds: reported apart (docs/rules.md)
 
 
 def loss_onset(losses: list[float], *, factor: float = 3.0, window: int = 50, start: int = 20) -> Optional[int]:

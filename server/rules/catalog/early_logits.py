@@ -22,6 +22,18 @@ def _bar(factor: float, sigmas: float, floor: float):
     return lambda x, med, mad: (x >= floor) & (x >= factor * med) & (x > med + sigmas * np.nan_to_num(mad))
 
 
+def _doubling(first, step: int, x: float):
+    """Steps per doubling of the logit from ``first`` ([step, value], the run's first flagged sample) to
+    (``step``, ``x``); None when it did not grow or there is no span.
+
+    >>> _doubling([100, 50.0], 120, 200.0)
+    10.0
+    """
+    if first is None or step <= first[0] or not (x > first[1] > 0):
+        return None
+    return float((step - first[0]) * np.log(2.0) / np.log(x / first[1]))
+
+
 @register
 class AttentionLogitGrowth(BatchRule):
     id, name, severity, checklist = "H2", "attention_logit_growth", "warning", "5.2"
@@ -36,11 +48,18 @@ class AttentionLogitGrowth(BatchRule):
         "lower_lr": "Lower the learning rate (÷2-÷10); the growth rate follows it.",
         "longer_warmup": "Lengthen the learning-rate warm-up.",
     }
+    # consecutive 3 / min_history 3 (issue 33; were 5 / 10): at a sample every 10 steps, ten samples of history and
+    # five in a row put the first verdict at step 100 and a confirmation 40 steps after the growth was seen — after
+    # the divergence on a fast-growing logit. The agent samples every step while the logit grows fast
+    # (agent/collectors/early_logits.py, BOOST_*), so three in a row are then three steps. min_logit 50 and factor 4
+    # stay: nn.TransformerEncoder's healthy run at lr 0.5 (tests/scenarios/early_heldout.py) climbs to ~50 with a
+    # history median ~25, and a qk-layernorm run's logits level off at 20-35.
     params = {"factor": Float(4.0), "sigmas": Float(6.0, zero_ok=True), "min_logit": Float(50.0, zero_ok=True),
-              "consecutive": Int(5), "window": Int(200), "min_history": Int(10)}
+              "consecutive": Int(3), "window": Int(200), "min_history": Int(3)}
     needs = ("layers.attn_logit_max",)
     REFRESH = 8
-    # State per module j: "m<j>" its RobustWindow, "s<j>" the run of flagged samples at the batch's end.
+    # State per module j: "m<j>" its RobustWindow, "s<j>" the run of flagged samples at the batch's end, "f<j>"
+    # [step, value] of that run's first sample (the growth rate's start).
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
@@ -67,20 +86,33 @@ class AttentionLogitGrowth(BatchRule):
             run = streaks(s.flagged, int(state.get(f"s{j}", 0)))
             state[f"s{j}"] = int(run[-1]) if len(run) else int(state.get(f"s{j}", 0))
             judged_any[at[s.judged]] = True
-            for k in np.flatnonzero(run >= cfg["consecutive"]).tolist():
-                x, med = float(col[at[k]]), float(s.med[k])
-                ratio = x / med if med > 0 else np.inf
-                c = int(at[k])
-                if c not in worst or ratio > worst[c][0]:
-                    worst[c] = (ratio, j, x, med, float(s.mad[k]), int(run[k]))
+            first = state.get(f"f{j}")
+            steps = batch.step[[carriers[int(c)] for c in at]]
+            for k in range(len(at)):
+                if run[k] == 1 or (run[k] > 1 and first is None):
+                    first = [int(steps[k]), float(col[at[k]])]
+                elif run[k] == 0:
+                    first = None
+                if run[k] >= cfg["consecutive"]:
+                    x, med = float(col[at[k]]), float(s.med[k])
+                    ratio = x / med if med > 0 else np.inf
+                    c = int(at[k])
+                    if c not in worst or ratio > worst[c][0]:
+                        worst[c] = (ratio, j, x, med, float(s.mad[k]), int(run[k]), _doubling(first, int(steps[k]), x))
+            if first is None:
+                state.pop(f"f{j}", None)
+            else:
+                state[f"f{j}"] = first
         for k, i in enumerate(carriers):
             if k in worst:
-                ratio, j, x, med, mad, n = worst[k]
+                ratio, j, x, med, mad, n, doubling = worst[k]
                 module = name_of(batch.ctx.module_names, j)
+                rate = f", doubling every {fmt(doubling)} steps" if doubling is not None else ""
                 out.hits[i] = Hit({"module": module, "attn_logit_max": x, "median": med, "mad": mad,
-                                   "ratio": ratio, "samples_in_a_row": n},
+                                   "ratio": ratio, "samples_in_a_row": n, "doubling_steps": doubling},
                                   f"Max attention logit of {module} is {fmt(x)}, {ratio:.1f}x its median {fmt(med)}, "
-                                  f"for {n} samples in a row")
+                                  f"for {n} samples in a row{rate}: add qk-layernorm, lower the LR or lengthen "
+                                  f"the warm-up")
             elif judged_any[k]:
                 out.clear[i] = True
         return out
@@ -135,4 +167,44 @@ class OutputLogitDivergence(BatchRule):
                                   f"for {int(run[k])} samples in a row")
             elif s.judged[k]:
                 out.clear[i] = True
+        return out
+
+
+@register
+class AttentionUnmeasured(BatchRule):
+    id, name, severity, checklist = "H11", "attention_unmeasured", "info", "5.2"
+    fires_when = ("the model looks like a Transformer (an attention module by type, class or child name) and the first "
+                  "sampled forward measured no attention logit")
+    diagnosis = ("The model looks like a Transformer, but the agent saw no attention computed in its forward, so "
+                 "attention-logit growth (H2) cannot warn on this run. The agent sees attention where PyTorch "
+                 "computes it: F.scaled_dot_product_attention, a softmax over a 4-D [batch, heads, query, key] "
+                 "tensor, nn.MultiheadAttention; an external kernel (flash-attn, xformers), a 3-D softmax or a "
+                 "hand-written exp/sum is not seen.")
+    actions = {
+        "name_modules": "Name the attention modules: agent.attach(..., attention_modules=\"blocks.*.attn:8\") (or "
+                        "GRADWATCH_ATTENTION_MODULES); their logits are then read from their q/k projections "
+                        "(docs/early-warning-logits.md).",
+        "use_torch_attention": "Or compute attention with torch.nn.functional.scaled_dot_product_attention, which the "
+                               "agent measures exactly.",
+    }
+    params = {"clear_steps": Int(1), "cooldown_steps": Int(0, zero_ok=True)}
+    needs = ("attn_logit_max",)
+    KIND = "attention_coverage"
+
+    def applies(self, ctx) -> bool:
+        return bool(ctx.events.get(self.KIND))
+
+    def evaluate(self, batch, state, cfg):
+        out = Outcome.quiet(batch.n)
+        for step, data in sorted(batch.ctx.events.get(self.KIND, {}).items()):
+            if not isinstance(data, dict):
+                continue
+            if data.get("measured") or not data.get("transformer"):
+                out.before.append((step, False))
+                continue
+            like = [str(x) for x in data.get("attention_like") or []]
+            out.before.append((step, Hit({"attention_like": like, "named": data.get("named") or []},
+                                         f"No attention logit measured, though the model looks like a Transformer "
+                                         f"({', '.join(like[:2])}{', …' if len(like) > 2 else ''}): name its "
+                                         f"attention modules with attention_modules=")))
         return out

@@ -179,7 +179,19 @@ class GradUnderflow(BatchRule):
     fires_when = ("a parameter's share of gradient elements that are exactly zero reaches {share:.0%} where its own "
                   "median over its last {history} samples was below {baseline:.0%}")
     diagnosis = ("Gradients underflow to zero: fp16 flushes values below ~6e-8 to 0, so these weights stop "
-                 "learning (training stalls rather than going NaN).")
+                 "learning (training stalls rather than going NaN). (The catalogue's text for an fp16 run with a "
+                 "GradScaler; a run without one is told what zeros mean in its own precision.)")
+    # a run without a GradScaler trains in bf16 or fp32, whose exponent range (~1e-38) does not flush a gradient:
+    # its zeros have another cause, and the alert says so (issue 33: an fp32 run was told about fp16's 6e-8)
+    diagnosis_unscaled = ("Most gradient elements of these parameters are exactly zero. This run has no GradScaler "
+                          "(bf16 or fp32): their exponent range reaches ~1e-38, so this is not a number-format "
+                          "underflow; the zeros come from the model: a dead branch, saturated activations (ReLU "
+                          "units that never fire, a sigmoid / tanh at its flat end), a stray .detach(), or a loss "
+                          "that masks these inputs out.")
+    actions_unscaled = ["Check the named layers: a dead branch, saturated activations or a stray .detach() zero a "
+                        "gradient; look at their activation statistics (E1) and their inputs.",
+                        "If the layers are meant to be sparse (embeddings of unseen tokens, masked experts), raise "
+                        "this rule's share for the project or turn it off."]
     actions = {
         "scale": "Keep the loss scaled: a GradScaler with a large init_scale (the default 65536), and check that the "
                  "scale is not collapsing (B3).",
@@ -216,10 +228,13 @@ class GradUnderflow(BatchRule):
                 worst = np.flatnonzero(flagged)[np.argsort(-x[flagged], kind="stable")][:5]
                 names = batch.ctx.param_names
                 top = [[name_of(names, int(k)), float(x[k]), float(med[k])] for k in worst.tolist()]
+                scaled = batch.steps[i].get("loss_scale") is not None   # a GradScaler is on: fp16
                 out.hits[i] = Hit({"params": top, "flagged": int(flagged.sum()), "share": float(x[worst[0]]),
-                                   "median": float(med[worst[0]])},
+                                   "median": float(med[worst[0]]), "grad_scaler": scaled},
                                   f"{int(flagged.sum())} parameter(s) with mostly zero gradients: {top[0][0]} "
-                                  f"{top[0][1]:.0%} zero (its median {top[0][2]:.0%})")
+                                  f"{top[0][1]:.0%} zero (its median {top[0][2]:.0%})",
+                                  diagnosis=None if scaled else self.diagnosis_unscaled,
+                                  actions=None if scaled else list(self.actions_unscaled))
             else:
                 out.clear[i] = True
             hist = np.vstack([hist, np.where(flagged, np.nan, x)])[-history:]

@@ -1,11 +1,12 @@
-"""The learning-rate schedule: a learning rate stuck at zero (B4)."""
+"""The learning-rate schedule: a learning rate stuck at zero (B4), an abrupt jump of it (H10)."""
 from __future__ import annotations
 
 import numpy as np
 
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import BatchRule, Outcome, streaks
-from gradwatch.server.rules.spec import Hit, Int
+from gradwatch.server.rules.spec import Float, Hit, Int
+from gradwatch.server.rules.stats import fmt
 
 
 @register
@@ -51,4 +52,61 @@ class LrZero(BatchRule):
             state["since"] = int(steps[b]) if b >= 0 else state.get("since")
         else:
             state.pop("since", None)
+        return out
+
+
+# schedulers whose own cycle restarts the learning rate at its peak: their jumps are declared, not abrupt
+_RESTARTING = ("CosineAnnealingWarmRestarts", "CyclicLR")
+
+
+@register
+class LrJump(BatchRule):
+    id, name, severity, checklist = "H10", "lr_jump", "warning", "7.1 / 8.C"
+    fires_when = ("the learning rate rises >= {factor:g}x from one step to the next (from a non-zero LR; not where "
+                  "the run declared a scheduler that restarts its cycle)")
+    diagnosis = ("An abrupt learning-rate increase: every update is that many times larger from one step to the next, "
+                 "with Adam's moments and the model tuned to the old rate; a gradient or loss explosion tends to "
+                 "follow within a few steps (checklist 7.1: an LR too large; 8.C: lower it). A warm-up rises by "
+                 "at most 2x a step; a jump like this is usually a scheduler bug, a resumed scheduler whose state "
+                 "was not restored, or a manual param_group edit.")
+    actions = {
+        "check_schedule": "If it was not meant: check the scheduler (its state after a resume, its step count), and "
+                          "any code that writes param_group['lr'].",
+        "ramp": "If the new LR is meant: reach it with a warm-up over a few hundred steps instead of one step, and "
+                "clip gradients (max_norm=1.0) meanwhile.",
+    }
+    params = {"factor": Float(5.0)}
+    needs = ("lr",)
+    # State: "last" [step, lr] of the last measured finite LR; "restarting": the run declared a restarting scheduler.
+
+    @staticmethod
+    def _restarting(ctx) -> bool:
+        """The run's setup event (its first step's batch) declares a scheduler that restarts its cycle."""
+        for setup in (ctx.events.get("run_setup") or {}).values():
+            sched = setup.get("scheduler") if isinstance(setup, dict) else None
+            if isinstance(sched, dict) and any(r in f"{sched.get('class', '')} {sched.get('within', '')}"
+                                               for r in _RESTARTING):
+                return True
+        return False
+
+    def evaluate(self, batch, state, cfg):
+        out = Outcome.quiet(batch.n)
+        if state.get("restarting") or self._restarting(batch.ctx):
+            state["restarting"] = True
+            return out
+        lr_all = batch.values("lr")
+        judged = np.flatnonzero(batch.measured("lr") & np.isfinite(lr_all))
+        last = state.get("last")
+        factor = cfg["factor"]
+        for i in judged.tolist():
+            lr, step = float(lr_all[i]), int(batch.step[i])
+            if last is not None and last[1] > 0 and lr >= factor * last[1]:
+                out.hits[i] = Hit({"lr_before": last[1], "lr": lr, "ratio": lr / last[1], "step_before": last[0]},
+                                  f"Learning rate jumped {lr / last[1]:.3g}x, from {fmt(last[1])} at step {last[0]} to "
+                                  f"{fmt(lr)} at step {step}")
+            else:
+                out.clear[i] = True
+            last = [step, lr]
+        if last is not None:
+            state["last"] = last
         return out
