@@ -101,8 +101,8 @@ def policy_cutoff(session, run: Run, policy: RetentionPolicy, *, now: float, ran
             return None
         keep.append(int(last) + 1 - policy.raw_steps)
     if policy.raw_days is not None:
-        # the step's own time (the agent's clock): the first step young enough to keep
-        # in step order from the floor, stopping at the first young row: it reads the rows about to go
+        # the first step young enough to keep, by the step's own time (the agent's clock): read in step
+        # order from the floor, stopping at the first young row, so it reads only the rows about to go
         # (a min() with the time condition would read every row of the rank)
         young = session.scalar(select(Step.step).where(
             Step.run_id == run.id, Step.rank == rank, Step.step >= floor,
