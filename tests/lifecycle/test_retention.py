@@ -261,3 +261,10 @@ def test_policy_file_and_environment(tmp_path):
     import os
     os.utime(f, (time.time() + 5, time.time() + 5))
     assert load_retention(env).policy_for("a").raw_steps == 9      # re-read when it changes
+
+
+def test_a_bad_retention_file_stops_the_server_saying_where(server_factory, sqlite_url, tmp_path):
+    bad = tmp_path / "retention.toml"
+    bad.write_text("[projects.p.retention]\nraw_dayz = 3\n")
+    with pytest.raises(AssertionError, match=r"projects\.p\.retention.*unknown setting 'raw_dayz'"):
+        server_factory(sqlite_url, env={"GRADWATCH_RETENTION": str(bad)})
