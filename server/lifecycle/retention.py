@@ -242,8 +242,15 @@ def _merge_windows(writer: _Writer, *, table: str, keys: dict[str, Any], lo: int
                 gone += [rid for rid, _ in parts]
                 freed += sum(len(blob) for _, blob in parts) - len(merged)
                 new.append({**keys, "bucket": b, "data": merged})
+            deleted = 0
             for i in range(0, len(gone), 500):
-                session.execute(text(f"DELETE FROM {table} WHERE id IN ({', '.join(map(str, gone[i:i + 500]))})"))
+                deleted += session.execute(
+                    text(f"DELETE FROM {table} WHERE id IN ({', '.join(map(str, gone[i:i + 500]))})")).rowcount
+            if deleted != len(gone):
+                # another replica merged these partials first (its delete committed while ours waited):
+                # inserting ours too would count the bucket twice
+                session.rollback()
+                return end, 0, 0
             if new:
                 session.execute(insert, new)
             return end, len(gone) - len(new), freed
