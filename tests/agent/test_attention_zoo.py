@@ -264,18 +264,26 @@ def check_ground_truth(z: ZooModel, model: nn.Module, gt: GroundTruth) -> dict[s
 
 # --------------------------------------------------------------------------- training with the agent attached
 
-def train(z: ZooModel, settings: dict, amp: bool = False,
+def train(z: ZooModel, settings: dict, amp: bool = False, loop: str = "plain",
           **attach) -> tuple[nn.Module, list[dict[str, float]], list[GroundTruth]]:
     """``STEPS`` real optimizer steps with the agent attached (attn_logits_every=1); per step the ground
-    truth of that step's forward, from a replay of it before the weights move. ``amp``: the forwards
-    under bf16 autocast."""
+    truth of that step's first training forward, from a replay of it before the weights move. ``amp``:
+    the forwards under bf16 autocast. ``loop``: "eval-first" (a no-grad evaluation forward on other
+    inputs before each step's training forward), "accumulate" (a second micro-batch after it),
+    "checkpointing" (transformers' activation checkpointing on): what is measured is still the step's
+    first training forward."""
     model = z.build()
+    if loop == "checkpointing":   # transformers 5 renamed it; >= 4.46 (the hf extra) has the old name
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=z.lr)
     monitor = agent.attach(model, None, optimizer=opt, attn_logits_every=1, **settings, **attach)
     truths, replays = [], []
     for step in range(STEPS):
         batch, inputs = model_inputs(z, step)
         opt.zero_grad()
+        if loop == "eval-first":
+            with torch.no_grad():
+                model(**model_inputs(z, 50 + step)[1])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             out = model(**inputs)
             loss = z.loss(out, batch)
@@ -286,6 +294,9 @@ def train(z: ZooModel, settings: dict, amp: bool = False,
         truths.append(check_ground_truth(z, model, gt))
         replays.append(gt)
         loss.float().backward()
+        if loop == "accumulate":
+            more, more_inputs = model_inputs(z, 90 + step)
+            z.loss(model(**more_inputs), more).backward()
         opt.step()
     monitor.close()
     return model, truths, replays
@@ -326,6 +337,19 @@ def test_stored_attention_logits_equal_the_models_own(model_id, amp, recorder, a
     print(f"\nzoo: {model_id} {'bf16-autocast' if amp else 'fp32'}: {len(expected)}/{len(expected)} modules, max rel error {worst:.1e}, "
           f"logits {min(min(t.values()) for t in truths):.3g}..{max(max(t.values()) for t in truths):.3g}, "
           f"decided by a mask in {masked_away}/{len(expected) * STEPS}")
+
+
+@pytest.mark.parametrize("loop", ["eval-first", "accumulate", "checkpointing"])
+@pytest.mark.parametrize("model_id", ["hf-llama-sdpa", "hf-t5-eager"])
+def test_only_the_steps_first_training_forward_is_measured(model_id, loop, recorder, agent_settings):
+    z = ZOO[model_id]
+    model, truths, _ = train(z, agent_settings, loop=loop, transport=recorder)
+    expected = declared_attention(z, model)
+    for step, truth in enumerate(truths):
+        got, run_level = measured(recorder, step)
+        assert set(got) == expected, (loop, step, sorted(got))
+        assert [got[m] for m in sorted(expected)] == pytest.approx([truth[m] for m in sorted(expected)], rel=REL)
+        assert run_level == pytest.approx(max(truth.values()), rel=REL)
 
 
 # --------------------------------------------------------------------------- a wrapped attention function
