@@ -385,7 +385,8 @@ from test_attention_zoo import ZOO, declared_attention, measured, train
 out = {{}}
 for case, model_id in {cases!r}.items():
     rec = RecordingTransport()
-    model, truths, _ = train(ZOO[model_id], {{"spool_dir": tempfile.mkdtemp(), "run": case, "flush_interval": 0.1}},
+    model, truths, _ = train(ZOO[model_id], {{"spool_dir": tempfile.mkdtemp(dir="."), "run": case,
+                                              "flush_interval": 0.1}},
                              transport=rec)
     out[case] = {{"expected": sorted(declared_attention(ZOO[model_id], model)), "truths": truths,
                  "measured": [measured(rec, step) for step in range(len(truths))]}}
