@@ -174,8 +174,8 @@ def merge_step_blobs(blobs: list[bytes]) -> bytes:
     with np.errstate(invalid="ignore"):
         out[0] = np.fmin.reduce(data[:, 0], axis=0)
         out[1] = np.fmax.reduce(data[:, 1], axis=0)
-    out[2] = data[:, 2].sum(axis=0)
-    out[3] = data[:, 3].sum(axis=0)
+        out[2] = data[:, 2].sum(axis=0)
+        out[3] = data[:, 3].sum(axis=0)
     pick = np.argmax(data[:, 4], axis=0)                            # the latest last_step (-1: none)
     out[4] = data[pick, 4, np.arange(width)]
     out[5] = np.where(out[4] >= 0, data[pick, 5, np.arange(width)], np.nan)
@@ -193,10 +193,10 @@ def merge_layer_blobs(blobs: list[bytes]) -> Optional[bytes]:
     order = np.argsort(last_step, kind="stable")
     last_step, arr = last_step[order], arr[order]
     out = np.empty((6, width), dtype="<f4")
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):        # +inf and -inf in one bucket's sum: NaN, as ingest stores it
         out[0] = np.fmin.reduce(arr[:, 0], axis=0)
         out[1] = np.fmax.reduce(arr[:, 1], axis=0)
-    out[2] = arr[:, 2].astype(np.float64).sum(axis=0)
+        out[2] = arr[:, 2].astype(np.float64).sum(axis=0)
     out[3] = arr[:, 3].sum(axis=0)
     out[4] = arr[:, 4].sum(axis=0)
     measured = arr[:, 5].view("<u4") != NULL_F32_BITS
