@@ -31,6 +31,14 @@ def test_runs_list_and_delete_through_the_server(server_factory, sqlite_url, tmp
     done = gradwatch("runs", "list", "--name", "lr-*", *server, data_dir=tmp_path)
     assert done.returncode == 0 and "lr-1" in done.stdout and "baseline" not in done.stdout, done.stdout
     assert "2 run(s)" in done.stdout
+    # by age: every run sent data just now, so none is older than an hour, and all are older than 0 s
+    done = gradwatch("runs", "list", "--project", "sweeps", "--older-than", "1h", *server, data_dir=tmp_path)
+    assert done.returncode == 0 and "0 run(s)" in done.stdout, done.stdout
+    done = gradwatch("runs", "delete", "--project", "sweeps", "--older-than", "0s", "--status", "finished",
+                     "--dry-run", *server, data_dir=tmp_path)
+    assert done.returncode == 0 and "would delete 1 run(s)" in done.stdout and "lr-1" in done.stdout, done.stdout
+    done = gradwatch("runs", "list", "--older-than", "30 days", *server, data_dir=tmp_path)
+    assert done.returncode != 0 and "30d" in done.stderr
 
     # a dry run prints what would go and its size, and deletes nothing
     done = gradwatch("runs", "delete", "--project", "sweeps", "--name", "lr-*", "--dry-run", *server, data_dir=tmp_path)
