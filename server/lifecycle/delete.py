@@ -51,6 +51,7 @@ CHUNK_SECONDS = 0.01
 # half of a core and of the database's time, the rest is ingest's (on PostgreSQL without the pause,
 # ingest p99 was 230 ms while a 1M-step run was deleted; docs/performance.md, "Deleting a 1M-step run")
 PAUSE_FRACTION = 1.0
+PROGRESS_LOG_SECONDS = 5.0      # a long delete logs its progress this often (logger gradwatch.lifecycle)
 FIRST_CHUNK_ROWS = 2000
 MAX_CHUNK_ROWS = 200_000
 MIN_CHUNK_ROWS = 100
@@ -263,6 +264,7 @@ def purge_run(factory: sessionmaker, *, run_id: int, gate: Optional[ContextManag
     result = PurgeResult(run_id=run_id)
     gate = gate if gate is not None else contextlib.nullcontext()
     rows_per_chunk = FIRST_CHUNK_ROWS
+    logged = started
     with factory() as session:
         dialect = session.bind.dialect.name
         marked = session.scalar(select(Run.deleted_at).where(Run.id == run_id))
@@ -284,6 +286,9 @@ def purge_run(factory: sessionmaker, *, run_id: int, gate: Optional[ContextManag
                 result.rows[owned.table.name] = result.rows.get(owned.table.name, 0) + n
                 if progress is not None:
                     progress(owned.table.name, n)
+                if time.perf_counter() - logged >= PROGRESS_LOG_SECONDS:
+                    logged = time.perf_counter()
+                    log.info("deleting run %d: %d rows so far, now %s", run_id, result.total_rows, owned.table.name)
             if n < rows_per_chunk:
                 break
             # aim the next chunk at chunk_seconds (rows cost differently per table: a layer_stats row of
