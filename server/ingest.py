@@ -30,6 +30,7 @@ from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, R
 
 from .forensics.rollback import advise_rollback
 from .lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
+from .lifecycle.retention_config import raw_floor
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
 from .numbers import NULL_F32_BITS, encode_json, extra_measured, null_mask, pack_extra, unpack_extra
 from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
@@ -315,7 +316,11 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     apply_shift(batch, shift)
     add_history(session, run=run, rank=rank, events=batch.events)
     steps = sorted(batch.steps, key=lambda s: s.step)
-    fresh, values, rows = write_steps(session, run_id=run.id, rank=rank, steps=steps)
+    # steps a retention policy compacted are stored (in the rollups): a re-sent one is skipped like any
+    # stored step, not rolled up twice (server/lifecycle/retention.py)
+    floor = raw_floor(run.config)
+    fresh, values, rows = write_steps(session, run_id=run.id, rank=rank,
+                                      steps=[s for s in steps if s.step >= floor] if floor else steps)
     rows += 1  # the ingest_batches row
     already = _already_stored(batch, steps, fresh)
 

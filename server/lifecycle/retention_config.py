@@ -201,6 +201,16 @@ class JobSettings:
 
 # ----------------------------------------------------------------------------- the record a compacted run keeps
 
+def raw_floor(config: Optional[dict]) -> int:
+    """The step below which a run's raw rows were compacted (0: none), read cheaply on every batch.
+
+    >>> raw_floor({"_retention": {"raw_before": 4096}}), raw_floor({}), raw_floor(None)
+    (4096, 0, 0)
+    """
+    rec = config.get(RECORD_KEY) if isinstance(config, dict) else None
+    return int(rec.get("raw_before") or 0) if isinstance(rec, dict) else 0
+
+
 @dataclass(frozen=True)
 class CompactionRecord:
     """What retention took from a run (``runs.config["_retention"]``): its raw rows of steps below
