@@ -58,8 +58,69 @@ CHUNK_LOGITS = 1 << 24
 # how far up the Python stack a call's module is looked for
 MAX_FRAMES = 64
 
-_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
-_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
+# What a call is, by the function object PyTorch hands the mode. Another library may have wrapped one of
+# these (a profiler's pass-through around F.scaled_dot_product_attention, installed before or after this
+# import): torch then hands over the original or the wrapper, so both are matched — the functions as
+# imported here and as they are now, unwrapped through ``__wrapped__`` — and, last, by the name of torch's
+# own function. (tests/agent/test_attention_zoo.py, the pass-through wrapper cases.)
+_KINDS = {"softmax": "softmax", "special_softmax": "softmax", "scaled_dot_product_attention": "sdpa",
+          "multi_head_attention_forward": "mha"}
+_ORIGINALS = {inspect.unwrap(f): kind for f, kind in (
+    (F.softmax, "softmax"), (torch.softmax, "softmax"), (torch.Tensor.softmax, "softmax"),
+    (torch.special.softmax, "softmax"), (torch._C._nn.scaled_dot_product_attention, "sdpa"),
+    (F.scaled_dot_product_attention, "sdpa"), (F.multi_head_attention_forward, "mha"))}
+# multi_head_attention_forward's parameters, in order (torch 2.x), for when the function here is a wrapper
+# that hides its signature ((*args, **kwargs), installed before this import without functools.wraps)
+_MHA_PARAMETERS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+                   "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+                   "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+                   "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+_MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
+                 "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
+                 "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
+                 "is_causal": False}
+
+
+def _mha_signature() -> inspect.Signature:
+    sig = inspect.signature(inspect.unwrap(F.multi_head_attention_forward))
+    if "query" in sig.parameters:
+        return sig
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind, default=_MHA_DEFAULTS.get(n, inspect.Parameter.empty))
+                              for n in _MHA_PARAMETERS])
+
+
+_MHA_SIGNATURE = _mha_signature()
+_seen_kinds: dict[Any, Optional[str]] = {}
+
+
+def call_kind(func: Callable) -> Optional[str]:
+    """"softmax", "sdpa", "mha" or None for the function a torch function mode is handed (cached).
+
+    >>> call_kind(torch.softmax), call_kind(F.scaled_dot_product_attention), call_kind(torch.add)
+    ('softmax', 'sdpa', None)
+    """
+    try:
+        return _seen_kinds[func]
+    except (KeyError, TypeError):
+        pass
+    kind = None
+    try:
+        for f in (func, inspect.unwrap(func)):
+            kind = _ORIGINALS.get(f) or {F.softmax: "softmax", F.scaled_dot_product_attention: "sdpa",
+                                         F.multi_head_attention_forward: "mha"}.get(f) or \
+                _KINDS.get(getattr(f, "__name__", None))
+            if kind:
+                break
+    except Exception:  # noqa: BLE001 - an odd callable (unhashable, a broken __wrapped__) is not attention
+        kind = None
+    try:
+        if len(_seen_kinds) > 4096:
+            _seen_kinds.clear()
+        _seen_kinds[func] = kind
+    except TypeError:
+        pass
+    return kind
 
 
 def _dim_arg(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -253,14 +314,15 @@ class AttentionLogitMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SOFTMAX:
+        kind = call_kind(func)
+        if kind == "softmax":
             x = args[0] if args else kwargs.get("input")
             dim = _dim_arg(func, args, kwargs)
             if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3):
                 self._measure(softmax_logit_max, (local_tensor(x),), {})
-        elif func is F.scaled_dot_product_attention:
+        elif kind == "sdpa":
             self._measure(sdpa_logit_max, args, kwargs)
-        elif func is F.multi_head_attention_forward:
+        elif kind == "mha":
             self._measure(mha_logit_max, args, kwargs)
         return func(*args, **kwargs)
 

@@ -29,9 +29,10 @@ after rotary, with grouped-query heads, T5's position bias, sliding windows, pad
 ``scale`` argument — is what the eager softmax really sees; and the modules it credits equal the
 modules the zoo declares as attention (by class), in number too.
 
-Why a replay and not the training forward itself: while the ground truth's wrappers are installed the
-agent would see them in place of torch's functions, and it misses wrapped functions
-(:func:`test_a_pass_through_wrapper_around_the_attention_function_hides_nothing`, xfail until fixed).
+Why a replay and not the training forward itself: the ground truth must not share a forward with the agent
+it checks — its own wrappers around torch's functions would be what the agent's mode is handed (the agent
+does see through pass-through wrappers:
+:func:`test_a_pass_through_wrapper_around_the_attention_function_hides_nothing`).
 """
 from __future__ import annotations
 
@@ -420,25 +421,13 @@ def wrapped_runs(tmp_path_factory) -> dict[str, dict]:
     return runs
 
 
-def _missed(reason: str):
-    return pytest.mark.xfail(strict=True, reason="agent bug: agent/capture/attention.py " + reason)
-
-
-SDPA_MISSED = _missed("AttentionLogitMode.__torch_function__ compares SDPA's builtin (what the mode receives) with "
-                      "the attribute F.scaled_dot_product_attention, which is now the wrapper: every call missed")
-SOFTMAX_MISSED = _missed("F.softmax dispatches to the mode with its module global `softmax` (the wrapper), which is "
-                         "not in _SOFTMAX (built when the agent was imported): every call missed")
-MHA_FAILS = _missed("_MHA_SIGNATURE is inspect.signature() of the wrapper (*args, **kwargs) taken at import: binding "
-                    "gives no 'query' (KeyError), and the attn_logits collector turns itself off for the run")
-
-
 @pytest.mark.parametrize("order, wrapped", [
-    pytest.param("wrapped-after-import", "F.softmax", marks=SOFTMAX_MISSED),
-    pytest.param("wrapped-after-import", "F.scaled_dot_product_attention", marks=SDPA_MISSED),
+    ("wrapped-after-import", "F.softmax"),
+    ("wrapped-after-import", "F.scaled_dot_product_attention"),
     ("wrapped-after-import", "F.multi_head_attention_forward"),
     ("wrapped-before-import", "F.softmax"),
-    pytest.param("wrapped-before-import", "F.scaled_dot_product_attention", marks=SDPA_MISSED),
-    pytest.param("wrapped-before-import", "F.multi_head_attention_forward", marks=MHA_FAILS),
+    ("wrapped-before-import", "F.scaled_dot_product_attention"),
+    ("wrapped-before-import", "F.multi_head_attention_forward"),
 ])
 def test_a_pass_through_wrapper_around_the_attention_function_hides_nothing(order, wrapped, wrapped_runs):
     """Another library has wrapped the attention function with one that calls the original; the model's

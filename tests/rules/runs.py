@@ -50,6 +50,8 @@ RELEVANT = {
     "H4": ("linear_growth", "layer_faults"),
     "H2": ("attn_growth", "layer_faults"),
     "H3": ("logz_drift", "nan_loss"),
+    # lr_jump is not among FAULTS (the other rules' random runs stay as they were): H10's own runs only
+    "H10": ("lr_jump", "lr_zero", "late_divergence"),
 }
 SEEDS = (0, 1)
 
@@ -133,6 +135,8 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
         halve_at = set(range(a, b, rng.choice([1, 3, 20, 150])))
     if "lr_zero" in faults:
         seg["lr_zero"] = segment(rng, n, 1, 40)
+    if "lr_jump" in faults:
+        seg["lr_jump"] = segment(rng, n, 1, 40)         # the LR x10 over a stretch: a jump up, then back down
     if "dead" in faults:
         # a few episodes of parameters without gradients (0.0, or null: no .grad), some long enough to fire
         dead = [(*segment(rng, n, 5, 150), rng.sample(range(LAYERS), rng.randint(1, 4)), rng.random() < 0.5)
@@ -256,6 +260,8 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
             lr = peak_lr * (i + 1) / warmup
         if inside("lr_zero", i):
             lr = 0.0
+        if inside("lr_jump", i):
+            lr *= 10.0
         st: dict[str, Any] = {"step": s, "time": 1.7e9 + s * 0.05, "loss": loss, "grad_norm": gn,
                               "clip_max_norm": clip, "clipped": None if clip is None else bool(gn > clip),
                               "loss_scale": scale if amp else None,

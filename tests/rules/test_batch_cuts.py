@@ -121,8 +121,9 @@ def test_verdicts_and_state_do_not_depend_on_the_batch_cuts(cls):
 
 # rules that judge the agent's events, which these generated runs do not carry: A3 (nan_origin), the
 # resume rules G1-G6 (one resume_state event each; G5 then its next steps), tested on real resumes in
-# tests/resume and tests/scenarios, and the setup notes H5-H9 (one run_setup event; tests/advice)
-EVENT_RULES = {"A3", "G1", "G2", "G3", "G4", "G5", "G6", "H5", "H6", "H7", "H8", "H9"}
+# tests/resume and tests/scenarios, the setup notes H5-H9 (one run_setup event; tests/advice) and H11 (one
+# attention_coverage event; tests/rules/test_lr_jump_and_coverage_rules.py, tests/agent/test_attention_coverage.py)
+EVENT_RULES = {"A3", "G1", "G2", "G3", "G4", "G5", "G6", "H5", "H6", "H7", "H8", "H9", "H11"}
 
 
 def test_every_batch_rule_is_covered():

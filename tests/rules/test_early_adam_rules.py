@@ -58,17 +58,20 @@ def test_h1_leaves_out_the_steps_the_scaler_skipped(rdb):
 
 
 def _linear_run(n: int = 400, every: int = 10, grow_from=None, rate: float = 1.3, early: bool = True,
-                seed: int = 1, learning: bool = False) -> list[dict]:
+                seed: int = 1, learning: bool = False, plateau: bool = False) -> list[dict]:
     """``healthy`` steps with every Linear's output RMS sampled each ``every`` steps; from ``grow_from`` on,
-    FC2's grows ``rate``-fold a sample. The loss stops falling there (it is flat, noisy, as before the
-    measured divergences), unless ``learning``: then it keeps falling fast (8 % per 40 steps)."""
+    FC2's grows ``rate``-fold a sample. The loss stops falling there and climbs, +80 % over 100 steps (as
+    before the measured divergence: lr_warmup_never_capped's 0.32 -> 0.86), unless ``learning``: then it keeps
+    falling fast (8 % per 40 steps), or ``plateau``: then it stays flat, noisy (a plateau while features form,
+    the hand-written decoder's qk-layernorm control in tests/scenarios/early_heldout.py)."""
     rng, loss_rng = random.Random(seed), random.Random(seed + 1000)
     steps = healthy(n, seed=seed)
     for s in steps:
         i = s["step"]
         if grow_from is not None and i >= grow_from:
             base = 2.0 * math.exp(-grow_from / 300) + 0.3
-            s["loss"] = (base * math.exp(-(i - grow_from) / 480) if learning else base) + loss_rng.gauss(0, 0.03)
+            s["loss"] = (base * math.exp(-(i - grow_from) / 480) if learning else base if plateau else
+                         base * (1 + 0.8 * min(1.0, (i - grow_from) / 100))) + loss_rng.gauss(0, 0.03)
         if i % every:
             continue
         k = i // every
@@ -87,7 +90,7 @@ def test_h4_names_the_linear_layer_whose_output_keeps_growing(rdb):
     a = rdb.rules(name)["H4"]
     assert a.severity == "warning"
     # rising on 4 samples, x2.5 over them (1.3^4), from step 240 on; > 3x its own (levelled-off) median: 1.3^5 > 3,
-    # step 250; the loss flat since 200
+    # step 250; the loss climbing since 200, its last four samples' mean 1.28x its best
     assert a.first_step == 250
     assert a.evidence["modules"] == ["blocks.0.mlp.2"] and a.evidence["linear_out_rms"] > 3 * a.evidence["median"]
     assert any("learning rate" in x for x in a.actions)
@@ -101,15 +104,33 @@ def test_h4_quiet_on_healthy_early_growth_and_on_slow_drift(rdb):
     assert "H4" not in rdb.rules(quiet) and "H4" not in rdb.rules(slow)
 
 
+def test_h4_quiet_while_the_loss_sits_on_a_plateau(rdb, tmp_path):
+    """Issue 33: the same growth with the loss flat (a plateau while the LR warms up and features form) drew H4
+    on a healthy qk-layernorm model. The loss has not left its best: quiet. With that gate off, it fires."""
+    name = run_name()
+    rdb.feed(name, _linear_run(grow_from=200, plateau=True), meta={"module_names": MODULES}, batch=31)
+    assert "H4" not in rdb.rules(name)
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[rules.H4]\nloss_rise = 0.0\n")
+    off = RulesDB(f"sqlite:///{tmp_path / 'off.db'}", tmp_path, rules_file=str(rules))
+    try:
+        other = run_name()
+        off.feed(other, _linear_run(grow_from=200, plateau=True), meta={"module_names": MODULES}, batch=31)
+        assert off.rules(other)["H4"].first_step == 250
+    finally:
+        off.close()
+
+
 def test_h4_quiet_while_the_loss_falls_fast(rdb, tmp_path):
     """The same growth as the firing case, but the loss keeps falling 8 % per 40 steps: the model is learning
     (the qk-layernorm control's o_proj grew 0.24 -> 1.13 in four samples while its loss fell 4.0 -> 2.3)."""
     name = run_name()
     rdb.feed(name, _linear_run(grow_from=200, learning=True), meta={"module_names": MODULES}, batch=31)
     assert "H4" not in rdb.rules(name)
-    # the same run with the gate off (a loss drop of 100 % never happens) fires: the growth alone was enough
+    # the same run with both loss gates off (a loss drop of 100 % never happens; any loss is >= 1.0x its best)
+    # fires: the growth alone was enough
     rules = tmp_path / "rules.toml"
-    rules.write_text("[rules.H4]\nloss_drop = 1.0\n")
+    rules.write_text("[rules.H4]\nloss_drop = 1.0\nloss_rise = 0.0\n")
     off = RulesDB(f"sqlite:///{tmp_path / 'off.db'}", tmp_path, rules_file=str(rules))
     try:
         other = run_name()

@@ -163,7 +163,7 @@ class LinearOutputGrowth(BatchRule):
     fires_when = ("a Linear module's output RMS rose on each of its last {rising} samples, by >= {growth:g}x over "
                   "them, to > {factor:g}x its own median over the last {history} samples (after {min_samples} "
                   "samples), while the mean loss at those samples fell by less than {loss_drop:g} of its mean "
-                  "at the {rising} samples before them")
+                  "at the {rising} samples before them and is >= (1 + {loss_rise:g}) x the lowest such mean so far")
     diagnosis = ("The outputs of these linear layers (QKV / attention projection / FC2 in a Transformer) grow "
                  "sample after sample: the signal is being amplified, which comes before a divergence "
                  "(arXiv:2410.16682). Check: is the learning rate too high for this model (or still rising)? "
@@ -179,8 +179,13 @@ class LinearOutputGrowth(BatchRule):
     # in four samples while its loss fell 4.0 -> 2.3; its FC2 1.7 -> 3.4 later, at a slowing rate), while the
     # growth before a divergence compounds (lr_warmup_never_capped's FC2 0.84 -> 4.0, 1.5-2x a sample) with a
     # loss that has stopped falling (0.32 -> 0.86).
+    # loss_rise 0.2 (issue 33): a healthy model's outputs also grow while its loss sits on a plateau — the copy
+    # task's unigram plateau before the attention circuit forms, the LR still warming up (the hand-written
+    # decoder's qk-layernorm control in tests/scenarios/early_heldout.py: output RMS x4.2 over four samples at step
+    # 100, its loss flat at ~3.0); before a divergence the loss has already left its best (lr_warmup_never_capped
+    # at step 140: the mean of the last four sampled losses 0.61 against a best four-sample mean of 0.35).
     params = {"factor": Float(3.0), "growth": Float(2.5), "rising": Int(4), "history": Int(30),
-              "min_samples": Int(8), "loss_drop": Float(0.05)}
+              "min_samples": Int(8), "loss_drop": Float(0.05), "loss_rise": Float(0.2, zero_ok=True)}
     needs = ("layers.linear_out_rms",)
     # State: "h" the last `history` samples' RMS values (rows × "w" modules; NaN: not measured there);
     # "l" the loss at the last 2 × `rising` samples' steps (None: not finite or not sent), for the loss gate.
@@ -194,6 +199,7 @@ class LinearOutputGrowth(BatchRule):
         rising, growth, factor, min_samples = int(cfg["rising"]), cfg["growth"], cfg["factor"], int(cfg["min_samples"])
         hist: Optional[np.ndarray] = None
         losses = list(state.get("l", []))
+        best = state.get("lb")           # the lowest mean loss of `rising` consecutive samples so far
         loss = batch.values("loss")
         for i in carriers:
             v = layer_array(batch.steps[i], "linear_out_rms")
@@ -219,7 +225,9 @@ class LinearOutputGrowth(BatchRule):
                     count, med, _ = _col_median_mad(hist, cand)
                     with np.errstate(invalid="ignore"):
                         bad = (count >= min_samples) & (v[cand] > factor * med)
-                    if bad.any() and not self._learning(losses + [sample_loss], rising, cfg["loss_drop"]):
+                    recent = losses + [sample_loss]
+                    if bad.any() and not self._learning(recent, rising, cfg["loss_drop"]) and \
+                            self._left_its_best(recent, best, rising, cfg["loss_rise"]):
                         hit = self._hit(v, cand[bad], med[bad], hist[-rising, cand[bad]], batch.ctx.module_names,
                                         rising)
             if hit is None:
@@ -228,10 +236,32 @@ class LinearOutputGrowth(BatchRule):
                 out.hits[i] = hit
             hist = np.vstack((hist, v[None, :]))[-size:]
             losses = (losses + [sample_loss])[-2 * rising:]
+            window = losses[-rising:]
+            if len(window) == rising and None not in window:
+                mean = sum(window) / rising
+                best = mean if best is None else min(best, mean)
         if hist is not None:
             _save_history(state, hist)
             state["l"] = losses
+            if best is not None:
+                state["lb"] = best
         return out
+
+    @staticmethod
+    def _left_its_best(losses: list, best, rising: int, rise: float) -> bool:
+        """The mean loss of the last ``rising`` samples is at least (1 + ``rise``) times the lowest such mean so
+        far (``best``, this window included): the loss has begun to leave what the model had reached. Unknown
+        (no loss, too short a history): True, the growth alone decides.
+
+        >>> LinearOutputGrowth._left_its_best([0.5, 0.6, 0.7, 0.6], 0.4, 4, 0.2), \
+        ...     LinearOutputGrowth._left_its_best([3.0, 3.1, 2.9, 3.0], 2.95, 4, 0.2)
+        (True, False)
+        """
+        recent = losses[-rising:]
+        if best is None or len(recent) < rising or None in recent or best <= 0:
+            return True
+        mean = sum(recent) / rising
+        return mean >= (1.0 + rise) * min(best, mean)
 
     @staticmethod
     def _learning(losses: list, rising: int, drop: float) -> bool:

@@ -38,7 +38,8 @@ def _doubling(first, step: int, x: float):
 class AttentionLogitGrowth(BatchRule):
     id, name, severity, checklist = "H2", "attention_logit_growth", "warning", "5.2"
     fires_when = ("an attention module's max attention logit stays >= {min_logit:g}, >= {factor:g}x its median and "
-                  "{sigmas:g} MADs above it (its last {window} samples) for {consecutive} samples in a row")
+                  "{sigmas:g} MADs above it (its last {window} samples, one per {spacing} steps) for {consecutive} "
+                  "samples in a row")
     diagnosis = ("Attention-logit growth: the queries and keys of this attention module grow until its softmax turns "
                  "one-hot (attention entropy collapse); the loss diverges after it. Check: (1) is qk-layernorm used? "
                  "(2) is the learning rate high for this model size? (3) is the warm-up short or absent?")
@@ -54,12 +55,16 @@ class AttentionLogitGrowth(BatchRule):
     # (agent/collectors/early_logits.py, BOOST_*), so three in a row are then three steps. min_logit 50 and factor 4
     # stay: nn.TransformerEncoder's healthy run at lr 0.5 (tests/scenarios/early_heldout.py) climbs to ~50 with a
     # history median ~25, and a qk-layernorm run's logits level off at 20-35.
+    # spacing: the baseline (median / MAD) keeps one sample per 10 steps, whatever the cadence. While the agent
+    # samples every step (a fast growth), a baseline of every sample would follow the growth it should measure:
+    # nn.TransformerEncoder's held-out run (12 -> 118 over steps 50-100, sampled every step) never reached 4x
+    # its own trailing median.
     params = {"factor": Float(4.0), "sigmas": Float(6.0, zero_ok=True), "min_logit": Float(50.0, zero_ok=True),
-              "consecutive": Int(3), "window": Int(200), "min_history": Int(3)}
+              "consecutive": Int(3), "window": Int(200), "min_history": Int(3), "spacing": Int(10)}
     needs = ("layers.attn_logit_max",)
     REFRESH = 8
     # State per module j: "m<j>" its RobustWindow, "s<j>" the run of flagged samples at the batch's end, "f<j>"
-    # [step, value] of that run's first sample (the growth rate's start).
+    # [step, value] of that run's first sample (the growth rate's start), "p<j>" the step last pushed to the window.
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
@@ -81,13 +86,20 @@ class AttentionLogitGrowth(BatchRule):
                                min_len=int(cfg["min_history"]), want_mad=True)
             # not monotone=True: its shortcut made the verdicts depend on where the batches were cut
             # (tests/rules/test_batch_cuts.py found it on a generated run)
-            s = win.screen(col[at], np.ones(len(at), dtype=bool), flags)
+            steps = batch.step[[carriers[int(c)] for c in at]]
+            pushable = np.zeros(len(at), dtype=bool)
+            last = state.get(f"p{j}")
+            for k in range(len(at)):
+                if last is None or steps[k] - last >= cfg["spacing"]:
+                    pushable[k], last = True, int(steps[k])
+            if last is not None:
+                state[f"p{j}"] = int(last)
+            s = win.screen(col[at], pushable, flags)
             win.save()
             run = streaks(s.flagged, int(state.get(f"s{j}", 0)))
             state[f"s{j}"] = int(run[-1]) if len(run) else int(state.get(f"s{j}", 0))
             judged_any[at[s.judged]] = True
             first = state.get(f"f{j}")
-            steps = batch.step[[carriers[int(c)] for c in at]]
             for k in range(len(at)):
                 if run[k] == 1 or (run[k] > 1 and first is None):
                     first = [int(steps[k]), float(col[at[k]])]
