@@ -1,8 +1,9 @@
 """The webhook outbox: delivery rows written in the batch's transaction, sent by the worker.
 
-``enqueue_alerts`` adds one ``webhook_deliveries`` row per (alert, matching
-endpoint) inside the ingest transaction, so an alert and its deliveries are
-committed together or not at all, and a delivery outlives any restart.
+``new_delivery`` builds one ``webhook_deliveries`` row; routing
+(``server/routing``) adds them inside the ingest transaction, so an alert and
+its deliveries are committed together or not at all, and a delivery outlives
+any restart.
 ``claim_due`` / ``record_attempt`` are the worker's side: claiming is one
 UPDATE … RETURNING that pushes the row's ``next_attempt_at`` one lease into
 the future (PostgreSQL additionally uses ``FOR UPDATE SKIP LOCKED``), so two
@@ -18,9 +19,9 @@ from typing import Any, Optional
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert, Project, Run, WebhookDelivery, WebhookEndpoint
+from gradwatch.server.models import WebhookDelivery, WebhookEndpoint
 from gradwatch.server.rules.catalogue import SEVERITY_RANK
-from gradwatch.server.webhooks.formats import alert_payload, guess_format, render
+from gradwatch.server.webhooks.formats import guess_format, render
 
 # Retry policy: exponential backoff from BACKOFF_BASE_S, capped, until TTL_S after enqueueing.
 BACKOFF_BASE_S = 0.5
@@ -100,28 +101,6 @@ def new_delivery(endpoint: WebhookEndpoint, payload: dict[str, Any], *, alert_id
     return WebhookDelivery(endpoint_id=endpoint.id, alert_id=alert_id, group_id=group_id, url=endpoint.url,
                            body=render(endpoint.format, payload), status="pending", attempts=0,
                            next_attempt_at=now, expires_at=now + TTL_S, created_at=now)
-
-
-def enqueue_alerts(session: Session, alerts: list[Alert], *, run: Run, project: Project, settings: Any,
-                   now: float) -> int:
-    """One delivery row per (alert, enabled endpoint of the project or server-wide, severity ≥ its minimum)."""
-    if not alerts:
-        return 0
-    ensure_server_endpoints(session, settings)
-    count = 0
-    url = dashboard_url(settings, run.id)
-    for alert in alerts:
-        endpoints = matching_endpoints(session, project_id=project.id, severity=alert.severity)
-        if not endpoints:
-            continue
-        payload = alert_payload(alert, run_name=run.name, project_name=project.name, dashboard_url=url,
-                                incident_url=incident_url(settings, alert.id))
-        for ep in endpoints:
-            session.add(new_delivery(ep, payload, alert_id=alert.id, now=now))
-            count += 1
-    if count:
-        session.flush()
-    return count
 
 
 # --------------------------------------------------------------------------- worker side

@@ -17,7 +17,6 @@ from typing import Awaitable, Callable, Mapping, Optional
 import httpx
 from sqlalchemy.orm import sessionmaker as SessionMaker
 
-from gradwatch.server.models import Project, Run
 from gradwatch.server.rules.config import rules_file_of
 from gradwatch.server.rules.engine import scan_timer_rules, timer_scan_interval
 from gradwatch.server.webhooks import outbox
@@ -32,19 +31,19 @@ USER_AGENT = "gradwatch-webhooks/0.1"
 class DeliveryWorker:
     def __init__(self, sessionmaker, settings, *, poll_interval: float = 1.0,
                  stall_interval: Optional[float] = None, request_timeout: float = 5.0,
-                 route: Optional[Callable] = None, flush: Optional[Callable] = None,
+                 route: Callable, flush: Optional[Callable] = None,
                  flush_due_at: Optional[Callable] = None, delivered: Optional[Callable] = None,
                  senders: Optional[Mapping[str, Callable[[str, str], Awaitable]]] = None):
-        """``route(session, alerts, settings=, now=)`` hands the timer rules' alerts on (default: straight
-        into the outbox); ``flush(session, settings=, now=)`` → (rows written, next due time) runs in a
-        round where ``flush_due_at(session)`` (a read) says something is due (the notification groups);
+        """``route(session, alerts, settings=, now=)`` hands the timer rules' alerts on (into routing);
+        ``flush(session, settings=, now=)`` → (rows written, next due time) runs in a round where
+        ``flush_due_at(session)`` (a read) says something is due (the notification groups);
         ``delivered(session, group_ids, now=)`` is told, in the transaction that records them, the
         notification groups of the rows just delivered (a group's intervals count from then);
         ``senders``: URL scheme → ``await send(url, body)`` → (status, error) for outbox rows that are
         not HTTP (``mailto`` for email)."""
         self.sessionmaker = sessionmaker
         self.settings = settings
-        self.route = route or _enqueue_directly
+        self.route = route
         self.flush = flush
         self.flush_due_at = flush_due_at
         self.delivered = delivered
@@ -252,13 +251,3 @@ class DeliveryWorker:
                 raise
             except Exception:  # noqa: BLE001
                 log.exception("stall check failed; retrying")
-
-
-def _enqueue_directly(session, alerts, *, settings, now: float) -> int:
-    """Without routing: one delivery per (alert, matching endpoint)."""
-    enqueued = 0
-    for alert in alerts:
-        run = session.get(Run, alert.run_id)
-        project = session.get(Project, run.project_id)
-        enqueued += outbox.enqueue_alerts(session, [alert], run=run, project=project, settings=settings, now=now)
-    return enqueued
