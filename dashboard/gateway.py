@@ -422,6 +422,24 @@ def list_deliveries(*, limit: int = 50) -> list[dict]:
                 if own is None or d.endpoint_id in own]
 
 
+def rule_text(rule_id: str, values: dict) -> str:
+    """What rule ``rule_id`` fires on with ``values`` (the static catalogue: text only, no database);
+    its default text where the values cannot be described, "" for a rule the catalogue lacks."""
+    from gradwatch.server.rules.catalogue import RULES_BY_ID, describe
+    spec = RULES_BY_ID.get(rule_id)
+    try:
+        return describe(spec, values) if spec else ""
+    except Exception:  # noqa: BLE001 - a description is a nicety; the thresholds are what matter
+        return spec.fires_when if spec else ""
+
+
+def setup_rule_ids() -> frozenset:
+    """The configuration-advice rules (H5-H9: every rule of ``setup_advice.py``'s ``SetupRule`` family)."""
+    from gradwatch.server.rules.catalog.setup_advice import SetupRule
+    from gradwatch.server.rules.registry import rule_classes
+    return frozenset(c.id for c in rule_classes() if issubclass(c, SetupRule))
+
+
 def get_rule_config(project: str) -> Any:
     from gradwatch.server.rules import config
     with _session() as s:

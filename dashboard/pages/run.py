@@ -531,16 +531,9 @@ def _header(run: dict, alerts: list, ranks: Sequence[dict] = ()) -> list:
     ]
 
 
-def _setup_rule_ids() -> frozenset:
-    """The configuration-advice rules (H5-H9: every rule of ``setup_advice.py``'s ``SetupRule`` family)."""
-    from gradwatch.server.rules.catalog.setup_advice import SetupRule
-    from gradwatch.server.rules.registry import rule_classes
-    return frozenset(c.id for c in rule_classes() if issubclass(c, SetupRule))
-
-
 def setup_notes(alerts: Sequence[dict]) -> list[dict]:
     """The run's firing configuration-advice notes, warnings first, then by rule id."""
-    ids = _setup_rule_ids()
+    ids = gateway.setup_rule_ids()
     notes = [a for a in alerts if a.get("rule") in ids and a.get("status") == "firing"]
     return sorted(notes, key=lambda a: (a.get("severity") == "info", a.get("rule") or "", a.get("rank") or 0))
 

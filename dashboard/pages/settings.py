@@ -208,20 +208,13 @@ def _field(rule: str, key: str, value) -> html.Div:
 
 
 def rules_table(config: dict) -> html.Table:
-    from gradwatch.server.rules.catalogue import RULES, describe  # the static catalogue: text only, no database
-
-    specs = {spec.id: spec for spec in RULES}
     head = html.Thead(html.Tr([html.Th(h) for h in ("Rule", "Fires when", "Settings", "")]))
     rows = []
     for rid, values in config.items():
-        spec = specs.get(rid)
         overridden = set(values.get("overridden") or [])
         keys = [k for k in values if k not in ("id", "name", "overridden")]
         keys.sort(key=lambda k: (k not in ("enabled", "severity"), k))
-        try:
-            text = describe(spec, values) if spec else ""
-        except Exception:  # noqa: BLE001 - a description is a nicety; the thresholds are what matter
-            text = spec.fires_when if spec else ""
+        text = gateway.rule_text(rid, values)
         rows.append(html.Tr([
             html.Td([html.Strong(rid), html.Br(), html.Span(values.get("name", ""), className="gw-muted")]),
             html.Td(text, className="gw-rule-text"),
