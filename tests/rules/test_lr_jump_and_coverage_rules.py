@@ -57,3 +57,14 @@ def test_h11_says_when_a_transformer_has_no_attention_measured_and_clears_when_i
     mlp = run_name()
     rdb.feed(mlp, lr_steps(lambda i: 1e-3, n=20), events=[coverage(0, [], False)])
     assert "H11" not in rdb.rules(fine) and "H11" not in rdb.rules(mlp)
+
+
+def test_h10_leaves_a_resumed_process_s_first_steps_to_the_resume_rules(rdb):
+    """A fresh optimizer and a restored scheduler set the LR twice as a resumed process starts (G2 / G5's
+    matter); a jump later in that process is H10's."""
+    name = run_name()
+    resumed = {"step": 100, "kind": "resume_state", "data": {}}
+    rdb.feed(name, lr_steps(lambda i: 1e-3 if i < 100 else 1e-4 if i == 100 else 2e-3 if i < 150 else 2e-2),
+             batch=30, events=[resumed])
+    a = rdb.rules(name)["H10"]
+    assert a.first_step == 150 and a.evidence["lr_before"] == 2e-3

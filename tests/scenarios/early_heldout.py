@@ -238,14 +238,13 @@ def build(kind: str, qk_norm: bool = False, **over) -> Loop:
                 schedule=lambda step: min(1.0, (step + 1) / warmup))
 
 
-def _fault(name: str, kind: str, what: str, known_failure: Optional[str] = None, **over) -> Scenario:
+def _fault(name: str, kind: str, what: str, **over) -> Scenario:
     return Scenario(f"heldout_{name}", "H2", PROJECT, lambda: build(kind, **over), what, onset=loss_rise_onset,
-                    min_lead=50, held_out=True, known_failure=known_failure)
+                    min_lead=50, held_out=True)
 
 
-def _control(name: str, kind: str, what: str, known_failure: Optional[str] = None, **over) -> Scenario:
-    return Scenario(f"heldout_{name}_control", None, PROJECT, lambda: build(kind, **over), what, held_out=True,
-                    known_failure=known_failure)
+def _control(name: str, kind: str, what: str, **over) -> Scenario:
+    return Scenario(f"heldout_{name}_control", None, PROJECT, lambda: build(kind, **over), what, held_out=True)
 
 
 # The settings that diverge on CPU within a CI-sized run (dry runs of 2026-12-05, plain PyTorch): gqa_rotary at lr

@@ -39,9 +39,6 @@ class Scenario:
     onset: Optional[Callable[[list[float]], Optional[int]]] = None
     min_lead: Optional[int] = None
     held_out: bool = False          # not used to tune its rule's thresholds: reported apart (docs/rules.md)
-    # a measured, not yet mended failure of the catalogue on this run (xfail, not strict: the trajectory follows
-    # the machine's float rounding); the row still goes into the confusion table as it came out
-    known_failure: Optional[str] = None
 
 
 def loss_onset(losses: list[float], *, factor: float = 3.0, window: int = 50, start: int = 20) -> Optional[int]:

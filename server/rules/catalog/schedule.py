@@ -63,7 +63,8 @@ _RESTARTING = ("CosineAnnealingWarmRestarts", "CyclicLR")
 class LrJump(BatchRule):
     id, name, severity, checklist = "H10", "lr_jump", "warning", "7.1 / 8.C"
     fires_when = ("the learning rate rises >= {factor:g}x from one step to the next (from a non-zero LR; not where "
-                  "the run declared a scheduler that restarts its cycle)")
+                  "the run declared a scheduler that restarts its cycle, nor within {settle_steps} steps of a process's "
+                  "start: a resume's LR is G2's and G5's)")
     diagnosis = ("An abrupt learning-rate increase: every update is that many times larger from one step to the next, "
                  "with Adam's moments and the model tuned to the old rate; a gradient or loss explosion tends to "
                  "follow within a few steps (checklist 7.1: an LR too large; 8.C: lower it). A warm-up rises by "
@@ -75,9 +76,10 @@ class LrJump(BatchRule):
         "ramp": "If the new LR is meant: reach it with a warm-up over a few hundred steps instead of one step, and "
                 "clip gradients (max_norm=1.0) meanwhile.",
     }
-    params = {"factor": Float(5.0)}
+    params = {"factor": Float(5.0), "settle_steps": Int(5, zero_ok=True)}
     needs = ("lr",)
-    # State: "last" [step, lr] of the last measured finite LR; "restarting": the run declared a restarting scheduler.
+    # State: "last" [step, lr] of the last measured finite LR; "restarting": the run declared a restarting scheduler;
+    # "quiet_until": the last step of a resumed process's first settle_steps, not judged.
 
     @staticmethod
     def _restarting(ctx) -> bool:
@@ -98,8 +100,22 @@ class LrJump(BatchRule):
         judged = np.flatnonzero(batch.measured("lr") & np.isfinite(lr_all))
         last = state.get("last")
         factor = cfg["factor"]
+        # a process that attached anew (a resume: its resume_state event) starts its own LR history; an LR that
+        # differs from the schedule's after a resume is G5's (lr_restarted), with the resume as its cause
+        # (and its first settle_steps steps: an optimizer built fresh and a scheduler restored after it set the LR
+        # twice, the warm-up's first value, then the restored schedule's: G2 / G5 name that cause)
+        restarts = sorted(int(k) for k in (batch.ctx.events.get("resume_state") or {}).keys())
+        settle = int(cfg["settle_steps"])
+        quiet_until = state.get("quiet_until", -1)
         for i in judged.tolist():
             lr, step = float(lr_all[i]), int(batch.step[i])
+            began = [r for r in restarts if r <= step]
+            if began:
+                quiet_until = max(quiet_until, began[-1] + settle)
+            if step <= quiet_until:
+                out.clear[i] = True
+                last = [step, lr]
+                continue
             if last is not None and last[1] > 0 and lr >= factor * last[1]:
                 out.hits[i] = Hit({"lr_before": last[1], "lr": lr, "ratio": lr / last[1], "step_before": last[0]},
                                   f"Learning rate jumped {lr / last[1]:.3g}x, from {fmt(last[1])} at step {last[0]} to "
@@ -109,4 +125,5 @@ class LrJump(BatchRule):
             last = [step, lr]
         if last is not None:
             state["last"] = last
+        state["quiet_until"] = quiet_until
         return out
