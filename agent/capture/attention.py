@@ -152,6 +152,20 @@ def _batch_slice(t: Optional[torch.Tensor], lo: int, hi: int, batch: int, lead: 
     return t[lo:hi]
 
 
+_CAUSAL: dict[tuple, torch.Tensor] = {}
+
+
+def _above_diagonal(L: int, S: int, device: torch.device) -> torch.Tensor:
+    """The entries SDPA's ``is_causal`` hides (True above the diagonal, top-left aligned), cached by shape."""
+    key = (L, S, str(device))
+    t = _CAUSAL.get(key)
+    if t is None:
+        if len(_CAUSAL) > 32:
+            _CAUSAL.clear()
+        t = _CAUSAL[key] = torch.ones(L, S, dtype=torch.bool, device=device).triu(1)
+    return t
+
+
 def scores_max(q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None,
                causal: bool = False) -> torch.Tensor:
     """max over the unmasked entries of ``q·kᵀ·scale (+ mask)`` for ``q`` ``[..., L, E]`` and ``k``
@@ -169,7 +183,8 @@ def scores_max(q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[to
     L, S = q.shape[-2], k.shape[-2]
     lead = q.dim() - 2
     batch = q.shape[0] if lead >= 1 else 1
-    keep_causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril() if causal else None
+    hide_causal = _above_diagonal(L, S, q.device) if causal else None
+    additive = mask is not None and mask.dtype != torch.bool
     per = _chunks(batch, q[0].numel() // max(1, q.shape[-1]) * S if lead >= 1 else 1)
     out = []
     for lo in range(0, batch, per):
@@ -177,16 +192,16 @@ def scores_max(q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[to
         qs = q[lo:hi] if lead >= 1 else q
         ks = k[lo:hi] if lead >= 1 and k.shape[0] == batch and batch > 1 else k
         with torch.autocast(q.device.type, enabled=False):   # float32 products, not the autocast dtype's
-            s = torch.matmul(qs.float(), ks.float().transpose(-2, -1)) * scale
+            s = torch.matmul(qs.float(), ks.float().transpose(-2, -1))
         m = _batch_slice(mask, lo, hi, batch, lead)
-        if m is not None:
-            if m.dtype == torch.bool:
-                s = s.masked_fill(~m, -math.inf)
-            else:
-                s = s + m.float()
-        if keep_causal is not None:
-            s = s.masked_fill(~keep_causal, -math.inf)
-        out.append(s.amax())
+        if additive:
+            s.mul_(scale).add_(m.float())
+        elif m is not None:
+            s.masked_fill_(~m, -math.inf)
+        if hide_causal is not None:
+            s.masked_fill_(hide_causal, -math.inf)
+        # without an additive mask the scale (> 0) is applied to the max alone: one pass less over the logits
+        out.append(s.amax() if additive else s.amax() * scale)
     return out[0] if len(out) == 1 else torch.stack(out).amax()
 
 

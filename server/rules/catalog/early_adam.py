@@ -253,9 +253,10 @@ class LinearOutputGrowth(BatchRule):
         far (``best``, this window included): the loss has begun to leave what the model had reached. Unknown
         (no loss, too short a history): True, the growth alone decides.
 
-        >>> LinearOutputGrowth._left_its_best([0.5, 0.6, 0.7, 0.6], 0.4, 4, 0.2), \
-        ...     LinearOutputGrowth._left_its_best([3.0, 3.1, 2.9, 3.0], 2.95, 4, 0.2)
-        (True, False)
+        >>> LinearOutputGrowth._left_its_best([0.5, 0.6, 0.7, 0.6], 0.4, 4, 0.2)
+        True
+        >>> LinearOutputGrowth._left_its_best([3.0, 3.1, 2.9, 3.0], 2.95, 4, 0.2)
+        False
         """
         recent = losses[-rising:]
         if best is None or len(recent) < rising or None in recent or best <= 0:
