@@ -96,8 +96,8 @@ class AgentConfig:
     # early warning, attention and output logits (H2, H3; agent/collectors/early_logits.py)
     attn_logits_every: int = 10          # per attention module, the max attention logit q·k·scale
     output_logits_every: int = 10        # the output's max logit and mean log Z
-    attention_modules: Optional[str] = None   # attention modules the agent does not recognise by itself:
-                                         # "name[:heads], ..." (fnmatch patterns), docs/signals.md
+    attention_modules: Optional[str] = None   # attention the agent cannot see where it is computed (an external
+                                         # kernel): "name[:heads], ..." (fnmatch patterns), docs/signals.md
     # early warning H1 / H4 (docs/early-warning-adam.md): cadences measured with bench/agent_overhead.py
     adam_every: int = 10                 # Adam's g² / v̂ per parameter; 1 gives H1 its full 1-8 step lead (~2 % of a
                                          # CPU step measured, over the 1.03x budget with the rest: not the default)
