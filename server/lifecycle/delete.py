@@ -111,6 +111,16 @@ class _Owned:
     set_null: bool = False              # ON DELETE SET NULL: the key is cleared, the row stays
 
 
+def owned_where(owned: "_Owned", key: str, param: str) -> str:
+    """The WHERE clause that selects ``owned``'s rows of one run or project: ``key`` (``run_id`` /
+    ``project_id``) = ``:param``, on the table itself or on the table its rows hang off."""
+    t = owned.table.name
+    if owned.via is None:
+        return f"{t}.{key} = :{param}"
+    v = owned.via.name
+    return f"{t}.{owned.column} IN (SELECT {v}.{owned.via_column} FROM {v} WHERE {v}.{key} = :{param})"
+
+
 def owned_tables(metadata=Base.metadata) -> list[_Owned]:
     """Every table holding a run's rows, children before parents (the order a purge empties them)."""
     direct = [t for t in metadata.sorted_tables
@@ -236,11 +246,7 @@ def run_deleted_error(*, project: str, run: Run) -> RunDeleted:
 def _chunk_delete_sql(dialect: str, owned: _Owned, limit: int) -> str:
     """One bounded DELETE (or UPDATE … SET NULL) of the run's rows of one table."""
     t = owned.table.name
-    if owned.via is None:
-        where = f"{t}.run_id = :run_id"
-    else:
-        where = (f"{t}.{owned.column} IN (SELECT {owned.via.name}.{owned.via_column} FROM {owned.via.name} "
-                 f"WHERE {owned.via.name}.run_id = :run_id)")
+    where = owned_where(owned, "run_id", "run_id")
     if owned.set_null:
         where = f"{where} AND {t}.{owned.column} IS NOT NULL"
     row_id = "ctid" if dialect == "postgresql" else "rowid"
@@ -341,11 +347,7 @@ def delete_project_rows(session: Session, *, project_id: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for owned in project_tables():
         t = owned.table.name
-        if owned.via is None:
-            where = f"{t}.project_id = :pid"
-        else:
-            where = (f"{t}.{owned.column} IN (SELECT {owned.via.name}.{owned.via_column} FROM {owned.via.name} "
-                     f"WHERE {owned.via.name}.project_id = :pid)")
+        where = owned_where(owned, "project_id", "pid")
         sql = (f"UPDATE {t} SET {owned.column} = NULL WHERE {where}" if owned.set_null
                else f"DELETE FROM {t} WHERE {where}")
         n = session.execute(text(sql), {"pid": project_id}).rowcount

@@ -32,7 +32,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from ..models import Run
-from .delete import owned_tables
+from .delete import owned_tables, owned_where
 
 TABLE_STATS_SECONDS = 600.0
 # a running run's counts are taken again after this long (its rows keep growing)
@@ -126,11 +126,7 @@ def _count_rows(session: Session, run_id: int) -> dict[str, int]:
         if o.set_null:
             continue
         t = o.table.name
-        if o.via is None:
-            sql = f"SELECT COUNT(*) FROM {t} WHERE run_id = :r"
-        else:
-            sql = (f"SELECT COUNT(*) FROM {t} WHERE {o.column} IN "
-                   f"(SELECT {o.via_column} FROM {o.via.name} WHERE run_id = :r)")
+        sql = f"SELECT COUNT(*) FROM {t} WHERE {owned_where(o, 'run_id', 'r')}"
         n = session.execute(text(sql), {"r": run_id}).scalar() or 0
         counts[t] = counts.get(t, 0) + int(n)
     return counts
