@@ -140,7 +140,8 @@ def softmax_logit_max(x: torch.Tensor) -> torch.Tensor:
     return x.detach().amax().float()
 
 
-def _chunks(n: int, per_item: int) -> int:
+def _chunks(per_item: int) -> int:
+    """How many batch rows of ``per_item`` logits each one chunk holds."""
     return max(1, CHUNK_LOGITS // max(1, per_item))
 
 
@@ -185,7 +186,7 @@ def scores_max(q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[to
     batch = q.shape[0] if lead >= 1 else 1
     hide_causal = _above_diagonal(L, S, q.device) if causal else None
     additive = mask is not None and mask.dtype != torch.bool
-    per = _chunks(batch, q[0].numel() // max(1, q.shape[-1]) * S if lead >= 1 else 1)
+    per = _chunks(q[0].numel() // max(1, q.shape[-1]) * S if lead >= 1 else 1)
     out = []
     for lo in range(0, batch, per):
         hi = min(batch, lo + per)
@@ -287,8 +288,7 @@ def _mha_mask(attn_mask: Any, key_padding_mask: Any, N: int, H: int, L: int, S: 
         m = pad(additive(attn_mask))
         out = m.reshape(N, H, L, S) if m.dim() == 3 else m          # (N·H, L, S) or (L, S)
     elif causal:
-        out = torch.zeros(L, S, device=device).masked_fill(
-            ~torch.ones(L, S, dtype=torch.bool, device=device).tril(), -math.inf)
+        out = torch.zeros(L, S, device=device).masked_fill(_above_diagonal(L, S, device), -math.inf)
     if isinstance(key_padding_mask, torch.Tensor):
         kp = pad(additive(key_padding_mask))
         kp = kp.reshape(N, 1, 1, S) if kp.dim() == 2 else kp.reshape(1, 1, 1, S)
