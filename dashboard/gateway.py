@@ -130,8 +130,10 @@ def _unwrap(result: Any, key: str) -> list:
 
 # --------------------------------------------------------------------------- reads
 
-def _stall_seconds() -> float:
-    return float(getattr(_settings, "stall_seconds", 300.0) or 300.0)
+def stall_seconds() -> float:
+    """Seconds without data before a running run reads as stalled: the server's setting, else its default."""
+    from gradwatch.server.settings import DEFAULT_STALL_SECONDS
+    return float(getattr(_settings, "stall_seconds", None) or DEFAULT_STALL_SECONDS)
 
 
 def _series(result: Any) -> dict:
@@ -152,7 +154,7 @@ def list_runs(*, project: Optional[str] = None, status: Optional[str] = None, na
     from gradwatch.server.lifecycle import sizes
     with _session() as s:
         runs = _unwrap(queries.list_runs(s, project=_scoped(project), status=status or None, name=name or None,
-                                         stall_seconds=_stall_seconds()), "runs")
+                                         stall_seconds=stall_seconds()), "runs")
         size = sizes.run_bytes(s, [r["id"] for r in runs])
     for r in runs:
         r["bytes"] = size.get(r["id"])
@@ -164,7 +166,7 @@ def get_run(run_id: int) -> Optional[dict]:
     with _session() as s:
         if not _run_visible(s, run_id):
             return None
-        return _plain(queries.get_run(s, run_id=run_id, stall_seconds=_stall_seconds()))
+        return _plain(queries.get_run(s, run_id=run_id, stall_seconds=stall_seconds()))
 
 
 def steps_after(last: Optional[int], cursor: Optional[float]) -> bool:
@@ -500,7 +502,7 @@ def delete_preview(run_id: int) -> Optional[dict]:
     with _session() as s:
         if not _run_visible(s, run_id):
             return None
-        refs = delete.select_runs(s, run_ids=[run_id], stall_seconds=_stall_seconds())
+        refs = delete.select_runs(s, run_ids=[run_id], stall_seconds=stall_seconds())
         if not refs:
             return None
         r = refs[0]
@@ -517,12 +519,12 @@ def delete_run(run_id: int, *, force: bool) -> dict:
     with _session() as s:
         if not _run_visible(s, run_id):
             return {"deleted": False, "rows": 0, "bytes": 0, "message": f"run {run_id} not found"}
-        refs = delete.select_runs(s, run_ids=[run_id], stall_seconds=_stall_seconds())
+        refs = delete.select_runs(s, run_ids=[run_id], stall_seconds=stall_seconds())
     if not refs:
         return {"deleted": False, "rows": 0, "bytes": 0, "message": f"run {run_id} not found"}
     database = SimpleNamespace(sessionmaker=_sessionmaker, write_sessionmaker=_write_sessionmaker or _sessionmaker)
     try:
-        report = delete.delete_runs(database, runs=refs, force=force, stall_seconds=_stall_seconds(),
+        report = delete.delete_runs(database, runs=refs, force=force, stall_seconds=stall_seconds(),
                                     gate=_write_gate)
     except delete.RunStillSending as e:
         return {"deleted": False, "rows": 0, "bytes": 0, "message": str(e)}

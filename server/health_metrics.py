@@ -22,7 +22,7 @@ every replica answers the same; in Prometheus aggregate replicas with
       expr: max by (project, run) (gradwatch_run_health) == 2
       for: 1m
 
-Leaf-ish module: imports ``server.queries`` only.
+Leaf-ish module: imports ``server.queries`` (and the settings' stall default) only.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from typing import Optional
 from sqlalchemy.orm import Session
 
 from . import queries
+from .settings import DEFAULT_STALL_SECONDS
 
 HEALTH_VALUE = {"ok": 0, "warning": 1, "critical": 2}
 STATUSES = ("running", "stalled", "finished", "crashed")
@@ -58,7 +59,7 @@ def _number(v: Optional[float]) -> str:
     return repr(v)
 
 
-def render_run_health(session: Session, *, stall_seconds: float = queries.DEFAULT_STALL_SECONDS,
+def render_run_health(session: Session, *, stall_seconds: float = DEFAULT_STALL_SECONDS,
                       recent_seconds: float = 86_400.0, max_runs: int = 500,
                       now: Optional[float] = None, project: Optional[str] = None) -> str:
     """The per-run health families in Prometheus text exposition format (ends with a newline); only

@@ -34,8 +34,8 @@ from .numbers import NULL_F32_BITS, extra_measured, unpack_extra
 from .ranks import RANK_META_KEYS
 from .rollups import choose_level, layer_partial_arrays, merge_rank_step_partials, merge_step_partials, \
     raw_layer_partials
+from .settings import DEFAULT_STALL_SECONDS
 
-DEFAULT_STALL_SECONDS = 300.0
 _INF = math.inf
 
 

@@ -26,6 +26,9 @@ from pydantic import BaseModel, Field, field_validator
 from .ports import DEFAULT_PORT  # one definition, read by the standard-library-only CLI too
 
 DEFAULT_HOST = "127.0.0.1"
+# Seconds without data before a running run reads as stalled (and F2 fires): the one definition, read by
+# the query layer, rule F2's default and the dashboard; GRADWATCH_STALL_SECONDS overrides it.
+DEFAULT_STALL_SECONDS = 300.0
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -60,7 +63,7 @@ class Settings(BaseModel):
     # receivers, routes, group timers, inhibitions (server/routing/config.py); None: every alert to every endpoint
     routing_file: Optional[Path] = None
     auth: bool = False
-    stall_seconds: float = Field(default=300.0, gt=0)
+    stall_seconds: float = Field(default=DEFAULT_STALL_SECONDS, gt=0)
     migrate: bool = False
     # Ingest limits: compressed body and decompressed body, in bytes.
     max_body_bytes: int = 32 * 1024 * 1024
@@ -131,7 +134,7 @@ class Settings(BaseModel):
             routing_file=Path(routing_file or env["GRADWATCH_ROUTING"])
             if (routing_file or env.get("GRADWATCH_ROUTING")) else None,
             auth=auth,
-            stall_seconds=float(env.get("GRADWATCH_STALL_SECONDS", 300)),
+            stall_seconds=float(env.get("GRADWATCH_STALL_SECONDS", DEFAULT_STALL_SECONDS)),
             migrate=migrate,
             session_secret=env.get("GRADWATCH_SESSION_SECRET", ""),
             max_body_bytes=int(env.get("GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024)),

@@ -118,8 +118,7 @@ def layout(**_query):
 )
 def refresh_runs(_tick, project, status, name, signature):
     now = time.time()
-    settings = gateway.settings()
-    stall = float(getattr(settings, "stall_seconds", 300.0))
+    stall = gateway.stall_seconds()
     every = gateway.list_runs()
     projects = sorted({r.get("project", "") for r in every})
     runs = [r for r in every

@@ -12,6 +12,7 @@ from gradwatch.server.ranks import rank_hosts, rank_progress
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import TimerRule
 from gradwatch.server.rules.spec import Float, Hit, Int
+from gradwatch.server.settings import DEFAULT_STALL_SECONDS
 
 
 @register
@@ -22,7 +23,7 @@ class RunStalled(TimerRule):
     actions = {"check_job": "Check the job: is the process alive, stuck in a collective (NCCL timeout), out of "
                             "memory, or waiting on I/O?"}
     # GRADWATCH_STALL_SECONDS (Settings.stall_seconds) sets the default for every project
-    params = {"timeout_s": Float(300.0, setting="stall_seconds")}
+    params = {"timeout_s": Float(DEFAULT_STALL_SECONDS, setting="stall_seconds")}
     timeout_param = "timeout_s"
 
     def candidates(self, session, *, now: float, smallest_timeout: float):
