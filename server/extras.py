@@ -21,10 +21,12 @@ MODULE_EXTRA = {
     "tensorboard": "import", "wandb": "import",
     "transformers": "hf", "accelerate": "hf",
     "lightning": "lightning", "pytorch_lightning": "lightning",
+    "deepspeed": "deepspeed",
 }
 
 WHAT = {"agent": "PyTorch", "server": "the server's packages", "import": "the loggers' readers",
-        "hf": "Hugging Face transformers", "lightning": "Lightning"}
+        "hf": "Hugging Face transformers", "lightning": "Lightning",
+        "deepspeed": "DeepSpeed"}
 
 
 def pip_command(extra: str) -> str:

@@ -165,7 +165,7 @@ def test_every_extra_requirement_has_its_install_hint():
     # distribution name -> import name where they differ
     import_name = {"uvicorn[standard]": "uvicorn", "psycopg[binary]": "psycopg"}
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for extra in ("agent", "server", "import", "hf", "lightning"):
+    for extra in ("agent", "server", "import", "hf", "lightning", "deepspeed"):
         for req in extras[extra]:
             dist_name = re.split(r"[<>=!~ ;]", req, maxsplit=1)[0]
             module = import_name.get(dist_name, dist_name).replace("-", "_")
