@@ -235,8 +235,18 @@ class Monitor:
         that step. With neither a scaler nor an optimizer, every call that
         carries ``loss=`` is one step.
 
+        Every other name is charted as ``custom:<name>``. Two of them also stand for the step
+        signal of that name, for a loop that knows what the agent could not measure (DeepSpeed
+        under ZeRO 1/2 keeps no ``p.grad`` at the step): ``grad_norm=`` (the global pre-clip
+        norm) becomes the step's ``grad_norm`` when the agent measured none for that step, and
+        stays ``custom:grad_norm`` either way (the agent's own norm wins); ``clip_max_norm=`` (a
+        number) is the step's clip threshold unless the agent saw a clipping call, so
+        ``clipped`` is derived from it. With sharded parameters (FSDP, DTensor) a reported
+        ``grad_norm`` stays custom only: there the server combines the ranks' own norms.
+
         >>> monitor.log(loss=loss)                 # doctest: +SKIP
         >>> monitor.log(acc=0.91, tokens_seen=n)   # doctest: +SKIP
+        >>> monitor.log(grad_norm=engine.get_global_grad_norm(), clip_max_norm=1.0)   # doctest: +SKIP
         """
         if self._guards.closed or os.getpid() != self._pid:
             return

@@ -172,7 +172,14 @@ class StepBuilder:
         return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device).reshape(()) for f in found]).sum()
 
     def log(self, loss, values: dict, step_per_log: bool) -> None:
-        """``monitor.log()``: values for the open record (right after a step), else the step in progress."""
+        """``monitor.log()``: values for the open record (right after a step), else the step in progress.
+
+        Two names are the loop's report of a step signal the agent may not have measured itself
+        (docs/agent.md, "monitor.log"): ``grad_norm`` is kept as the custom value ``grad_norm``
+        like any other, and the wire takes it as the step's ``grad_norm`` when the record holds no
+        norm of the agent's (agent/wire.py); ``clip_max_norm`` (a number) becomes the step's clip
+        threshold when the agent saw no clipping call, so ``clipped`` is derived from either norm.
+        """
         sealer = self.sealer
         if step_per_log:
             sealer.seal_open()
@@ -182,6 +189,9 @@ class StepBuilder:
             if loss is not None:
                 accumulate(target, "logged_loss", loss)
             for key, value in values.items():
+                if key == "clip_max_norm":
+                    self._report_clip_max_norm(value, None if target is self.pending else target)
+                    continue
                 if isinstance(value, torch.Tensor):
                     if value.numel() != 1:
                         self.warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
@@ -192,6 +202,18 @@ class StepBuilder:
         if step_per_log:
             self.end_step()
             sealer.seal_open()
+
+    def _report_clip_max_norm(self, value, ended: Optional[dict]) -> None:
+        """The loop's clip threshold (``monitor.log(clip_max_norm=...)``, e.g. DeepSpeed's
+        ``gradient_clipping``, which clips without torch's function): the one the agent saw wins."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.warn.warning("log:clip_max_norm", "gradwatch: monitor.log(clip_max_norm=...) needs a number; ignored")
+            return
+        if ended is None:   # the step is still going: GradNorms puts its threshold on the record at its end
+            if self.grads.clip_max_norm is None:
+                self.grads.clip_max_norm = float(value)
+        elif ended.get("clip_max_norm") is None:   # the open record's host values: GradNorms' already there
+            ended["clip_max_norm"] = float(value)
 
     # ------------------------------------------------------------------ step end
 
