@@ -238,11 +238,11 @@ class Monitor:
         Every other name is charted as ``custom:<name>``. Two of them also stand for the step
         signal of that name, for a loop that knows what the agent could not measure (DeepSpeed
         under ZeRO 1/2 keeps no ``p.grad`` at the step): ``grad_norm=`` (the global pre-clip
-        norm) becomes the step's ``grad_norm`` when the agent measured none for that step, and
-        stays ``custom:grad_norm`` either way (the agent's own norm wins); ``clip_max_norm=`` (a
-        number) is the step's clip threshold unless the agent saw a clipping call, so
-        ``clipped`` is derived from it. With sharded parameters (FSDP, DTensor) a reported
-        ``grad_norm`` stays custom only: there the server combines the ranks' own norms.
+        norm) becomes the step's ``grad_norm`` when the agent measured none for that step;
+        when it did, the agent's own wins and the reported one is kept as ``custom:grad_norm``.
+        ``clip_max_norm=`` (a number) is the step's clip threshold unless the agent saw a
+        clipping call, so ``clipped`` is derived from it. With sharded parameters (FSDP,
+        DTensor) a reported ``grad_norm`` stays custom: there the server combines the ranks' norms.
 
         >>> monitor.log(loss=loss)                 # doctest: +SKIP
         >>> monitor.log(acc=0.91, tokens_seen=n)   # doctest: +SKIP

@@ -175,10 +175,10 @@ class StepBuilder:
         """``monitor.log()``: values for the open record (right after a step), else the step in progress.
 
         Two names are the loop's report of a step signal the agent may not have measured itself
-        (docs/agent.md, "monitor.log"): ``grad_norm`` is kept as the custom value ``grad_norm``
-        like any other, and the wire takes it as the step's ``grad_norm`` when the record holds no
-        norm of the agent's (agent/wire.py); ``clip_max_norm`` (a number) becomes the step's clip
-        threshold when the agent saw no clipping call, so ``clipped`` is derived from either norm.
+        (docs/agent.md, "monitor.log"): ``grad_norm`` becomes the step's ``grad_norm`` part when the
+        record holds no norm of the agent's, else it is kept as the custom value ``grad_norm``;
+        ``clip_max_norm`` (a number) becomes the step's clip threshold when the agent saw no
+        clipping call, so ``clipped`` is derived from either norm.
         """
         sealer = self.sealer
         if step_per_log:
@@ -192,6 +192,8 @@ class StepBuilder:
                 if key == "clip_max_norm":
                     self._report_clip_max_norm(value, None if target is self.pending else target)
                     continue
+                if key == "grad_norm" and self._report_grad_norm(value, None if target is self.pending else rec):
+                    continue
                 if isinstance(value, torch.Tensor):
                     if value.numel() != 1:
                         self.warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
@@ -202,6 +204,25 @@ class StepBuilder:
         if step_per_log:
             self.end_step()
             sealer.seal_open()
+
+    def _report_grad_norm(self, value, ended: Any) -> bool:
+        """The loop's global grad norm (``monitor.log(grad_norm=...)``, e.g. DeepSpeed's under ZeRO 1/2,
+        where no ``p.grad`` is left for the agent): True when it is, or may become, the step's
+        ``grad_norm``; False: it is a custom value (the agent measured its own, or not a scalar)."""
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return False   # the custom path warns
+            value = value.detach().reshape(())
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        else:
+            value = float(value)
+        if self.watched.local:
+            return False   # sharded: the agent's norms are this rank's shards', the server combines them
+        if ended is None:  # the step is still going: the agent may measure at its end (end_step decides)
+            self.pending["reported_grad_norm"] = value
+            return True
+        return fill_grad_norm(ended, value)
 
     def _report_clip_max_norm(self, value, ended: Optional[dict]) -> None:
         """The loop's clip threshold (``monitor.log(clip_max_norm=...)``, e.g. DeepSpeed's
@@ -251,6 +272,9 @@ class StepBuilder:
         host["scaler_active"] = bool(scaler is not None and getattr(scaler, "_enabled", False))
         for contribute in self._at_end:
             contribute(step, rec)
+        reported = host.pop("reported_grad_norm", None)   # monitor.log(grad_norm=...) during the step
+        if reported is not None and not fill_grad_norm(rec, reported):
+            host.setdefault("custom_dev" if isinstance(reported, torch.Tensor) else "custom", {})["grad_norm"] = reported
         if self.replay is not None:
             self.replay.clear()
         self._reset()
@@ -262,6 +286,18 @@ class StepBuilder:
         inbox = self.inbox
         if inbox is not None and inbox.has_news:   # the healthy step's whole cost: one attribute read
             self.deliver_alerts()
+
+
+def fill_grad_norm(rec: StepRecord, value) -> bool:
+    """A reported global grad norm as the step's ``grad_norm``, unless the record holds the agent's own.
+
+    A number goes in as a 0-d CPU tensor, a part like the measured norm (read the same way by the
+    wire); with a record on CUDA that means one more copy at the seal, for a loop that already synced.
+    """
+    if any(key in ("grad_norm", "grad_norm_local") for key, _ in rec.parts):
+        return False
+    rec.add("grad_norm", value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32))
+    return True
 
 
 def accumulate(target: dict, key: str, value) -> None:

@@ -103,12 +103,6 @@ class StepAssembler:
         if loss_host is not None:
             loss = loss_host if loss is None else loss + loss_host
         grad_norm = scalar("grad_norm")
-        if grad_norm is None and not self.sharded:
-            # None of the agent's (no p.grad: DeepSpeed ZeRO 1/2): the global norm the loop reported,
-            # monitor.log(grad_norm=...), kept as custom:grad_norm too (a rank's shards' norm it is not)
-            grad_norm = scalar("custom:grad_norm")
-            if grad_norm is None:
-                grad_norm = (get("custom") or {}).get("grad_norm")
         max_norm = get("clip_max_norm")
         found_inf = scalar("found_inf")
         overflow = bool(found_inf) if found_inf is not None else False

@@ -4,7 +4,7 @@ measure (DeepSpeed ZeRO 1/2 keeps no ``p.grad`` at the step), and it becomes the
 The loops here update their weights by hand, with no optimizer and no ``clip_grad_norm_`` the agent
 could hook, so the agent measures no grad norm of its own; the reported norm is the one the loop
 computed from its own grads. Where the agent does measure one (torch's ``clip_grad_norm_``), its value
-wins and the reported one stays ``custom:grad_norm``.
+wins and the reported one is kept as ``custom:grad_norm``.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_a_reported_norm_fills_grad_norm_and_clipped_when_the_agent_measured_non
     assert [s["step"] for s in steps] == list(range(8))
     for s, norm in zip(steps, norms):
         assert _rel(s["grad_norm"], norm) <= 1e-6, (s["step"], s["grad_norm"], norm)
-        assert s["custom"]["grad_norm"] == s["grad_norm"]   # kept as the loop's value too
+        assert "grad_norm" not in (s.get("custom") or {})   # the step's grad_norm, not also a custom value
         assert s["clip_max_norm"] == 0.5 and s["clipped"] is (norm > 0.5)
         assert s["overflow"] is False   # no scaler: nothing to overflow
     assert {s["clipped"] for s in steps} == {True, False}, norms   # both sides of the threshold were seen
@@ -103,6 +103,27 @@ def test_a_norm_reported_during_the_step_counts_when_the_agent_measures_none(rec
     for s, norm in zip(steps, norms):
         assert _rel(s["grad_norm"], norm) <= 1e-6
         assert s["clip_max_norm"] == 2.0 and s["clipped"] is False
+
+
+def test_a_norm_reported_during_the_step_is_custom_when_the_agent_measures_its_own(recorder, agent_settings):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = agent.attach(model, optimizer=opt, transport=recorder, **agent_settings)
+    own = []
+    for x, y in batches(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        own.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                               for p in model.parameters()]))))
+        monitor.log(loss=loss, grad_norm=torch.tensor(5.0))   # before the step: the agent measures at its hook
+        opt.step()
+    monitor.close()
+    steps = recorder.steps
+    assert len(steps) == 3
+    for s, norm in zip(steps, own):
+        assert _rel(s["grad_norm"], norm) <= 1e-6 and s["custom"]["grad_norm"] == 5.0
 
 
 def test_a_bad_clip_threshold_is_ignored_with_one_warning(recorder, agent_settings, caplog):
