@@ -21,21 +21,30 @@ accumulation boundary, ``engine.is_gradient_accumulation_boundary()``, skipped s
 
 * ``loss``: each loss passed to ``engine.backward``, divided by ``gradient_accumulation_steps`` as
   the engine divides it (``scale_wrt_gas=True``), summed over the step's micro-batches on the device;
-* ``grad_norm`` and the per-parameter grad norms: the agent's own measurement of ``p.grad`` right
-  before the engine's step, where ``p.grad`` holds the reduced gradients (ZeRO stage 0, fp32 or
-  bf16). Under ZeRO 1/2 there is no ``p.grad`` then, and the agent stores no ``grad_norm`` of its own;
-* ``custom:deepspeed_grad_norm``: ``engine.get_global_grad_norm()`` after the step, the engine's
-  pre-clip global norm (ZeRO 1/2, and stage 0 with bf16/fp16; ``None`` for stage 0 fp32, which
-  clips with torch's function and keeps no norm). Under ZeRO it is a tensor on the device, taken
-  as it is (no sync in the training thread; the sender copies it out with the rest);
+* ``grad_norm``: ``engine.get_global_grad_norm()`` after the step, the engine's pre-clip global norm,
+  reported with ``monitor.log(grad_norm=...)`` (also kept as ``custom:grad_norm``). Under ZeRO 1/2 the
+  model has no ``p.grad`` at the step (they are reduced into the optimizer's partitions), so this is
+  the only norm, and the stored ``grad_norm`` is the engine's; under ZeRO it is a tensor on the device,
+  taken as it is (no sync in the training thread; the sender copies it out with the rest). A step
+  the fp16 loss scaler skipped reports none (the engine's is ``inf`` then, which without a GradScaler
+  would read as an explosion; the skip is counted in ``custom:deepspeed_skipped_steps``);
+* ``grad_norm`` and the per-parameter grad norms at ZeRO stage 0 with fp32 or bf16: the agent's own
+  measurement of ``p.grad`` right before the engine's step, where ``p.grad`` holds the reduced
+  gradients; the agent's value wins over the engine's (stage 0 fp32 keeps no norm of the engine's:
+  it clips with its own function). Not with fp16, whose ``p.grad`` are still multiplied by the loss
+  scale there: the engine's unscaled norm is the step's;
+* ``clip_max_norm`` (and so ``clipped``): the config's ``gradient_clipping`` when it is above 0,
+  reported with ``monitor.log(clip_max_norm=...)`` (the engine clips without torch's
+  ``clip_grad_norm_``, which the agent would see);
 * ``custom:deepspeed_skipped_steps``: ``engine.skipped_steps``, the engine's count of steps skipped
-  for an fp16 overflow (a Python int);
+  for an fp16 overflow or, in bf16, a non-finite grad norm (a Python int);
 * ``custom:deepspeed_loss_scale``: ``engine.optimizer.cur_scale`` with fp16 (a Python float the
   loss scaler keeps), absent otherwise;
 * ``custom:deepspeed_lr``: ``engine.get_lr()[0]``, the first param group's learning rate.
 
 Nothing here syncs the device: the norm stays a tensor, the counters are Python numbers the
-engine keeps.
+engine keeps. fp16 (the loss scaler, skipped steps, ``cur_scale``) needs a CUDA device and is untested
+here (docs/integrations.md).
 """
 from __future__ import annotations
 
@@ -69,18 +78,20 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
         return backward(loss, *args, **kwargs)
 
     def wrapped_step(*args, **kwargs):
-        boundary = False
+        boundary, skipped_before = False, 0
         if not monitor.closed:
             try:
                 boundary = bool(engine.is_gradient_accumulation_boundary())
                 if boundary:
-                    monitor.remeasure_grads()   # p.grad, reduced, before the engine clips (ZeRO stage 0)
+                    skipped_before = int(engine.skipped_steps)
+                    if not _fp16(engine):   # fp16's p.grad are still scaled by the loss scale here
+                        monitor.remeasure_grads()   # p.grad, reduced, before the engine clips (ZeRO stage 0)
             except Exception:  # noqa: BLE001
                 log.exception("gradwatch: reading the engine failed; continuing")
         result = step(*args, **kwargs)
         if boundary and not monitor.closed:
             try:
-                monitor.log(loss=step_loss.take(), **engine_values(engine))
+                monitor.log(loss=step_loss.take(), **engine_values(engine, skipped_before))
             except Exception:  # noqa: BLE001
                 log.exception("gradwatch: could not report the step; continuing without it")
         return result
@@ -90,13 +101,22 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
     return monitor
 
 
-def engine_values(engine: Any) -> dict:
-    """The engine's own numbers after a step: global grad norm, skipped steps, fp16 loss scale, LR."""
-    out: dict[str, Any] = {"deepspeed_skipped_steps": int(engine.skipped_steps)}
+def engine_values(engine: Any, skipped_before: int = 0) -> dict:
+    """The engine's own numbers after a step: global grad norm and clip threshold (as the step's
+    ``grad_norm`` / ``clip_max_norm`` where the agent measured none), skipped steps, fp16 loss scale, LR."""
+    skipped = int(engine.skipped_steps)
+    out: dict[str, Any] = {"deepspeed_skipped_steps": skipped}
+    fp16 = _fp16(engine)
     norm = engine.get_global_grad_norm()
-    if norm is not None:
-        out["deepspeed_grad_norm"] = norm
-    if getattr(engine, "fp16_enabled", lambda: False)():
+    # an fp16 step the loss scaler skipped: the engine's norm is inf, the scaler doing its job (no
+    # GradScaler is there to tell the wire so); bf16 / fp32 skip on a non-finite norm too, but there
+    # it is the explosion A2 is for
+    if norm is not None and not (fp16 and skipped > skipped_before):
+        out["grad_norm"] = norm
+    clip = engine.gradient_clipping()
+    if isinstance(clip, (int, float)) and clip > 0:
+        out["clip_max_norm"] = float(clip)
+    if fp16:
         scale = getattr(engine.optimizer, "cur_scale", None)
         if isinstance(scale, (int, float)):
             out["deepspeed_loss_scale"] = float(scale)
@@ -104,3 +124,7 @@ def engine_values(engine: Any) -> dict:
     if lrs:
         out["deepspeed_lr"] = float(lrs[0])
     return out
+
+
+def _fp16(engine: Any) -> bool:
+    return bool(getattr(engine, "fp16_enabled", lambda: False)())
