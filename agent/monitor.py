@@ -33,7 +33,7 @@ from gradwatch.agent import collectors as collector_kinds
 from gradwatch.agent.checkpoints import checkpoint_event
 from gradwatch.agent.capture.ema import check_ema
 from gradwatch.agent.capture.replay import StepReplay
-from gradwatch.agent.collectors.base import Watched, overrides
+from gradwatch.agent.collectors.base import Watched, check_emits, overrides
 from gradwatch.agent.collectors.ema import EmaDivergence
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.guard import Guards
@@ -49,6 +49,7 @@ from gradwatch.agent.spool import Spool
 from gradwatch.agent.step_builder import StepBuilder
 from gradwatch.agent.tail import TailJournal
 from gradwatch.agent.transport import HttpTransport
+from gradwatch.agent.unwrap import scaler_enabled
 from gradwatch.agent.wire import NanHunt, StepAssembler
 
 __all__ = ["Monitor", "close_all"]
@@ -103,6 +104,7 @@ class Monitor:
             check_ema(ema)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step={step!r}: pass the number of the first step to record (an int >= 0), or None")
+        check_emits(collectors)   # the names each collector writes are the signal table's (agent/signals.py)
         self.config = cfg = config or AgentConfig()
         self.model, self.ema = model, ema
         self.wall_clock = wall_clock
@@ -139,8 +141,7 @@ class Monitor:
                 spool=Spool(spool_path, cfg.spool_max_bytes),
                 journal=(TailJournal(spool_path, fsync=cfg.crash_tail_fsync)
                          if cfg.crash_tail and cfg.spool_max_bytes > 0 else None),
-                assembler=StepAssembler(w.param_names, [n for n, _ in w.modules], [n for n, _ in w.bns], self.hunt,
-                                        sharded=w.local),
+                assembler=StepAssembler(w.param_names, [n for n, _ in w.modules], [n for n, _ in w.bns], self.hunt),
                 header={"project": cfg.project, "run": cfg.run, "rank": self.rank, "world_size": self.world_size,
                         # this process's step numbering, for the server's resume bookkeeping (server/resume.py)
                         "session": uuid.uuid4().hex, "step_origin": "process", "step_start": 0},
@@ -475,7 +476,7 @@ class Monitor:
         w = self._watched
         amp = None
         try:
-            if w.scaler is not None and getattr(w.scaler, "_enabled", False):
+            if scaler_enabled(w.scaler):
                 amp = "float16"
         except Exception:  # noqa: BLE001
             pass

@@ -3,7 +3,8 @@
 Leaf module: imports torch only.
 
 The training thread adds 0-d or 1-d tensors with :meth:`StepRecord.add` and
-host values into :attr:`StepRecord.host`; :meth:`StepRecord.seal` concatenates
+host values into :attr:`StepRecord.host`, both under the signal table's names
+(:mod:`agent.signals`: ``"loss"``, ``"layers.grad_norm"`` …); :meth:`StepRecord.seal` concatenates
 the tensors into one flat float32 vector and starts a single copy to the host
 (on CUDA non-blocking into pinned memory, followed by an event). Nothing here
 reads a device value in the training thread. The sender thread calls
@@ -26,19 +27,22 @@ import torch
 
 
 class StepRecord:
-    __slots__ = ("step", "host", "parts", "layout", "vector", "event", "stream")
+    __slots__ = ("step", "host", "parts", "index", "layout", "vector", "event", "stream")
 
     def __init__(self, step: int):
         self.step = step
         self.host: dict[str, Any] = {}
         self.parts: list[tuple[str, torch.Tensor]] = []
+        # "layers.<stat>" part -> the layers (parameters, modules) its values belong to, where not all in order
+        self.index: dict[str, list[int]] = {}
         self.layout: list[tuple[str, int]] = []
         self.vector: Optional[torch.Tensor] = None
         self.event = None
         self.stream = None   # the training thread's CUDA stream, for a record sealed by the sender thread
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        """A 0-d or 1-d tensor (a higher-dimensional one is flattened)."""
+    def add(self, key: str, tensor: torch.Tensor, index: Optional[list[int]] = None) -> None:
+        """A 0-d or 1-d tensor (a higher-dimensional one is flattened). ``index``: for a per-layer part that
+        holds only some layers, the layer of each value (the others go out "not measured")."""
         if tensor.__class__ is not torch.Tensor:
             # a DTensor part would make the whole vector a DTensor (a wrapper without storage: its bytes
             # read as garbage) or fail the concatenation: keep what this rank holds, no collective
@@ -46,6 +50,8 @@ class StepRecord:
             if dtensor is not None and isinstance(tensor, dtensor):
                 tensor = tensor._local_tensor
         self.parts.append((key, tensor if tensor.dim() < 2 else tensor.reshape(-1)))
+        if index is not None:
+            self.index[key] = index
 
     def seal(self) -> None:
         """Flatten the device parts into one vector and start its copy to the host (no sync)."""

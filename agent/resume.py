@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from gradwatch.agent.capture.ema import ema_tensors
+from gradwatch.agent.unwrap import scaler_enabled
 
 # event data is bounded (64 KB): a model with thousands of BatchNorm layers names the first ones
 _MAX_NAMES = 50
@@ -93,7 +94,7 @@ def optimizer_part(optimizer: Any) -> dict:
 def scaler_part(scaler: Any) -> Optional[dict]:
     """The scale the next step will use and the growth tracker, as ``load_state_dict`` left them
     (before the first ``scale()`` they live in ``_init_scale`` / ``_init_growth_tracker``)."""
-    if scaler is None or not getattr(scaler, "_enabled", False):
+    if not scaler_enabled(scaler):
         return None
     tracker = getattr(scaler, "_growth_tracker", None)
     tracker = int(tracker.item()) if isinstance(tracker, torch.Tensor) else int(

@@ -161,7 +161,7 @@ class Sealer:
         if isinstance(loss, torch.Tensor):
             rec.add("loss", loss)
         elif loss is not None:
-            host["loss_host"] = float(loss)
+            host["loss"] = float(loss)   # a loss logged as a number
         for key, t in (host.pop("custom_dev", None) or {}).items():
             rec.add("custom:" + key, t)
         for c in self.at_seal:

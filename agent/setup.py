@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from gradwatch.agent.capture import clip as clip_capture
+from gradwatch.agent.unwrap import scaler_enabled
 
 KIND = "run_setup"
 
@@ -168,7 +169,7 @@ def scheduler_part(scheduler: Any) -> Optional[dict]:
 def _stage(scaler: Any, optimizer: Any) -> Optional[str]:
     """The GradScaler's stage for ``optimizer`` ("ready": grads still scaled; "unscaled"; "stepped"), or
     for whichever optimizer it knows when ``optimizer`` is not known yet; None without an enabled scaler."""
-    if scaler is None or not getattr(scaler, "_enabled", False):
+    if not scaler_enabled(scaler):
         return None
     states = getattr(scaler, "_per_optimizer_states", None)
     if not isinstance(states, dict):
@@ -204,7 +205,7 @@ class SetupWatch:
         self.data: dict[str, Any] = {
             "device": w.params[0].device.type if w.params else None,
             "hardware": _safely(hardware_part, w.params),
-            "scaler_enabled": bool(w.scaler is not None and getattr(w.scaler, "_enabled", False)),
+            "scaler_enabled": scaler_enabled(w.scaler),
             "model": transformer_part(w.model, w.params),
             "ema": None if w.ema is None else {"class": type(w.ema).__name__, "decay": _safely(ema_decay, w.ema)},
             "scheduler": _safely(scheduler_part, scheduler),

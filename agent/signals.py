@@ -74,6 +74,8 @@ class StepSignal:
     combined: bool = False
     # What a non-finite value means for this signal, in words (docs/signals.md).
     nonfinite: str = "kept: NaN and ±Inf are stored, charted on the NaN rug and read by the rules"
+    # derived: the record parts it is computed from, in one process, by agent/derived.py's function of its name
+    derived_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class LayerStat:
     meaning: str
     heatmap: Optional[str] = None   # run-page heatmap title (None: no heatmap)
     combined: bool = False          # a sharded run's combined row (rank -1) holds it (server/ranks.py)
+    derived_from: tuple[str, ...] = ()   # as StepSignal.derived_from
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
     StepSignal("clip_max_norm", 2, "float", "", "the max_norm passed to clip_grad_norm_", column=True,
                panel="grad_norm", label="clip max_norm", draw="dash", combined=True),
     StepSignal("clipped", 3, "bool", "", "the pre-clip norm exceeded max_norm", column=True,
-               panel="grad_norm", label="clipped step", draw="flag", marker="circle-open", combined=True),
+               panel="grad_norm", label="clipped step", draw="flag", marker="circle-open", combined=True,
+               derived_from=("grad_norm", "clip_max_norm")),
     StepSignal("loss_scale", 4, "float", "", "the GradScaler scale used for this step (before update())",
                column=True, panel="loss_scale", label="loss scale", compare="Loss scale (log)"),
     StepSignal("overflow", 5, "bool", "", "the scaler found inf/NaN grads and skipped optimizer.step()",
@@ -141,7 +145,7 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
                column=True, panel="memory", label="peak allocated", scale=GIB),
     StepSignal("ema_divergence", 12, "float", "", "‖θ_ema − θ‖ / ‖θ‖ over all parameters (sampled)",
                column=True, panel="ema_divergence", label="EMA divergence", compare="EMA divergence",
-               combined=True),
+               combined=True, derived_from=("ema_diff", "ema_ref")),
     StepSignal("input_nonfinite", 13, "count", "values", "non-finite values in the batch fed to the model (sampled)",
                column=True, nonfinite="a count; any value above 0 raises A4"),
     # ---- signals declared after these have no column of their own: stored in `steps.extra` by id
@@ -184,7 +188,7 @@ LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("weight_norm", "params", "", "per-parameter weight norm ‖θ‖ (sampled)",
               heatmap="Per-parameter weight norm (log10)", combined=True),
     LayerStat("update_ratio", "params", "", "per-parameter ‖Δθ‖ / ‖θ‖ of this step's update (sampled)",
-              combined=True),
+              combined=True, derived_from=("layers.update_norm", "layers.weight_norm")),
     LayerStat("grad_zero_fraction", "params", "", "per-parameter share of gradient elements exactly zero after "
               "unscale (sampled)", combined=True),
     # sharded runs: what one rank measures of its pieces of each parameter; the server combines them
@@ -274,6 +278,45 @@ EXTRA_BASE = len(COLUMN_SIGNALS)
 ROLLUP_WIDTH = max(s.id for s in STEP_SIGNALS) + 1
 
 
+# ---- the names a step record's parts and host values take (agent/record.py, agent/collectors/): the
+# table's own. A step signal's name ("loss"), "layers." + a per-layer statistic's ("layers.grad_norm"),
+# or an input of a derived signal ("ema_diff"). agent/wire.py puts each on the wire by these
+# declarations alone; a collector declares the names it writes (``Collector.emits``), checked at attach.
+LAYER_PART_PREFIX = "layers."
+# custom scalars (monitor.log) travel as "custom:<key>" parts: names of the user's, not of this table
+CUSTOM_PART_PREFIX = "custom:"
+
+
+def derived_inputs() -> tuple[str, ...]:
+    """The record parts that only feed derived signals (they do not go on the wire themselves)."""
+    seen: dict[str, None] = {}
+    for d in (*STEP_SIGNALS, *LAYER_STATS):
+        seen.update(dict.fromkeys(d.derived_from))
+    return tuple(n for n in seen if not is_record_signal(n))
+
+
+def is_record_signal(name: str) -> bool:
+    """A record part name that goes on the wire as it is: a measured (not derived) step signal, or
+    "layers." + a measured per-layer statistic."""
+    if name.startswith(LAYER_PART_PREFIX):
+        stat = _LAYER_BY_NAME.get(name[len(LAYER_PART_PREFIX):])
+        return stat is not None and not stat.derived_from
+    s = _BY_NAME.get(name)
+    return s is not None and not s.derived_from
+
+
+def unknown_record_names(names) -> list[str]:
+    """Those of ``names`` that no step record may hold: neither a measured signal of this table nor an
+    input of a derived one (see :func:`is_record_signal`, :func:`derived_inputs`), nor a custom scalar.
+
+    >>> unknown_record_names(["loss", "layers.grad_norm", "ema_diff", "custom:acc", "grad_norms", "clipped"])
+    ['grad_norms', 'clipped']
+    """
+    inputs = derived_inputs()
+    return [n for n in names
+            if not is_record_signal(n) and n not in inputs and not n.startswith(CUSTOM_PART_PREFIX)]
+
+
 def step_signal(name: str) -> StepSignal:
     """The declaration of a per-step signal; ``KeyError`` naming the known ones when there is none."""
     try:
@@ -320,6 +363,10 @@ def _check() -> None:
     for p in PANELS:
         if not any(s.draw == "line" for s in panel_signals(p.key)):
             raise ValueError(f"panel {p.key!r} needs at least one signal drawn as a line")
+    for d in (*STEP_SIGNALS, *LAYER_STATS):
+        if any(n.startswith(LAYER_PART_PREFIX) != isinstance(d, LayerStat) for n in d.derived_from):
+            raise ValueError(f"{d.name!r}: a per-layer statistic derives from \"layers.\" parts, a step signal "
+                             "from step parts")
 
 
 _check()

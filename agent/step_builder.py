@@ -17,6 +17,7 @@ from gradwatch.agent.collectors.base import overrides
 from gradwatch.agent.collectors.grads import GradNorms
 from gradwatch.agent.collectors.loss_scale import LossScale
 from gradwatch.agent.record import StepRecord
+from gradwatch.agent.unwrap import scaler_enabled
 
 
 class StepBuilder:
@@ -108,12 +109,12 @@ class StepBuilder:
         step = self.step
         for before in self._before_step:
             before(step)
-        if self.unscaled or not getattr(w.scaler, "_enabled", True):
+        if self.unscaled or not scaler_enabled(w.scaler, unknown=True):   # a look-alike: assume it scales
             self.grads.measure()
         self.in_scaler_step = True
         if self.skip is not None:
             self._skip_before()
-        if self.replay is not None and getattr(w.scaler, "_enabled", False) and self.guards.on("nan_replay"):
+        if self.replay is not None and scaler_enabled(w.scaler) and self.guards.on("nan_replay"):
             with self.guards.guard("nan_replay"):
                 self.replay.optimizer_seen(optimizer)
 
@@ -121,7 +122,7 @@ class StepBuilder:
         """``scaler.step()`` returned: a step it skipped with a non-finite loss is replayed now,
         while the weights are still those its forward saw (agent/capture/replay.py)."""
         replay, scaler = self.replay, self.watched.scaler
-        if replay is None or not getattr(scaler, "_enabled", False) or not self.guards.on("nan_replay"):
+        if replay is None or not scaler_enabled(scaler) or not self.guards.on("nan_replay"):
             return
         with self.guards.guard("nan_replay"):
             found = replay.after_scaler_step(optimizer, self.pending.get("scaled_loss"), scaler.scale)
@@ -163,7 +164,7 @@ class StepBuilder:
         """The active GradScaler's overflow flag of this step (a device tensor), or None: no sync."""
         w = self.watched
         scaler = w.scaler
-        if scaler is None or not getattr(scaler, "_enabled", False) or w.optimizer is None:
+        if not scaler_enabled(scaler) or w.optimizer is None:
             return None
         state = getattr(scaler, "_per_optimizer_states", {}).get(id(w.optimizer))
         found = list((state or {}).get("found_inf_per_device", {}).values())
@@ -268,8 +269,7 @@ class StepBuilder:
         if step_time and step_time > 0:
             host["samples_per_s"] = samples / step_time if samples else None
             host["tokens_per_s"] = tokens / step_time if tokens else None
-        scaler = self.watched.scaler
-        host["scaler_active"] = bool(scaler is not None and getattr(scaler, "_enabled", False))
+        host["scaler_active"] = scaler_enabled(self.watched.scaler)
         for contribute in self._at_end:
             contribute(step, rec)
         reported = host.pop("reported_grad_norm", None)   # monitor.log(grad_norm=...) during the step

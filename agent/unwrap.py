@@ -136,6 +136,18 @@ def _is_deepspeed_engine(obj: Any) -> bool:
         vars(obj).get("_modules", {}).get("module"), torch.nn.Module)
 
 
+def scaler_enabled(scaler: Any, unknown: bool = False) -> bool:
+    """Whether ``scaler`` is a GradScaler that scales: ``GradScaler(enabled=False)`` (the usual switch of an
+    fp16 / bf16 script) keeps its methods but does nothing. Read from its private ``_enabled`` (the
+    public ``is_enabled()`` is the same flag, absent from older scalers and from look-alikes); a
+    scaler-like object without it counts as ``unknown``.
+
+    >>> scaler_enabled(None), scaler_enabled(torch.amp.GradScaler("cpu", enabled=False)), scaler_enabled(object(), True)
+    (False, False, True)
+    """
+    return scaler is not None and bool(getattr(scaler, "_enabled", unknown))
+
+
 def unwrap_scaler(scaler: Any) -> tuple[Any, Optional[str]]:
     """The GradScaler-like object in ``scaler`` (or None) and, when none, why."""
     if scaler is None:

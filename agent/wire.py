@@ -14,20 +14,24 @@ import sys
 from array import array
 from typing import Any, Callable, Optional
 
+from gradwatch.agent.derived import DERIVE
 from gradwatch.agent.nonfinite import F32_PREFIX, NULL_F32_BITS, encode_float
-from gradwatch.agent.record import StepRecord, finite
-from gradwatch.agent.signals import EXTRA_SIGNALS
+from gradwatch.agent.record import StepRecord, StepValues, finite
+from gradwatch.agent.signals import LAYER_PART_PREFIX, LAYER_STATS, STEP_SIGNALS
 
 # Compact per-layer arrays (docs/wire-format.md, "Compact layer arrays"): "f32:" + base64 of the
 # little-endian float32 bytes; their prefix and "not measured" pattern are agent/nonfinite.py's, which
 # the server reads too.
 _NULL_F32 = struct.pack("<I", NULL_F32_BITS)
-# Step signals declared after the built-in ones (agent/signals.py): a collector adds a record part, or
-# a host value, of the signal's own name, and it goes on the wire as is (typed by its kind).
-_GENERIC_SIGNALS = tuple((s.name, s.kind) for s in EXTRA_SIGNALS)
-# Per-layer statistics of that kind: a record part named "layers.<stat>", one value per layer in the
-# order of the statistic's name list, goes on the wire as layers[<stat>].
-LAYER_PART_PREFIX = "layers."
+# The assembler reads the signal table, never a list of its own: a record part (or host value) named like
+# a step signal goes on the wire as that signal, typed by its kind; a part "layers.<stat>" as that per-layer
+# statistic; a derived signal is computed from its inputs by agent/derived.py's one function.
+# overflow and overflow_count are this process's, counted here across steps (assemble).
+_COUNTED = ("overflow", "overflow_count")
+_STEP_SIGNALS = tuple((s.name, s.kind, (DERIVE[s.name], s.derived_from) if s.derived_from else None)
+                      for s in STEP_SIGNALS if s.name not in _COUNTED)
+_LAYER_PARTS = {LAYER_PART_PREFIX + s.name: (s.name, s.over) for s in LAYER_STATS if not s.derived_from}
+_LAYER_DERIVED = tuple((s.name, DERIVE[s.name], s.derived_from) for s in LAYER_STATS if s.derived_from)
 
 
 def f32_b64(le_bytes: bytes) -> str:
@@ -61,6 +65,18 @@ def pack_f32(values: list) -> bytes:
     return out
 
 
+def _scatter(raw: bytes, index: list, n: int) -> bytes:
+    """float32 bytes of the layers ``index`` -> float32 bytes of all ``n`` layers, the rest "not measured".
+
+    >>> _scatter(struct.pack("<2f", 1.0, 2.0), [2, 0], 3) == struct.pack("<f", 2.0) + _NULL_F32 + struct.pack("<f", 1.0)
+    True
+    """
+    buf = bytearray(_NULL_F32 * n)
+    for k, i in enumerate(index):
+        buf[4 * i:4 * i + 4] = raw[4 * k:4 * k + 4]
+    return bytes(buf)
+
+
 class NanHunt:
     """Shared between threads: the sender arms it, the training thread reads ``active``."""
 
@@ -74,14 +90,11 @@ class NanHunt:
 
 
 class StepAssembler:
-    def __init__(self, param_names: list[str], module_names: list[str], bn_names: list[str], hunt: NanHunt,
-                 sharded: bool = False):
+    def __init__(self, param_names: list[str], module_names: list[str], bn_names: list[str], hunt: NanHunt):
         self.param_names = param_names
-        # Sharded parameters (FSDP, DTensor): the norms measured here are of this rank's shards only, so
-        # they go out under the *_local names and the server combines the ranks into the global ones.
-        self.sharded = sharded
         self.module_names = module_names
         self.bn_names = bn_names
+        self.layer_counts = {"params": len(param_names), "modules": len(module_names), "bn": len(bn_names)}
         self.hunt = hunt
         self.overflow_count = 0
 
@@ -93,55 +106,31 @@ class StepAssembler:
         record's float32 bytes in base64, never walked value by value here.
         """
         vals = record.read()
-        host = record.host
-        get = host.get
+        get = record.host.get
         scalar = vals.scalar
         events: list[dict] = []
 
-        loss = scalar("loss")
-        loss_host = get("loss_host")
-        if loss_host is not None:
-            loss = loss_host if loss is None else loss + loss_host
-        grad_norm = scalar("grad_norm")
-        max_norm = get("clip_max_norm")
-        found_inf = scalar("found_inf")
+        step: dict[str, Any] = {"step": record.step, "time": get("time")}
+        for name, kind, derived in _STEP_SIGNALS:
+            if derived is None:
+                v = scalar(name) if name in vals else get(name)
+            else:
+                derive, inputs = derived
+                v = derive(*[scalar(n) if n in vals else get(n) for n in inputs])
+            if v is None:
+                continue
+            if kind == "float":
+                step[name] = encode_float(float(v))
+            elif kind == "bool":
+                step[name] = bool(v)
+            elif math.isfinite(v):   # a count: an int >= 0 on the wire, nothing for a non-finite one
+                step[name] = int(v)
+        found_inf = scalar("overflow")   # the GradScaler's found_inf: the step was skipped
         overflow = bool(found_inf) if found_inf is not None else False
         if overflow:
             self.overflow_count += 1
-        lr = scalar("lr")
-        ema_diff, ema_ref = scalar("ema_diff"), scalar("ema_ref")
-        inp = scalar("input_nonfinite")
-
-        floats = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "clip_max_norm": max_norm,
-            "loss_scale": scalar("loss_scale"),
-            "lr": lr if lr is not None else get("lr"),
-            "step_time": get("step_time"),
-            "samples_per_s": get("samples_per_s"),
-            "tokens_per_s": get("tokens_per_s"),
-            "mem_peak": get("mem_peak"),
-            "ema_divergence": (ema_diff / ema_ref if ema_diff is not None and ema_ref else
-                               (float("nan") if ema_diff is not None and ema_ref == 0 else None)),
-        }
-        step: dict[str, Any] = {"step": record.step, "time": get("time")}
-        if self.sharded:
-            floats["grad_norm_local"] = floats.pop("grad_norm")
-        for key, v in floats.items():
-            if v is not None:
-                step[key] = v if math.isfinite(v) else encode_float(v)
-        if grad_norm is not None and max_norm is not None and not math.isnan(grad_norm) and not self.sharded:
-            step["clipped"] = bool(grad_norm > max_norm)
         step["overflow"] = overflow if get("scaler_active") else False
         step["overflow_count"] = self.overflow_count
-        if inp is not None and math.isfinite(inp):
-            step["input_nonfinite"] = int(inp)
-        for name, kind in _GENERIC_SIGNALS:
-            v = scalar(name) if name in vals else get(name)
-            if v is not None:
-                step[name] = (bool(v) if kind == "bool" else int(v) if kind == "count" and math.isfinite(v)
-                              else encode_float(float(v)))
 
         custom = dict(get("custom") or {})
         for key in vals.keys():
@@ -151,63 +140,26 @@ class StepAssembler:
             step["custom"] = {k: encode_float(v) for k, v in custom.items()}
 
         layers: dict[str, str] = {}
-        # Python lists of the same arrays, only for the few steps that look at single values
-        # (a critical step's top grad norms, the NaN-origin hunt).
-        lists: dict[str, list] = {}
-        n_params = len(self.param_names)
-        grad_index = get("grad_index")
-        if "grad_norms" in vals and grad_index is not None:
-            per = vals.f32("grad_norms")
-            if len(grad_index) == n_params:    # every parameter had a grad: index is 0..n-1
-                layers["grad_norm"] = f32_b64(per)
-            else:
-                buf = bytearray(_NULL_F32 * n_params)
-                for k, i in enumerate(grad_index):
-                    buf[4 * i:4 * i + 4] = per[4 * k:4 * k + 4]
-                layers["grad_norm"] = f32_b64(bytes(buf))
-
-        def grad_list() -> Optional[list]:
-            if "grad_norm" not in lists and "grad_norms" in vals and grad_index is not None:
-                arr: list = [None] * n_params
-                for i, v in zip(grad_index, vals.floats("grad_norms")):
-                    arr[i] = v
-                lists["grad_norm"] = arr
-            return lists.get("grad_norm")
-
-        if self.sharded:
-            if "grad_norm" in layers:
-                layers["grad_norm_local"] = layers.pop("grad_norm")
-            if "weight_norm" in vals:
-                layers["weight_norm_local"] = f32_b64(vals.f32("weight_norm"))
-                if "update_norm" in vals:
-                    layers["update_norm_local"] = f32_b64(vals.f32("update_norm"))
-        elif "weight_norm" in vals:
-            layers["weight_norm"] = f32_b64(vals.f32("weight_norm"))
-            if "update_norm" in vals:   # sampled steps only (weights_every)
-                layers["update_ratio"] = f32_b64(pack_f32(
-                    [u / x if x else (0.0 if u == 0 else float("inf"))
-                     for u, x in zip(vals.floats("update_norm"), vals.floats("weight_norm"))]))
-        act_index = get("act_index")
-        if act_index is not None and "act" in vals:   # sampled steps and the NaN hunt only
-            stats = vals.floats("act")
-            cols = {name: [None] * len(self.module_names)
-                    for name in ("act_mean", "act_std", "act_absmax", "act_nonfinite")}
-            for k, mi in enumerate(act_index):
-                mean, std, absmax, nonfinite = stats[4 * k:4 * k + 4]
-                cols["act_mean"][mi], cols["act_std"][mi], cols["act_absmax"][mi] = mean, std, absmax
-                cols["act_nonfinite"][mi] = int(nonfinite) if math.isfinite(nonfinite) else None
-            lists.update(cols)
-            for name, col in cols.items():
-                layers[name] = f32_b64(pack_f32(col))
-        if "bn_mean" in vals:
-            layers["bn_mean_norm"] = f32_b64(vals.f32("bn_mean"))
-            layers["bn_var_norm"] = f32_b64(vals.f32("bn_var"))
+        index = record.index
         for key in vals.keys():
-            if key.startswith(LAYER_PART_PREFIX):
-                layers[key[len(LAYER_PART_PREFIX):]] = f32_b64(vals.f32(key))
+            sent = _LAYER_PARTS.get(key)
+            if sent is not None:
+                stat, over = sent
+                raw = vals.f32(key)
+                at = index.get(key)
+                layers[stat] = f32_b64(raw if at is None else _scatter(raw, at, self.layer_counts[over]))
+        for stat, derive, inputs in _LAYER_DERIVED:   # sampled steps only (update_ratio: weights_every)
+            if all(n in vals for n in inputs):
+                layers[stat] = f32_b64(pack_f32(derive(*[vals.floats(n) for n in inputs])))
         if layers:
             step["layers"] = layers
 
+        # Python lists of single values, only for the few steps that look at them (a critical step's top
+        # grad norms, the NaN-origin hunt). Sharded: this rank's norms of its pieces.
+        grad_key = "layers.grad_norm" if "layers.grad_norm" in vals else "layers.grad_norm_local"
+        grad_list = lambda: self._per_layer(vals, index, grad_key)   # noqa: E731
+        loss = scalar("loss") if "loss" in vals else get("loss")
+        grad_norm = scalar("grad_norm") if "grad_norm" in vals else scalar("grad_norm_local")
         loss_bad = loss is not None and not finite(loss)
         grad_bad = grad_norm is not None and not finite(grad_norm)
         # A finite loss with overflowing fp16 grads is the scaler doing its job, not an incident.
@@ -217,8 +169,24 @@ class StepAssembler:
             if top:
                 events.append({"step": record.step, "kind": "top_grad_norms", "data": {"params": top}})
         events.extend({"step": record.step, **e} for e in get("events", ()))   # a collector's events (kind, data)
-        events.extend(self._hunt(record.step, critical, grad_bad, act_index, lists, grad_list, get("nan_replay")))
+        act_index = index.get("layers.act_nonfinite")
+        act_nonfinite = vals.floats("layers.act_nonfinite") if act_index is not None else None
+        events.extend(self._hunt(record.step, critical, grad_bad, act_index, act_nonfinite, grad_list,
+                                 get("nan_replay")))
         return step, events, critical
+
+    def _per_layer(self, vals: StepValues, index: dict, key: str) -> Optional[list]:
+        """A per-parameter part as one value per parameter, None where not measured."""
+        values = vals.floats(key)
+        if values is None:
+            return None
+        at = index.get(key)
+        if at is None:
+            return values
+        out: list = [None] * len(self.param_names)
+        for i, v in zip(at, values):
+            out[i] = v
+        return out
 
     def _top_grad_norms(self, arr: Optional[list]) -> list:
         if not arr:
@@ -228,7 +196,8 @@ class StepAssembler:
         pairs.sort(key=lambda p: (math.isfinite(p[1]), -p[1] if math.isfinite(p[1]) else 0.0))
         return [[name, encode_float(v)] for name, v in pairs[:5]]
 
-    def _hunt(self, step: int, critical: bool, grad_bad: bool, act_index, layers: dict,
+    def _hunt(self, step: int, critical: bool, grad_bad: bool, act_index: Optional[list],
+              act_nonfinite: Optional[list],
               grad_list: Callable[[], Optional[list]], replayed: Optional[dict] = None) -> list[dict]:
         hunt = self.hunt
         if replayed is not None and not hunt.reported:
@@ -249,7 +218,7 @@ class StepAssembler:
             return []
         if hunt.reported:
             return []
-        found = self._origin(act_index, layers, grad_list)
+        found = self._origin(act_index, act_nonfinite, grad_list)
         if found is not None:
             hunt.active = False
             hunt.reported = True
@@ -267,13 +236,12 @@ class StepAssembler:
             return [{"step": step, "kind": "nan_origin_not_found", "data": data}]
         return []
 
-    def _origin(self, act_index, layers: dict, grad_list: Callable[[], Optional[list]]) -> Optional[tuple[str, str]]:
-        if act_index is None:
+    def _origin(self, act_index: Optional[list], act_nonfinite: Optional[list],
+                grad_list: Callable[[], Optional[list]]) -> Optional[tuple[str, str]]:
+        if act_index is None or act_nonfinite is None:
             return None
-        nonfinite = layers.get("act_nonfinite") or []
-        for mi in act_index:                       # act_index is in forward (completion) order
-            n = nonfinite[mi] if mi < len(nonfinite) else None
-            if n is None or n > 0:
+        for mi, n in zip(act_index, act_nonfinite):   # act_index is in forward (completion) order
+            if not math.isfinite(n) or n > 0:
                 return self.module_names[mi], "activation"
         grads = grad_list()
         if grads and any(v is not None and not math.isfinite(v) for v in grads):

@@ -21,6 +21,10 @@ ingest transaction of the batch that brings a step's last rank:
   and denominator (ratios of pieces do not combine);
 * EMA divergence ‖θ_ema − θ‖ / ‖θ‖ over the parameters the EMA holds, the same
   way (``ema_diff_local`` / ``ema_ref_local``);
+* ``clipped``: the combined grad norm above rank 0's ``clip_max_norm``.
+
+The update ratio, EMA divergence and ``clipped`` come from the functions a single
+process's agent computes them with (agent/derived.py), from the combined norms.
 * the share of gradient elements exactly zero, per parameter and over the
   model, from each distinct piece's zero count and element count
   (``grad_zero_count_local`` / ``numel_local``; counts are added, not squared).
@@ -42,6 +46,7 @@ import numpy as np
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from gradwatch.agent.derived import clipped, ema_divergence, update_ratios
 from gradwatch.agent.signals import STEP_SIGNAL_NAMES
 
 from .models import LayerStat, RankLayout, Run, Step, StepRanks
@@ -270,15 +275,15 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
                 m = max_norm.get(s)
                 if m is not None:
                     fields["clip_max_norm"] = m
-                    if not math.isnan(total):
-                        fields["clipped"] = bool(total > m)
+                    was_clipped = clipped(total, m)
+                    if was_clipped is not None:
+                        fields["clipped"] = was_clipped
         if by_stat.get("weight_norm_local"):
             wsq, wok = plan.full_squares(by_stat["weight_norm_local"])
             layers["weight_norm"] = _f32(np.sqrt(wsq), wok)
             if by_stat.get("update_norm_local"):
                 usq, uok = plan.full_squares(by_stat["update_norm_local"])
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = np.where(wsq > 0, np.sqrt(usq) / np.sqrt(wsq), np.where(usq == 0, 0.0, np.inf))
+                ratio = np.array(update_ratios(np.sqrt(usq).tolist(), np.sqrt(wsq).tolist()), dtype=np.float64)
                 layers["update_ratio"] = _f32(ratio, wok & uok)
         if by_stat.get("ema_diff_local") and by_stat.get("ema_ref_local"):
             # ‖θ_ema − θ‖ / ‖θ‖ over the full parameters the EMA holds (each piece once, as the norms above)
@@ -286,9 +291,8 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
             rsq, rok = plan.full_squares(by_stat["ema_ref_local"])
             ok = dok & rok
             if ok.any():
-                den = math.sqrt(float(rsq[ok].sum()))
-                num = math.sqrt(float(dsq[ok].sum()))
-                fields["ema_divergence"] = num / den if den > 0 else math.nan
+                fields["ema_divergence"] = ema_divergence(math.sqrt(float(dsq[ok].sum())),
+                                                          math.sqrt(float(rsq[ok].sum())))
         if by_stat.get("grad_zero_count_local") and by_stat.get("numel_local"):
             zeros, zok = plan.full_sums(by_stat["grad_zero_count_local"])
             numel, nok = plan.full_sums(by_stat["numel_local"])

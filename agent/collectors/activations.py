@@ -17,6 +17,8 @@ class ActivationStats(OneForwardHooks):
     name = "activations"
     every = "activations_every"
     while_hunting = True
+    # in the order of capture.activations.activation_stats's four values
+    emits = ("layers.act_mean", "layers.act_std", "layers.act_absmax", "layers.act_nonfinite")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -43,7 +45,9 @@ class ActivationStats(OneForwardHooks):
         acts = self.acts
         if acts:
             self.acts, self.seen = [], set()
-            rec.host["act_index"] = [i for i, _ in acts]
-            rec.add("act", torch.stack([s for _, s in acts]))
+            index = [i for i, _ in acts]   # the modules measured, in forward (completion) order
+            stats = torch.stack([s for _, s in acts]).unbind(1)
+            for name, values in zip(self.emits, stats):
+                rec.add(name, values, index)
         elif self.seen:
             self.seen = set()

@@ -71,6 +71,7 @@ class AdamStaleness(Collector):
     name = "adam_state"
     needs = ("optimizer",)
     every = "adam_every"
+    emits = ("adam_g2_over_v_max", "layers.adam_g2_over_v")
     # sum(v) is read from the state (one fused L1 norm) on the first measured step, after any change of
     # the optimizer's state, after a step not measured, and every EXACT_EVERY steps; in between it is
     # carried forward with Adam's own recursion (float64), which bounds any drift to EXACT_EVERY steps
@@ -169,10 +170,10 @@ class AdamStaleness(Collector):
         with self.guards.guard(self.name):
             denom, keep, layout, sums, counts = pending
             parts = dict(rec.parts)    # GradNorms (composed first) added this step's grad norms already
-            per, total = parts.get("grad_norms"), parts.get("grad_norm")
-            grad_index = rec.host.get("grad_index")
-            if per is None or total is None or grad_index is None:
+            per, total = parts.get("layers.grad_norm"), parts.get("grad_norm")
+            if per is None or total is None:
                 return
+            grad_index = rec.index.get("layers.grad_norm", self.watched.all_index)
             found = self._indices(tuple(keep), grad_index, per.device)
             if found is None:
                 return

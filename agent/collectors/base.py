@@ -6,6 +6,10 @@ Leaf of the collectors: imports torch, :mod:`agent.capture.activations`, :mod:`a
 A collector is one kind of measurement. It declares
 
 * ``name``: its switch (an exception in it turns that name off, see :mod:`agent.guard`);
+* ``emits``: the names it writes into the step record (``rec.add(name, tensor)`` or
+  ``rec.host[name]``), the signal table's own (:mod:`agent.signals`): a step signal's name, or
+  ``"layers."`` + a per-layer statistic's, or an input of a derived signal. Checked when the monitor
+  composes it (:func:`check_emits`, at attach); :mod:`agent.wire` sends each part as the table declares it;
 * ``needs``: which of the monitor's objects it needs — ``"optimizer"`` (an
   optimizer, or a scaler whose ``step()`` hands one over), ``"scaler"``, ``"ema"``,
   ``"batchnorm"`` (a BatchNorm module with running statistics); a monitor without
@@ -37,6 +41,7 @@ import torch
 from gradwatch.agent.capture.activations import CONTAINERS
 from gradwatch.agent.capture.shards import local_grads, local_tensors, shard_layout
 from gradwatch.agent.nonfinite import NULL_F32_BITS  # the wire's "not measured" float32 (docs/wire-format.md)
+from gradwatch.agent.signals import unknown_record_names
 
 
 class Watched:
@@ -86,20 +91,22 @@ class Watched:
 class Collector:
     """Base class of the collectors; see the module docstring for the protocol.
 
-    Example, a collector of the global weight norm every 50 steps::
+    Example, a collector of the per-parameter weight norms every ``weights_every`` steps::
 
-        class WeightNorm(Collector):
-            name = "weight_norm"
+        class WeightNorms(Collector):
+            name = "weights"
             every = "weights_every"          # or None: every step
+            emits = ("layers.weight_norm",)  # the signal table's LayerStat "weight_norm"
 
             def end_step(self, step, rec):
                 if not self.due(step) or not self.guards.on(self.name):
                     return
                 with self.guards.guard(self.name):
-                    rec.add("custom:weight_norm", tensor_norms(self.watched.params).norm())
+                    rec.add("layers.weight_norm", tensor_norms(self.watched.params))
     """
 
     name: ClassVar[str] = ""
+    emits: ClassVar[tuple[str, ...]] = ()
     needs: ClassVar[tuple[str, ...]] = ()
     every: ClassVar[Optional[str]] = None
     while_hunting: ClassVar[bool] = False
@@ -227,6 +234,21 @@ def place_measured(values: torch.Tensor, where: torch.Tensor, n: int) -> torch.T
     the rest the wire's "not measured" float32."""
     full = torch.full((n,), NULL_F32_BITS, dtype=torch.int32, device=values.device).view(torch.float32)
     return full.index_copy(0, where, values)
+
+
+def check_emits(kinds) -> None:
+    """Every name the collector classes ``kinds`` declare in ``emits`` is the signal table's: else
+    ``ValueError`` naming it (at attach: a misnamed part fails there, never goes missing from a run)."""
+    for kind in kinds:
+        emits = getattr(kind, "emits", ())
+        if isinstance(emits, str):
+            raise ValueError(f"collector {kind.__name__}: emits must be a tuple of names, not the string {emits!r}")
+        unknown = unknown_record_names(emits)
+        if unknown:
+            raise ValueError(
+                f"collector {kind.__name__} emits {', '.join(map(repr, unknown))}, which the signal table "
+                "(gradwatch.agent.signals) does not declare: name a StepSignal, \"layers.\" + a LayerStat, or an "
+                "input of a derived signal, or declare the signal there (docs/architecture.md, \"Adding a signal\")")
 
 
 def overrides(collector: Collector, hook: str) -> bool:

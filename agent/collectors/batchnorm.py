@@ -9,10 +9,11 @@ class BatchNormStats(Collector):
     name = "bn"
     every = "bn_every"
     needs = ("batchnorm",)
+    emits = ("layers.bn_mean_norm", "layers.bn_var_norm")
 
     def end_step(self, step, rec) -> None:
         if self.due(step) and self.guards.on("bn"):
             with self.guards.guard("bn"):
                 bns = self.watched.bns
-                rec.add("bn_mean", tensor_norms([m.running_mean for _, m in bns]))
-                rec.add("bn_var", tensor_norms([m.running_var for _, m in bns]))
+                rec.add("layers.bn_mean_norm", tensor_norms([m.running_mean for _, m in bns]))
+                rec.add("layers.bn_var_norm", tensor_norms([m.running_var for _, m in bns]))

@@ -41,6 +41,8 @@ class EmaDivergence(Collector):
     name = "ema"
     every = "ema_every"
     needs = ("ema",)
+    # the divergence's numerator and denominator (agent/derived.py divides); sharded, per parameter piece too
+    emits = ("ema_diff", "ema_ref", "layers.ema_diff_local", "layers.ema_ref_local")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)

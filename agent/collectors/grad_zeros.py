@@ -19,6 +19,7 @@ class GradZeroFraction(Collector):
     name = "grad_zero_fraction"
     needs = ("optimizer",)
     every = "weights_every"
+    emits = ("grad_zero_fraction", "layers.grad_zero_fraction", "layers.grad_zero_count_local", "layers.numel_local")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)

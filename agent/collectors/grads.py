@@ -18,6 +18,8 @@ from gradwatch.agent.collectors.base import Collector
 
 class GradNorms(Collector):
     name = "grad_norms"
+    # sharded parameters (FSDP, DTensor): the norms of this rank's shards, which the server combines
+    emits = ("grad_norm", "layers.grad_norm", "grad_norm_local", "layers.grad_norm_local", "clip_max_norm")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -83,6 +85,8 @@ class GradNorms(Collector):
         rec.host["clip_max_norm"], self.clip_max_norm = self.clip_max_norm, None
         if grads:
             per, index, total = grads
-            rec.add("grad_norm", total)
-            rec.add("grad_norms", per)
-            rec.host["grad_index"] = index
+            local = self.watched.local
+            rec.add("grad_norm_local" if local else "grad_norm", total)
+            # parameters without a grad go out "not measured"
+            rec.add("layers.grad_norm_local" if local else "layers.grad_norm", per,
+                    None if len(index) == len(self.watched.params) else index)

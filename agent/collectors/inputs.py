@@ -9,6 +9,7 @@ class InputNonfinite(Collector):
     name = "inputs"
     every = "inputs_every"
     while_hunting = True
+    emits = ("input_nonfinite",)
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)

@@ -66,6 +66,7 @@ def rms_of_parts(parts: list) -> torch.Tensor:
 class LinearOutputs(OneForwardHooks):
     name = "linear_outputs"
     every = "linear_every"
+    emits = ("layers.linear_out_rms",)
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.unwrap import scaler_enabled
 
 
 class LossScale(Collector):
     name = "scaler"
     needs = ("scaler",)
+    emits = ("loss_scale", "overflow")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -24,7 +26,7 @@ class LossScale(Collector):
         """Right before ``scaler.update()``: the scale used for this step and whether it overflowed."""
         s = self.watched.scaler
         self.scale = self.found_inf = None
-        if not getattr(s, "_enabled", False) or getattr(s, "_scale", None) is None:
+        if not scaler_enabled(s) or getattr(s, "_scale", None) is None:
             return
         self.scale = s._scale.detach().clone()
         states = s._per_optimizer_states
@@ -43,6 +45,6 @@ class LossScale(Collector):
         if self.scale is not None:
             rec.add("loss_scale", self.scale)
         if self.found_inf is not None:
-            rec.add("found_inf", self.found_inf)
+            rec.add("overflow", self.found_inf)   # found_inf: 1 (or more, one per device) when it skipped the step
         self.scale = self.found_inf = None
 

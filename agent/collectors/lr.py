@@ -9,6 +9,7 @@ from gradwatch.agent.collectors.base import Collector
 class LearningRate(Collector):
     name = "lr"
     needs = ("optimizer",)
+    emits = ("lr",)    # the other groups' LRs go as custom scalars, "lr/<group>"
 
     def end_step(self, step, rec) -> None:
         opt = self.watched.optimizer

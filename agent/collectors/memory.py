@@ -8,6 +8,7 @@ from gradwatch.agent.collectors.base import Collector
 
 class PeakMemory(Collector):
     name = "memory"
+    emits = ("mem_peak",)
 
     def wanted(self) -> bool:
         # is_available() does not initialise CUDA; without a device there is never a peak to read.

@@ -13,6 +13,7 @@ from gradwatch.agent.resume import rng_hash
 
 class RngState(Collector):
     name = "rng_state"
+    emits = ("rng_hash",)
 
     def wanted(self) -> bool:
         return bool(getattr(self.watched.config, "resume_rng", True))

@@ -10,6 +10,8 @@ from gradwatch.agent.collectors.base import Collector
 class WeightNorms(Collector):
     name = "weights"
     every = "weights_every"
+    # update norms: the update ratio's numerator (agent/derived.py); sharded, each rank's pieces
+    emits = ("layers.weight_norm", "layers.update_norm", "layers.weight_norm_local", "layers.update_norm_local")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -28,7 +30,8 @@ class WeightNorms(Collector):
         if self.due(step) and self.guards.on("weights"):
             with self.guards.guard("weights"):
                 params = self.watched.weights()
-                rec.add("weight_norm", tensor_norms(params))
+                local = "_local" if self.watched.local else ""
+                rec.add("layers.weight_norm" + local, tensor_norms(params))
                 if before is not None:
                     delta = torch._foreach_sub([p.detach() for p in params], before)
-                    rec.add("update_norm", tensor_norms(delta))
+                    rec.add("layers.update_norm" + local, tensor_norms(delta))
