@@ -28,23 +28,23 @@ accumulation boundary, ``engine.is_gradient_accumulation_boundary()``, skipped s
   taken as it is (no sync in the training thread; the sender copies it out with the rest). A step
   the fp16 loss scaler skipped reports none (the engine's is ``inf`` then, which without a GradScaler
   would read as an explosion; the skip is counted in ``custom:deepspeed_skipped_steps``);
-* ``grad_norm`` and the per-parameter grad norms at ZeRO stage 0 with fp32 or bf16: the agent's own
-  measurement of ``p.grad`` right before the engine's step, where ``p.grad`` holds the reduced
-  gradients; the agent's value wins over the engine's (stage 0 fp32 keeps no norm of the engine's:
-  it clips with its own function). Not with fp16, whose ``p.grad`` are still multiplied by the loss
-  scale there: the engine's unscaled norm is the step's;
+* ``grad_norm`` and the per-parameter grad norms at ZeRO stage 0: the agent's own measurement of
+  ``p.grad`` right before the engine's step, where ``p.grad`` holds the reduced gradients; the
+  agent's value wins over the engine's (stage 0 fp32 keeps no norm of the engine's: it clips with its
+  own function). With fp16 at stage 0 DeepSpeed 0.19.8 does not scale the loss in
+  ``engine.backward`` (only a ZeRO optimizer's ``scale_if_loss`` does), so ``p.grad`` are unscaled
+  there and the engine's norm is theirs;
 * ``clip_max_norm`` (and so ``clipped``): the config's ``gradient_clipping`` when it is above 0,
   reported with ``monitor.log(clip_max_norm=...)`` (the engine clips without torch's
   ``clip_grad_norm_``, which the agent would see);
 * ``custom:deepspeed_skipped_steps``: ``engine.skipped_steps``, the engine's count of steps skipped
   for an fp16 overflow or, in bf16, a non-finite grad norm (a Python int);
-* ``custom:deepspeed_loss_scale``: ``engine.optimizer.cur_scale`` with fp16 (a Python float the
-  loss scaler keeps), absent otherwise;
+* ``custom:deepspeed_loss_scale``: ``engine.optimizer.loss_scale`` after the step, with fp16 (a
+  Python number the loss scaler keeps), absent otherwise;
 * ``custom:deepspeed_lr``: ``engine.get_lr()[0]``, the first param group's learning rate.
 
 Nothing here syncs the device: the norm stays a tensor, the counters are Python numbers the
-engine keeps. fp16 (the loss scaler, skipped steps, ``cur_scale``) needs a CUDA device and is untested
-here (docs/integrations.md).
+engine keeps.
 """
 from __future__ import annotations
 
@@ -84,8 +84,7 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
                 boundary = bool(engine.is_gradient_accumulation_boundary())
                 if boundary:
                     skipped_before = int(engine.skipped_steps)
-                    if not _fp16(engine):   # fp16's p.grad are still scaled by the loss scale here
-                        monitor.remeasure_grads()   # p.grad, reduced, before the engine clips (ZeRO stage 0)
+                    monitor.remeasure_grads()   # p.grad, reduced, before the engine clips (ZeRO stage 0)
             except Exception:  # noqa: BLE001
                 log.exception("gradwatch: reading the engine failed; continuing")
         result = step(*args, **kwargs)
@@ -116,8 +115,8 @@ def engine_values(engine: Any, skipped_before: int = 0) -> dict:
     clip = engine.gradient_clipping()
     if isinstance(clip, (int, float)) and clip > 0:
         out["clip_max_norm"] = float(clip)
-    if fp16:
-        scale = getattr(engine.optimizer, "cur_scale", None)
+    if fp16:   # the scale the next step uses (the loss scaler updated it in this one)
+        scale = getattr(engine.optimizer, "loss_scale", None)
         if isinstance(scale, (int, float)):
             out["deepspeed_loss_scale"] = float(scale)
     lrs = engine.get_lr()

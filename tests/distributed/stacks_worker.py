@@ -6,7 +6,7 @@ Each rank writes what the stack itself computed to ``<out>/rank<r>.json``: per o
 loss the loop back-propagated (summed over the step's micro-batches), the grad norm the stack
 returned (``accelerator.clip_grad_norm_``, ``fabric.clip_gradients``, ``engine.get_global_grad_norm()``
 or, for DeepSpeed stage 0 fp32, which keeps none, torch's norm of the reduced ``p.grad``), and
-DeepSpeed's ``skipped_steps`` and ``gradient_clipping``.
+DeepSpeed's ``skipped_steps``, loss scale (fp16) and ``gradient_clipping``.
 """
 from __future__ import annotations
 
@@ -147,6 +147,8 @@ def run_deepspeed(args, out: Path) -> dict:
               "steps_per_print": 10 ** 9}
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
+    elif args.precision == "fp16":   # DeepSpeed's DynamicLossScaler (2^16 to start: this loop overflows at once)
+        config["fp16"] = {"enabled": True, "initial_scale_power": 16}
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -156,7 +158,7 @@ def run_deepspeed(args, out: Path) -> dict:
                                                               rank=engine.global_rank, shuffle=False)
     loader = torch.utils.data.DataLoader(_data(args, world), batch_size=ACCUM_BATCH, sampler=sampler)
     dtype = next(engine.module.parameters()).dtype
-    losses, norms, own_norms, skipped, current = [], [], [], [], 0.0
+    losses, norms, own_norms, skipped, scales, current = [], [], [], [], [], 0.0
     for x, y in loader:
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -171,12 +173,13 @@ def run_deepspeed(args, out: Path) -> dict:
             n = engine.get_global_grad_norm()
             norms.append(None if n is None else float(n))
             skipped.append(int(engine.skipped_steps))
+            scales.append(float(engine.optimizer.loss_scale) if args.precision == "fp16" else None)
             losses.append(current)
             current = 0.0
     monitor.close()
     return {"world_size": world, "steps": len(losses), "loss": losses, "grad_norm": norms,
             "p_grad_norm": own_norms, "skipped_steps": skipped, "optimizer": type(engine.optimizer).__name__,
-            "clip": engine.gradient_clipping()}
+            "clip": engine.gradient_clipping(), "loss_scale": scales}
 
 
 def main() -> None:
@@ -187,7 +190,8 @@ def main() -> None:
     ap.add_argument("--run-name", required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--accum", type=int, default=1)
-    ap.add_argument("--precision", choices=("no", "bf16"), default="no")
+    ap.add_argument("--precision", choices=("no", "bf16", "fp16"), default="no",
+                    help="fp16: deepspeed only (its DynamicLossScaler)")
     ap.add_argument("--zero-stage", type=int, default=0)
     ap.add_argument("--plain", action="store_true", help="accelerate: agent.attach + monitor.log, not watch()")
     ap.add_argument("--wrapper", action="store_true", help="fabric: hide the optimizer in an unknown wrapper")
