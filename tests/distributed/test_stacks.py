@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from tests.conftest import start_sqlite_server
-from tests.integrations.stacks import launch, max_rel, require_installed, run_id, stored
+from tests.integrations.stacks import launch, max_rel, needs_cpu_fp16, require_installed, run_id, stored
 
 STEPS = 4
 
@@ -70,7 +70,8 @@ def test_fabric_ddp_two_cpu_processes(server, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "no"), (2, "fp16")])
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "no"),
+                                             pytest.param(2, "fp16", marks=needs_cpu_fp16)])
 def test_deepspeed_zero_two_cpu_processes(server, tmp_path, stage, precision):
     require_installed("deepspeed")
     name = f"ds-z{stage}-{precision}-{uuid.uuid4().hex[:6]}"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO_ROOT, http_json
 
 WORKER = REPO_ROOT / "tests" / "distributed" / "stacks_worker.py"
@@ -66,3 +68,18 @@ def require_installed(module: str) -> None:
         if IN_CI:
             pytest.fail(f"{what} is required when CI=true", pytrace=False)
         pytest.skip(f"{what} not available", allow_module_level=True)
+
+
+def _cpu_fp16() -> bool:
+    """DeepSpeed's CPU accelerator takes fp16 only where oneDNN has native fp16 (AVX512-FP16 / AMX-FP16);
+    elsewhere deepspeed.initialize raises "Type fp16 is not supported on your device."."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - an older torch without the op: no fp16 either
+        return False
+
+
+# DeepSpeed fp16 tests: skipped (also under CI=true: it is the hardware, not the install) on a CPU without it
+needs_cpu_fp16 = pytest.mark.skipif(not _cpu_fp16(), reason="this CPU has no native fp16: DeepSpeed refuses fp16")

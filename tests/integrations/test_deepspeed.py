@@ -5,11 +5,11 @@ gradient accumulation.
 Compared with the engine's own numbers read back from a real server: the loss the loop
 back-propagated (summed over the step's micro-batches), ``engine.get_global_grad_norm()`` (the stored
 ``grad_norm`` under ZeRO 1/2, where the agent has no ``p.grad`` to measure; ``custom:grad_norm`` at
-stage 0, where the agent's own wins), the norm of the reduced ``p.grad`` where stage 0 leaves them (the reference for the agent's
-own ``grad_norm``), ``engine.skipped_steps``, the config's clip threshold and ``clipped``; and no
+stage 0, where the agent's own wins), the norm of the reduced ``p.grad`` where stage 0 leaves them
+(the reference for the agent's own ``grad_norm``), ``engine.skipped_steps``, the config's clip threshold and ``clipped``; and no
 overflow is stored (no GradScaler, and fp32 / bf16 never skip a finite step).
-fp16 with DeepSpeed's DynamicLossScaler runs too (ZeRO 0 and 2): a step it skips stores no grad_norm
-and raises no alert.
+fp16 with DeepSpeed's DynamicLossScaler runs too (ZeRO 0 and 2) where the CPU has native fp16
+(skipped elsewhere: DeepSpeed refuses it): a step it skips stores no grad_norm and raises no alert.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import uuid
 import pytest
 
 from tests.conftest import http_json
-from tests.integrations.stacks import launch, max_rel, require_installed, run_id, stored
+from tests.integrations.stacks import launch, max_rel, needs_cpu_fp16, require_installed, run_id, stored
 
 require_installed("deepspeed")
 
 STEPS = 4
+
 
 
 @pytest.mark.parametrize("stage,precision", [(0, "no"), (0, "bf16"), (1, "no"), (2, "bf16")])
@@ -65,6 +66,7 @@ def test_deepspeed_engine_stores_the_engines_loss_grad_norm_and_skipped_steps(gw
         assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} grad_norm vs engine") <= 1e-6
 
 
+@needs_cpu_fp16
 @pytest.mark.parametrize("stage", [0, 2])
 def test_deepspeed_fp16_loss_scaler_skips_are_counted_not_read_as_explosions(gw_server, tmp_path, stage):
     """fp16 with DeepSpeed's DynamicLossScaler, on its CPU accelerator: at 2^16 the first step overflows
