@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
+from gradwatch.server.scope import in_scope
+
 _sessionmaker = None
 _settings = None
 _deliveries_queued = None   # the server's "send due webhook deliveries now" (None: it polls every second)
@@ -66,14 +68,14 @@ def _scoped(project: Optional[str]) -> Optional[str]:
     mine = signed_in_project()
     if mine is None:
         return project or None
-    return mine if not project or project == mine else _NO_PROJECT
+    return mine if not project or in_scope(mine, project) else _NO_PROJECT
 
 
 def _writable(project: str) -> str:
     """The project a write goes to: with auth on, only the signed-in one (``ValueError`` otherwise, shown to
     the user; nothing is created)."""
     mine = signed_in_project()
-    if mine is not None and project and project != mine:
+    if project and not in_scope(mine, project):
         raise ValueError(f"you are signed in to project {mine!r}: sign in with its token to change another")
     return mine or project
 
@@ -83,7 +85,7 @@ def _run_visible(session, run_id: int) -> bool:
     if mine is None:
         return True
     from gradwatch.server import queries
-    return queries.run_project(session, run_id=run_id) == mine
+    return in_scope(mine, queries.run_project(session, run_id=run_id))
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from .forensics.rollback import advise_rollback
 from .lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
 from .lifecycle.retention_config import raw_floor
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
-from .numbers import NULL_F32_BITS, encode_json, extra_measured, null_mask, pack_extra, unpack_extra
+from .numbers import NULL_F32_BITS, encode_json, extra_values, null_mask, pack_extra
 from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
 from .rollups import layer_partials_by_stat, step_partials
 from .forensics.precursors import attach_precursors
@@ -443,9 +443,8 @@ def _write_rollups(session: Session, *, run_id: int, rank: int, step_rows: list[
         measured = np.zeros(vals.shape, dtype=bool)
         vals[:, :EXTRA_BASE], measured[:, :EXTRA_BASE] = cols, col_measured
         for i, blob in extras:
-            extra = unpack_extra(blob)
-            ok = extra_measured(extra)
-            vals[i, EXTRA_BASE:EXTRA_BASE + len(extra)] = np.where(ok, extra, np.nan)
+            extra, ok = extra_values(blob)
+            vals[i, EXTRA_BASE:EXTRA_BASE + len(extra)] = extra
             measured[i, EXTRA_BASE:EXTRA_BASE + len(extra)] = ok
     else:   # no step of the batch measured a signal without a column: the partials need no column for them
         vals, measured = cols, col_measured

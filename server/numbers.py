@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -59,6 +60,42 @@ def unpack_extra(blob: Optional[bytes]) -> np.ndarray:
 
 def extra_measured(arr_f64: np.ndarray) -> np.ndarray:
     return arr_f64.view("<u8") != NULL_F64_BITS
+
+
+# Reading a stored step row back: every reader (query layer, rule engine, resume, ingest's rollups) goes
+# through these three, so the NaN / "not measured" encodings above are decoded in one place.
+
+def column_value(value: Optional[float], nan: bool) -> Optional[float]:
+    """A column signal of a stored step: NaN when its NaN flag (its ``nan_mask`` bit) is set, None when
+    not measured, else the value as a float.
+
+    >>> column_value(None, True), column_value(None, False), column_value(True, False)
+    (nan, None, 1.0)
+    """
+    if nan:
+        return math.nan
+    return None if value is None else float(value)
+
+
+def extra_value(blob: Optional[bytes], slot: int) -> Optional[float]:
+    """The signal at ``slot`` of a stored step's ``extra`` blob: None when not measured (a shorter blob,
+    or none, did not measure it).
+
+    >>> extra_value(pack_extra([None, 2.0]), 1), extra_value(pack_extra([None, 2.0]), 0), extra_value(None, 3)
+    (2.0, None, None)
+    """
+    arr = unpack_extra(blob)
+    if slot < len(arr) and extra_measured(arr[slot:slot + 1])[0]:
+        return float(arr[slot])
+    return None
+
+
+def extra_values(blob: Optional[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """A stored step's whole ``extra`` blob -> (float64 by slot with NaN where not measured, measured by
+    slot), as long as the blob (trailing unmeasured slots are not stored)."""
+    arr = unpack_extra(blob)
+    ok = extra_measured(arr)
+    return np.where(ok, arr, np.nan), ok
 
 
 def pack_layer_values(values: list[Any]) -> bytes:

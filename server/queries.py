@@ -30,7 +30,7 @@ from gradwatch.agent.signals import EXTRA_BASE, STEP_SIGNAL_NAMES, is_step_signa
 from .lifecycle.retention_config import CompactionRecord
 from .models import (ROLLUP_LEVELS, Alert, CustomScalar, LayerRollup, LayerStat, Project, RankLayout, Run, RunEvent, Step,
                      StepRollup)
-from .numbers import NULL_F32_BITS, extra_measured, unpack_extra
+from .numbers import NULL_F32_BITS, column_value, extra_value
 from .ranks import RANK_META_KEYS
 from .rollups import choose_level, layer_partial_arrays, merge_rank_step_partials, merge_step_partials, \
     raw_layer_partials
@@ -309,25 +309,15 @@ def _bounds(session: Session, col, where) -> tuple[Optional[int], Optional[int]]
     return tuple(session.execute(select(lo, hi)).one())
 
 
-def _value(v, nan: bool) -> Optional[float]:
-    if nan:
-        return math.nan
-    return None if v is None else float(v)
-
-
 def _raw_values(session, table, col, nanflag, where):
     """(step, value) rows in step order; value None when not measured."""
     if isinstance(col, _ExtraSlot):
         # the step's extra blob holds the signal at its slot; a shorter blob, or none, did not measure it
         for step, blob in session.execute(select(table.step, table.extra).where(*where).order_by(table.step)):
-            arr = unpack_extra(blob)
-            if col.slot < len(arr) and extra_measured(arr[col.slot:col.slot + 1])[0]:
-                yield step, float(arr[col.slot])
-            else:
-                yield step, None
+            yield step, extra_value(blob, col.slot)
         return
     for step, v, nan in session.execute(select(table.step, col, nanflag).where(*where).order_by(table.step)):
-        yield step, _value(v, bool(nan))
+        yield step, column_value(v, bool(nan))
 
 
 def _raw_points(session, table, col, nanflag, where) -> list[SeriesPoint]:
@@ -464,7 +454,7 @@ def _bucketed_points(session, table, col, nanflag, where, base, start: int, buck
         if mn is None and cnt:
             mn = mx = math.nan  # every measured value in the bucket was NaN
         out.append(SeriesPoint(step=start + int(bi) * bucket, min=None if mn is None else float(mn),
-                               max=None if mx is None else float(mx), last=_value(lv, bool(ln)),
+                               max=None if mx is None else float(mx), last=column_value(lv, bool(ln)),
                                count=cnt, nonfinite=int(nf or 0)))
     return out
 

@@ -31,7 +31,7 @@ from gradwatch.agent.nonfinite import encode_float
 from gradwatch.agent.signals import EXTRA_BASE, step_signal
 
 from .models import LayerStat, Run, Step
-from .numbers import extra_measured, unpack_extra, unpack_layer_values
+from .numbers import extra_value, unpack_layer_values
 
 SHIFTS_KEY = "_step_shift"
 MAX_SESSIONS = 1024        # sessions remembered per run (one per process and rank); the oldest go first
@@ -100,10 +100,9 @@ def stored_before(session: Session, *, run_id: int, rank: int, step: int) -> Opt
         select(func.count(), func.sum(case((Step.overflow.is_(True), 1), else_=0)), func.max(Step.ema_divergence))
         .where(*where)).one()
     rng = None
-    extra = unpack_extra(last.extra)
-    if len(extra) > _RNG_SLOT and extra_measured(extra[_RNG_SLOT:_RNG_SLOT + 1])[0] \
-            and math.isfinite(extra[_RNG_SLOT]):
-        rng = int(extra[_RNG_SLOT])
+    stored = extra_value(last.extra, _RNG_SLOT)
+    if stored is not None and math.isfinite(stored):
+        rng = int(stored)
     out: dict[str, Any] = {
         "step": int(last.step), "loss_scale": _f(last.loss_scale), "lr": _f(last.lr), "rng_hash": rng,
         "first_step": int(first.step), "first_loss_scale": _f(first.loss_scale), "first_lr": _f(first.lr),

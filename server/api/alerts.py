@@ -10,14 +10,10 @@ from ..rules.alerts import acknowledge_alert
 from ..rules.catalogue import RULES_BY_ID, describe
 from ..rules.config import RuleConfigError, get_rule_config, set_rule_override
 from ..schemas import AlertListOut, AlertOut
-from .deps import ReadScopeDep, SessionDep, SettingsDep
+from ..scope import in_scope
+from .deps import ReadScopeDep, SessionDep, SettingsDep, check_scope
 
 router = APIRouter(tags=["alerts"])
-
-
-def _check_scope(scope: Optional[str], project: Optional[str]) -> None:
-    if scope is not None and project != scope:
-        raise HTTPException(403, f"this token is for project {scope!r}, not {project!r}")
 
 
 @router.get("/api/v1/alerts", response_model=AlertListOut)
@@ -39,7 +35,7 @@ def ack_alert(alert_id: int, request: Request, scope: ReadScopeDep,
     if not isinstance(value, bool):
         raise HTTPException(422, "acknowledged: expected true or false")
     with request.app.state.database.write_sessionmaker() as session:
-        if scope is not None and queries.run_project(session, run_id=_alert_run(session, alert_id)) != scope:
+        if scope is not None and not in_scope(scope, queries.run_project(session, run_id=_alert_run(session, alert_id))):
             raise HTTPException(404, f"no alert {alert_id}")    # another project's: not told whose
         alert = acknowledge_alert(session, alert_id=alert_id, acknowledged=value)
         if alert is None:
@@ -57,7 +53,7 @@ def alert_incident(alert_id: int, session: SessionDep, scope: ReadScopeDep) -> d
     from ..forensics.incident import get_incident
 
     found = get_incident(session, alert_id=alert_id)
-    if found is None or (scope is not None and (found["run"] or {}).get("project") != scope):
+    if found is None or not in_scope(scope, (found["run"] or {}).get("project")):
         raise HTTPException(404, f"no alert {alert_id}")
     run = found["run"] or {}
     found["run"] = {k: run.get(k) for k in ("id", "project", "name", "status", "world_size")}
@@ -77,7 +73,7 @@ def _alert_run(session, alert_id: int) -> int:
 def list_rules(session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
                project: Annotated[str, Query(min_length=1, max_length=200)] = "default") -> dict[str, Any]:
     """The catalogue with the settings in force for ``project`` (defaults ← rules file ← API overrides)."""
-    _check_scope(scope, project)
+    check_scope(scope, project)
     cfg = get_rule_config(session, project=project, settings=settings)
     rules = []
     for rid, values in cfg.items():
@@ -92,7 +88,7 @@ def put_rule(project: str, rule: str, request: Request, settings: SettingsDep, s
              values: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     """Override one rule's settings for a project, e.g. ``{"factor": 20, "severity": "warning"}``;
     ``null`` removes an override. 422 names the rule and the key on a bad setting."""
-    _check_scope(scope, project)
+    check_scope(scope, project)
     with request.app.state.database.write_sessionmaker() as session:
         try:
             out = set_rule_override(session, project=project, rule=rule, settings=settings, **values)

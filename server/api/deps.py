@@ -7,6 +7,7 @@ from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
 
 from ..db import Database
+from ..scope import in_scope, other_project
 from ..settings import Settings
 
 
@@ -41,3 +42,9 @@ def get_read_scope(request: Request) -> Optional[str]:
 
 
 ReadScopeDep = Annotated[Optional[str], Depends(get_read_scope)]
+
+
+def check_scope(scope: Optional[str], project: Optional[str], *, field: str = "") -> None:
+    """403 when a token of another project names ``project`` (``field``: where the request named it)."""
+    if not in_scope(scope, project):
+        raise HTTPException(403, (f"{field}: " if field else "") + other_project(scope, project))

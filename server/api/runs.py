@@ -14,6 +14,7 @@ from ..schemas import (
     CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
     StorageOut,
 )
+from ..scope import in_scope
 from .deps import ReadScopeDep, SessionDep, SettingsDep
 
 router = APIRouter(tags=["runs"])
@@ -64,7 +65,7 @@ def _refusals_as_422(param: str) -> Iterator[None]:
 def _check_run(session, scope: Optional[str], run_id: int) -> None:
     """404 for a run that does not exist or that the caller's token may not read."""
     project = queries.run_project(session, run_id=run_id)
-    if project is None or (scope is not None and project != scope):
+    if project is None or not in_scope(scope, project):
         raise HTTPException(404, f"run {run_id} not found")
 
 
@@ -72,7 +73,7 @@ def _check_run(session, scope: Optional[str], run_id: int) -> None:
 def list_runs(session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
               project: Optional[str] = None, status: Optional[str] = None, name: Optional[str] = None) -> RunListOut:
     if scope is not None:
-        if project is not None and project != scope:
+        if project is not None and not in_scope(scope, project):
             return RunListOut(runs=[])
         project = scope
     runs = queries.list_runs(session, project=project, status=status, name=name, stall_seconds=settings.stall_seconds)
@@ -256,7 +257,7 @@ def delete_runs(request: Request, session: SessionDep, settings: SettingsDep, sc
         raise HTTPException(422, "give at least one filter (project, name, status, older_than_s); "
                                  "to delete a whole project use DELETE /api/v1/projects/{name}")
     if scope is not None:
-        if project is not None and project != scope:
+        if project is not None and not in_scope(scope, project):
             return DeleteOut(dry_run=dry_run, runs=[], bytes=0, rows=0, seconds=0.0)
         project = scope
     runs = lifecycle_delete.select_runs(session, project=project, name=name, status=status,
@@ -273,7 +274,7 @@ def delete_project(project: Annotated[str, Path(min_length=1, max_length=200)], 
                    settings: SettingsDep, scope: ReadScopeDep, force: bool = False, dry_run: bool = False) -> DeleteOut:
     """Delete a project: every run (as ``DELETE /api/v1/runs/{id}``), then its tokens, silences, rule
     overrides, webhook endpoints and notification groups, then the project itself."""
-    if scope is not None and project != scope:
+    if not in_scope(scope, project):
         raise HTTPException(404, f"project {project!r} not found")
     with _still_sending_as_409():
         report = lifecycle_delete.delete_project(request.app.state.database, project=project, force=force,

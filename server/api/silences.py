@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from ..models import Project
 from ..routing import silences as data
-from .deps import ReadScopeDep, SessionDep
+from .deps import ReadScopeDep, SessionDep, check_scope
 
 router = APIRouter(tags=["silences"])
 
@@ -39,8 +39,7 @@ def _name(session, project_id: Optional[int]) -> Optional[str]:
 def create_silence(body: SilenceIn, request: Request, scope: ReadScopeDep) -> dict[str, Any]:
     """``{"project": "nlp", "matchers": ["run=exp-42", "rule=~\\"C.*\\""], "duration_s": 7200,
     "created_by": "ana", "comment": "known bad shard"}``; 422 says what is wrong with a matcher."""
-    if scope is not None and body.project != scope:
-        raise HTTPException(403, f"project: this token is for project {scope!r}, not {body.project!r}")
+    check_scope(scope, body.project, field="project")
     with request.app.state.database.write_sessionmaker() as session:
         try:
             row = data.create_silence(session, project=body.project, matchers=body.matchers,
@@ -60,8 +59,8 @@ def list_silences(session: SessionDep, scope: ReadScopeDep,
                   active: bool = False) -> dict[str, Any]:
     """Newest first; ``project``: its silences and those over every project; ``active``: not yet ended."""
     if scope is not None:
-        if project is not None and project != scope:
-            raise HTTPException(403, f"this token is for project {scope!r}, not {project!r}")
+        if project is not None:
+            check_scope(scope, project)
         project = scope
     rows = data.list_silences(session, project=project, active_only=active)
     if scope is not None:

@@ -9,7 +9,8 @@ from pydantic import BaseModel, Field
 
 from ..models import Project
 from ..webhooks import endpoints as ep_data
-from .deps import ReadScopeDep, SessionDep, SettingsDep
+from ..scope import in_scope
+from .deps import ReadScopeDep, SessionDep, SettingsDep, check_scope
 
 router = APIRouter(tags=["webhooks"])
 
@@ -29,16 +30,11 @@ def _project_name(session, project_id: Optional[int]) -> Optional[str]:
     return p.name if p else None
 
 
-def _check_scope(scope: Optional[str], project: Optional[str]) -> None:
-    if scope is not None and project != scope:
-        raise HTTPException(403, f"this token is for project {scope!r}, not {project!r}")
-
-
 def _own_endpoint(session, scope: Optional[str], endpoint_id: int):
     """The endpoint, or 404 when it does not exist or is not the token's project's: another project's
     (or the operator's) endpoint is answered as missing, so its project's name is not told."""
     ep = ep_data.get_endpoint(session, endpoint_id=endpoint_id)
-    if ep is None or (scope is not None and _project_name(session, ep.project_id) != scope):
+    if ep is None or (scope is not None and not in_scope(scope, _project_name(session, ep.project_id))):
         raise HTTPException(404, f"no webhook endpoint {endpoint_id}")
     return ep
 
@@ -55,7 +51,7 @@ def list_endpoints(session: SessionDep, scope: ReadScopeDep,
 
 @router.post("/api/v1/webhooks", status_code=201)
 def create_endpoint(body: EndpointIn, request: Request, settings: SettingsDep, scope: ReadScopeDep) -> dict[str, Any]:
-    _check_scope(scope, body.project)
+    check_scope(scope, body.project)
     with request.app.state.database.write_sessionmaker() as session:
         try:
             ep = ep_data.create_endpoint(session, project=body.project, url=body.url, format=body.format,

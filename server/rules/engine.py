@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from typing import Any, Optional
 
@@ -24,7 +23,7 @@ from sqlalchemy.orm import Session
 from gradwatch.server.db import json_dumps, json_loads
 from gradwatch.agent.signals import EXTRA_BASE, is_step_signal, step_signal
 from gradwatch.server.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
-from gradwatch.server.numbers import extra_measured, unpack_extra
+from gradwatch.server.numbers import column_value, extra_value
 from gradwatch.server.ranks import all_ranks_sent, among_ranks, rank_hosts, steps_sent
 from gradwatch.server.rules.alerts import Episode
 from gradwatch.server.rules.batch import Batch, Context, keys_present
@@ -302,18 +301,15 @@ def _cross_rank(session: Session, cls, run: Run, rank: int, batch: Batch, cfg: d
                 cols[k] = np.full(len(steps), np.nan)
                 cols[k + ".measured"] = np.zeros(len(steps), dtype=bool)
         for k, v in zip(col_keys, values):
-            if v is None and (nan_mask or 0) & (1 << step_signal(k).id):
-                v = math.nan          # SQLite keeps NaN as NULL + a bit in nan_mask
+            v = column_value(v, bool((nan_mask or 0) & (1 << step_signal(k).id)))
             if v is not None:
                 cols[k][j] = v
                 cols[k + ".measured"][j] = True
-        if extra_slots:
-            extra = unpack_extra(values[-1])
-            measured = extra_measured(extra)
-            for k, slot in extra_slots.items():
-                if slot < len(extra) and measured[slot]:
-                    cols[k][j] = extra[slot]
-                    cols[k + ".measured"][j] = True
+        for k, slot in extra_slots.items():
+            v = extra_value(values[-1], slot)
+            if v is not None:
+                cols[k][j] = v
+                cols[k + ".measured"][j] = True
     if not others:
         return []
     mine: dict[str, Any] = {"rank": rank, "world_size": run.world_size or 1, "run_meta": batch.ctx.run_meta}
