@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Collection, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -551,9 +551,13 @@ def odd_rank(matrix: Optional[dict]) -> Optional[int]:
     return rank if far > max(6 * mad, 0.05 * abs(centre)) else None
 
 
-def alert_rank(alerts: Sequence[dict]) -> Optional[int]:
-    """The rank named by the latest firing cross-rank (F-family) alert, if any."""
-    named = [a for a in alerts if str(a.get("rule", "")).startswith("F") and a.get("status") == "firing"
+def alert_rank(alerts: Sequence[dict], cross_rank: Optional[Collection[str]] = None) -> Optional[int]:
+    """The rank named by the latest firing cross-rank alert, if any. ``cross_rank``: the ids of the rules
+    whose alert names a rank (``gateway.cross_rank_rule_ids()``, the F family, read when not given)."""
+    if cross_rank is None:
+        from gradwatch.dashboard import gateway    # the rule catalogue, read through the dashboard's one door
+        cross_rank = gateway.cross_rank_rule_ids()
+    named = [a for a in alerts if a.get("rule") in cross_rank and a.get("status") == "firing"
              and (a.get("rank") or 0) >= 0]
     if not named:
         return None

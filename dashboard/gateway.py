@@ -444,6 +444,13 @@ def setup_rule_ids() -> frozenset:
     return frozenset(c.id for c in rule_classes() if issubclass(c, SetupRule))
 
 
+def cross_rank_rule_ids() -> frozenset:
+    """The rules whose alert names the rank that stands out (family ``spec.CROSS_RANK``: F1, F3, F5, …)."""
+    from gradwatch.server.rules.registry import ids_of_family
+    from gradwatch.server.rules.spec import CROSS_RANK
+    return frozenset(ids_of_family(CROSS_RANK))
+
+
 def get_rule_config(project: str) -> Any:
     from gradwatch.server.rules import config
     with _session() as s:

@@ -34,6 +34,8 @@ from .numbers import NULL_F32_BITS, column_value, extra_value
 from .ranks import RANK_META_KEYS
 from .rollups import choose_level, layer_partial_arrays, merge_rank_step_partials, merge_step_partials, \
     raw_layer_partials
+from .rules.registry import ids_of_family
+from .rules.spec import EARLY_WARNING
 from .settings import DEFAULT_STALL_SECONDS
 
 _INF = math.inf
@@ -965,12 +967,9 @@ def get_rank_matrix(session: Session, *, run_id: int, signals: Sequence[str], st
 
 # --------------------------------------------------------------------------- early warning (the runs list's badge)
 
-# The rule family of early warnings (docs/early-warning-advice.md): H1-H4 read step signals, H5-H9 the setup.
-EARLY_WARNING_FAMILY = "H"
-
-
 def early_warnings(session: Session, *, run_ids: Sequence[int]) -> dict[int, dict[str, list]]:
-    """Per run, its firing early-warning alerts (rule ids ``H…``), acknowledged or not: ``{"warnings":
+    """Per run, its firing early-warning alerts (the rules of family ``spec.EARLY_WARNING``, docs/
+    early-warning-advice.md: H1-H4 read step signals, H5-H9 the setup), acknowledged or not: ``{"warnings":
     [[rule, name, severity], ...]}`` above info and ``{"advice": [[rule, name], ...]}`` at info, by rule
     id. One grouped query for all the runs; a run with none is absent."""
     if not run_ids:
@@ -978,7 +977,7 @@ def early_warnings(session: Session, *, run_ids: Sequence[int]) -> dict[int, dic
     rows = session.execute(
         select(Alert.run_id, Alert.rule, Alert.name, Alert.severity)
         .where(Alert.status == "firing", Alert.run_id.in_(list(run_ids)),
-               Alert.rule.like(EARLY_WARNING_FAMILY + "%"))
+               Alert.rule.in_(ids_of_family(EARLY_WARNING)))
         .group_by(Alert.run_id, Alert.rule, Alert.name, Alert.severity)
     ).all()
     out: dict[int, dict[str, list]] = {}

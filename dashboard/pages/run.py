@@ -464,7 +464,7 @@ def load_ranks(layers_range, _tick, run_id, rank_info, previous_sig):
     if ctx.triggered_id == "run-ranks-interval" and sig == previous_sig:
         return nothing
     picked = source["picked"]
-    named = figures.alert_rank(alerts)
+    named = figures.alert_rank(alerts, gateway.cross_rank_rule_ids())
     overlays, heatmaps = [], []
     for signal, title, log_y in RANK_CHARTS:
         m = matrices.get(signal)

@@ -5,7 +5,7 @@
 
     @register
     class MyRule(BatchRule):
-        id, name = "X1", "my_rule"
+        id, name, family = "E9", "my_rule", "E"   # family: one of spec.FAMILIES, the id's letter
         ...
 
 Every module of the ``server.rules.catalog`` package is imported on first use, so a rule file
@@ -20,7 +20,7 @@ import threading
 from typing import Optional
 
 from gradwatch.server.rules.rule import KINDS, Rule
-from gradwatch.server.rules.spec import SEVERITIES, RuleSpec
+from gradwatch.server.rules.spec import FAMILIES, SEVERITIES, RuleSpec
 
 _classes: dict[str, type[Rule]] = {}
 _loaded = False
@@ -33,6 +33,9 @@ def register(cls: type[Rule]) -> type[Rule]:
         raise TypeError(f"{cls.__name__}: a rule declares an id and a name")
     if cls.kind not in KINDS:
         raise TypeError(f"{cls.__name__}: kind {cls.kind!r} is not one of {', '.join(KINDS)}")
+    if cls.family not in FAMILIES or not cls.id.startswith(cls.family):
+        raise TypeError(f"{cls.__name__}: family {cls.family!r} is not one of {', '.join(FAMILIES)} or does not "
+                        f"begin its id {cls.id!r}")
     if cls.severity not in SEVERITIES:
         raise TypeError(f"{cls.__name__}: severity {cls.severity!r} is not one of {', '.join(SEVERITIES)}")
     if cls.id in _classes and _classes[cls.id] is not cls:
@@ -74,3 +77,15 @@ def specs() -> tuple[RuleSpec, ...]:
 def get(rule_id: str) -> type[Rule]:
     _load()
     return _classes[rule_id]
+
+
+def family_of(rule_id: str) -> str:
+    """The family ``rule_id``'s rule declares ("" for an id no longer in the catalogue)."""
+    _load()
+    cls = _classes.get(rule_id)
+    return cls.family if cls is not None else ""
+
+
+def ids_of_family(family: str) -> list[str]:
+    """The ids of the registered rules of ``family``, ordered."""
+    return [cls.id for cls in rule_classes() if cls.family == family]

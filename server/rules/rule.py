@@ -50,6 +50,9 @@ class Rule:
 
     id: ClassVar[str] = ""
     name: ClassVar[str] = ""
+    # one of spec.FAMILIES: what the alert is grouped and routed by (its ``family`` label), the runs list's
+    # early-warning badge (H) and the rank a cross-rank alert names (F); the id starts with it by convention
+    family: ClassVar[str] = ""
     severity: ClassVar[str] = "warning"
     checklist: ClassVar[str] = "—"
     fires_when: ClassVar[str] = ""
@@ -73,7 +76,7 @@ class Rule:
 
     @classmethod
     def make_spec(cls) -> RuleSpec:
-        return RuleSpec(id=cls.id, name=cls.name, severity=cls.severity, checklist=cls.checklist,
+        return RuleSpec(id=cls.id, name=cls.name, family=cls.family, severity=cls.severity, checklist=cls.checklist,
                         fires_when=cls.fires_when, diagnosis=cls.diagnosis,
                         named_actions=MappingProxyType(dict(cls.actions)),
                         param_specs=MappingProxyType(dict(cls.params)), kind=cls.kind, needs=tuple(cls.needs),

@@ -13,6 +13,20 @@ from typing import Any, Mapping, Optional
 
 SEVERITIES = ("info", "warning", "critical")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+# Rule families (a rule declares its ``family``; its id starts with it): what one incident tends to set off
+# together, grouped by the routing's ``family`` label (docs/webhooks.md).
+FAMILIES = {
+    "A": "non-finite values, overflow",          # checklist 8.A
+    "B": "vanishing updates, stalled learning",  # 8.B
+    "C": "oscillation, clipping, spikes",        # 8.C
+    "D": "late divergence, drift",               # 8.D
+    "E": "activations, weights",
+    "F": "ranks and liveness",                   # several ranks of a run, a run or rank gone silent
+    "G": "resume sanity",                        # 7.3
+    "H": "early warning and setup advice",       # fires before the failure (docs/early-warning.md)
+}
+EARLY_WARNING = "H"   # the runs list's early-warning badge (queries.early_warnings)
+CROSS_RANK = "F"      # an alert of this family names the rank that stands out (the run page's rank charts)
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class RuleSpec:
 
     id: str
     name: str
+    family: str                         # one of FAMILIES
     severity: str
     checklist: str
     fires_when: str                     # the condition, in words, with {placeholders} for thresholds

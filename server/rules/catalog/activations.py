@@ -27,6 +27,7 @@ def _np_medians(w: np.ndarray) -> np.ndarray:
 @register
 class BnDrift(BatchRule):
     id, name, severity, checklist = "D3", "bn_drift", "warning", "8.D"
+    family = "D"
     fires_when = ("a BatchNorm layer's running_var changes > {factor:g}x within {window} steps (after the first "
                   "{warmup_steps} steps)")
     diagnosis = "BatchNorm running statistics drift: the data the model sees changed."
@@ -141,6 +142,7 @@ class BnDrift(BatchRule):
 @register
 class ActivationJump(BatchRule):
     id, name, severity, checklist = "E1", "activation_jump", "warning", "7.1"
+    family = "E"
     fires_when = "a module's activation std >= {factor:g}x the median of its last {history} samples"
     diagnosis = "A layer amplifies its signal: its activation variance jumped."
     actions = {

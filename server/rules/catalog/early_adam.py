@@ -78,6 +78,7 @@ def _col_median_mad(hist: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.
 @register
 class AdamStale(BatchRule):
     id, name, severity, checklist = "H1", "adam_stale", "warning", "7.2"
+    family = "H"
     fires_when = ("a parameter's mean(g²) / mean(v̂) (this step's squared gradient over Adam's second moment) is "
                   ">= {ratio:g} and, in log10, > {sigma:g} MADs above its own median over the last {window} steps "
                   "(after {min_history} steps of history)")
@@ -160,6 +161,7 @@ class AdamStale(BatchRule):
 @register
 class LinearOutputGrowth(BatchRule):
     id, name, severity, checklist = "H4", "linear_output_growth", "warning", "5.2"
+    family = "H"
     fires_when = ("a Linear module's output RMS rose on each of its last {rising} samples, by >= {growth:g}x over "
                   "them, to > {factor:g}x its own median over the last {history} samples (after {min_samples} "
                   "samples), while the mean loss at those samples fell by less than {loss_drop:g} of its mean "

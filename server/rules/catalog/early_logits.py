@@ -37,6 +37,7 @@ def _doubling(first, step: int, x: float):
 @register
 class AttentionLogitGrowth(BatchRule):
     id, name, severity, checklist = "H2", "attention_logit_growth", "warning", "5.2"
+    family = "H"
     fires_when = ("an attention module's max attention logit stays >= {min_logit:g}, >= {factor:g}x its median and "
                   "{sigmas:g} MADs above it (its last {window} samples, one per {spacing} steps) for {consecutive} "
                   "samples in a row")
@@ -133,6 +134,7 @@ class AttentionLogitGrowth(BatchRule):
 @register
 class OutputLogitDivergence(BatchRule):
     id, name, severity, checklist = "H3", "output_logit_divergence", "warning", "6.2"
+    family = "H"
     fires_when = ("the output's mean log Z is >= {min_abs_log_z:g} in size, has moved >= {min_drift:g} and "
                   "{sigmas:g} MADs from its median (its last {window} samples) and stays there for {consecutive} "
                   "samples in a row")
@@ -185,6 +187,7 @@ class OutputLogitDivergence(BatchRule):
 @register
 class AttentionUnmeasured(BatchRule):
     id, name, severity, checklist = "H11", "attention_unmeasured", "info", "5.2"
+    family = "H"
     fires_when = ("the model looks like a Transformer (an attention module by type, class or child name) and the first "
                   "sampled forward measured no attention logit")
     diagnosis = ("The model looks like a Transformer, but the agent saw no attention computed in its forward, so "

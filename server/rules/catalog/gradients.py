@@ -19,6 +19,7 @@ from gradwatch.server.rules.windows import RobustWindow
 @register
 class GradExplosion(BatchRule):
     id, name, severity, checklist = "A2", "grad_explosion", "critical", "8.A"
+    family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps, or non-finite with no "
                   "scaler to skip the step")
@@ -75,6 +76,7 @@ class GradExplosion(BatchRule):
 @register
 class VanishingGrad(BatchRule):
     id, name, severity, checklist = "B1", "vanishing_grad", "warning", "8.B"
+    family = "B"
     fires_when = "grad norm < {threshold:g} for {steps} consecutive steps"
     diagnosis = "Vanishing gradients: the model barely receives a training signal."
     actions = {
@@ -118,6 +120,7 @@ class VanishingGrad(BatchRule):
 @register
 class DeadParams(BatchRule):
     id, name, severity, checklist = "B5", "dead_params", "warning", "8.B"
+    family = "B"
     fires_when = "a trainable parameter has had no or zero gradient for {steps} steps"
     diagnosis = "Some trainable parameters receive no gradient: a branch is detached or unused."
     actions = {
@@ -176,6 +179,7 @@ class DeadParams(BatchRule):
 @register
 class GradUnderflow(BatchRule):
     id, name, severity, checklist = "B6", "grad_underflow", "warning", "2.1 / 8.B"
+    family = "B"
     fires_when = ("a parameter's share of gradient elements that are exactly zero reaches {share:.0%} where its own "
                   "median over its last {history} samples was below {baseline:.0%}")
     diagnosis = ("Gradients underflow to zero: fp16 flushes values below ~6e-8 to 0, so these weights stop "
@@ -245,6 +249,7 @@ class GradUnderflow(BatchRule):
 @register
 class ClipSaturation(BatchRule):
     id, name, severity, checklist = "C2", "clip_saturation", "warning", "8.C"
+    family = "C"
     fires_when = "gradient clipping active on > {fraction:.0%} of the last {window} steps"
     diagnosis = "Gradient clipping is active most of the time: the grad norm is usually above max_norm."
     actions = {

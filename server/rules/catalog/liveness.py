@@ -18,6 +18,7 @@ from gradwatch.server.settings import DEFAULT_STALL_SECONDS
 @register
 class RunStalled(TimerRule):
     id, name, severity = "F2", "run_stalled", "warning"
+    family = "F"
     fires_when = "no data from a running run for {timeout_s:g} s"
     diagnosis = "The run stopped sending data: the job hung or died."
     actions = {"check_job": "Check the job: is the process alive, stuck in a collective (NCCL timeout), out of "
@@ -65,6 +66,7 @@ class RunStalled(TimerRule):
 @register
 class RankSilent(TimerRule):
     id, name, severity = "F4", "rank_silent", "critical"
+    family = "F"
     fires_when = ("one rank of a running multi-rank run stopped sending while the others go on: the others' latest "
                   "step is >= {steps_behind} steps ahead of its latest, or >= {timeout_s:g} s later (the agents' "
                   "step times); resolves when the rank catches up")

@@ -17,6 +17,7 @@ from gradwatch.server.rules.windows import RobustWindow
 @register
 class LossPlateau(BatchRule):
     id, name, severity, checklist = "B2", "loss_plateau", "warning", "8.B"
+    family = "B"
     fires_when = ("loss median of the last quarter of {window} steps not {min_improvement:.0%} below the first "
                   "quarter's, while the grad norm is normal (and the loss has not yet fallen {converged_drop:.0%} "
                   "below its first level: a converged run is not stuck)")
@@ -93,6 +94,7 @@ class LossPlateau(BatchRule):
 @register
 class LossOscillation(BatchRule):
     id, name, severity, checklist = "C1", "loss_oscillation", "warning", "8.C"
+    family = "C"
     fires_when = ("robust spread (MAD) of the loss over {window} steps > {spread_ratio:g}x its median, with no "
                   "downward trend, while the loss is still above {converged_fraction:.0%} of its starting level")
     diagnosis = "The loss oscillates without converging."
@@ -177,6 +179,7 @@ class LossOscillation(BatchRule):
 @register
 class LossSpike(BatchRule):
     id, name, severity, checklist = "C3", "loss_spike", "warning", "8.C / 7.2"
+    family = "C"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("loss > median + {mad_factor:g}*MAD of the last {window} steps (MAD scaled to sigma); critical "
                   "after {critical_consecutive} consecutive spikes")
@@ -226,6 +229,7 @@ class LossSpike(BatchRule):
 @register
 class LateDivergence(BatchRule):
     id, name, severity, checklist = "D1", "late_divergence", "warning", "8.D / 9.2"
+    family = "D"
     fires_when = "loss rising over {window} steps after the LR fell below {lr_fraction:.0%} of its peak"
     diagnosis = "Training diverges late, after the learning rate decayed."
     actions = {

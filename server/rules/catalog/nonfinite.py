@@ -18,6 +18,7 @@ from gradwatch.server.rules.windows import RobustWindow
 @register
 class LossNonfinite(BatchRule):
     id, name, severity, checklist = "A1", "loss_nonfinite", "critical", "8.A"
+    family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = "the loss is NaN/Inf (whether or not the scaler then skipped the step)"
     diagnosis = "The loss became NaN/Inf."
@@ -139,6 +140,7 @@ NAN_CAUSES = {
 @register
 class NanOrigin(BatchRule):
     id, name, severity, checklist = "A3", "nan_origin", "warning", "8.A"
+    family = "A"
     fires_when = "the agent located the first module whose activation or gradient went non-finite"
     diagnosis = "The NaN/Inf started in one layer: its activations or gradients overflowed."
     actions = {
@@ -195,6 +197,7 @@ class NanOrigin(BatchRule):
 @register
 class InputNonfinite(BatchRule):
     id, name, severity, checklist = "A4", "input_nonfinite", "critical", "8.A"
+    family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = "a non-finite value in the batch fed to the model"
     diagnosis = "The input batch contains NaN/Inf: the data pipeline produced it, the model did not."

@@ -13,6 +13,7 @@ from gradwatch.server.rules.stats import enc, fmt, median_of_others
 @register
 class RankDivergence(CrossRankRule):
     id, name, severity = "F1", "rank_divergence", "critical"
+    family = "F"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("one rank's loss is non-finite while the others' is finite, or > {factor:g}x the median of the "
                   "others for {consecutive} steps (judged once every rank has sent the step)")
@@ -74,6 +75,7 @@ class RankDivergence(CrossRankRule):
 @register
 class Straggler(CrossRankRule):
     id, name, severity = "F3", "straggler", "warning"
+    family = "F"
     fires_when = ("one rank's step time is > {factor:g}x the median of the other ranks' for {consecutive} "
                   "consecutive steps, or (DDP, FSDP: the collectives make every rank's step time the slowest "
                   "one's) its time before the forward exceeds the others' median by more than {factor:g} - 1 of "
@@ -159,6 +161,7 @@ class Straggler(CrossRankRule):
 @register
 class ReplicaDisagreement(CrossRankRule):
     id, name, severity = "F5", "replica_disagreement", "critical"
+    family = "F"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("the ranks of a DDP run (the agent attached to the DistributedDataParallel model), whose "
                   "all-reduced gradients are identical on every rank, report different grad norms for the same "

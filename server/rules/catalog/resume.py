@@ -38,6 +38,7 @@ class ResumeRule(BatchRule):
 
     ``needs``: the stored signal each rule compares the snapshot with (``server/resume.py`` reads it)."""
 
+    family = "G"
     checklist = "7.3"
     params = _LIFECYCLE
 

@@ -12,6 +12,7 @@ from gradwatch.server.rules.stats import enc, fmt
 @register
 class OverflowStorm(BatchRule):
     id, name, severity, checklist = "A5", "overflow_storm", "warning", "8.A / 8.B / 7.1"
+    family = "A"
     fires_when = ">= {consecutive} consecutive skipped (overflow) steps, or > {fraction:.0%} of the last {window} steps skipped"
     diagnosis = ("GradScaler keeps skipping steps: loss scaling is misconfigured, or the values really overflow the "
                  "fp16 range.")
@@ -56,6 +57,7 @@ class OverflowStorm(BatchRule):
 @register
 class LossScaleCollapse(BatchRule):
     id, name, severity, checklist = "B3", "loss_scale_collapse", "critical", "8.B"
+    family = "B"
     fires_when = "loss scale < {min_scale:g}, or halved {halvings} times with no growth in {window} steps"
     diagnosis = "GradScaler keeps halving the loss scale: the effective update shrinks towards nothing."
     actions = {

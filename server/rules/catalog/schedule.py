@@ -12,6 +12,7 @@ from gradwatch.server.rules.stats import fmt
 @register
 class LrZero(BatchRule):
     id, name, severity, checklist = "B4", "lr_zero", "critical", "7.1 / 8.B"
+    family = "B"
     fires_when = "learning rate is 0 for {steps} consecutive steps after step 0"
     diagnosis = "The learning rate is zero: nothing is being learned."
     actions = {
@@ -62,6 +63,7 @@ _RESTARTING = ("CosineAnnealingWarmRestarts", "CyclicLR")
 @register
 class LrJump(BatchRule):
     id, name, severity, checklist = "H10", "lr_jump", "warning", "7.1 / 8.C"
+    family = "H"
     fires_when = ("the learning rate rises >= {factor:g}x from one step to the next (from a non-zero LR; not where "
                   "the run declared a scheduler that restarts its cycle, nor within {settle_steps} steps of a process's "
                   "start: a resume's LR is G2's and G5's)")

@@ -33,6 +33,7 @@ class SetupRule(BatchRule):
     """A verdict per ``run_setup`` event: a Hit, False (the setup follows the checklist), or None (the
     part this rule reads is unknown or does not apply)."""
 
+    family = "H"
     severity = "info"
     params = _LIFECYCLE
     # ``needs``: the step signal whose panel shows what the note is about (the note itself reads the event)

@@ -16,6 +16,7 @@ from gradwatch.server.rules.windows import RobustWindow
 @register
 class EmaDivergence(BatchRule):
     id, name, severity, checklist = "D2", "ema_divergence", "warning", "8.D"
+    family = "D"
     fires_when = ("EMA divergence ||theta_ema - theta|| / ||theta|| > {factor:g}x its rolling median over {window} "
                   "steps, or oscillating")
     diagnosis = "The EMA weights drift away from the model's weights."
@@ -86,6 +87,7 @@ class EmaDivergence(BatchRule):
 @register
 class WeightNormGrowth(BatchRule):
     id, name, severity, checklist = "E2", "weight_norm_growth", "warning", "7.1"
+    family = "E"
     fires_when = "a weight norm grows monotonically by > {growth:.0%} over {window} steps"
     diagnosis = "A weight norm keeps growing fast: the learning rate is too large."
     actions = {"lower_lr": "Lower the learning rate; add or raise weight decay."}
@@ -173,6 +175,7 @@ _weights_only_cache: dict[tuple, np.ndarray] = {}   # (param names, bn names) ->
 @register
 class UpdateRatio(BatchRule):
     id, name, severity, checklist = "E3", "update_ratio", "warning", "—"
+    family = "E"
     fires_when = ("median per-layer update ratio ||dtheta|| / ||theta|| of the weights (not biases / norm gains) "
                   "over {window} steps > {high:g} or < {low:g} (healthy ~1e-3)")
     diagnosis = "The size of the updates relative to the weights is far from the healthy ~1e-3."
