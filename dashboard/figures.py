@@ -14,7 +14,7 @@ hold a non-finite value put a marker on the chart's NaN rug.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Optional, Sequence
 
 import numpy as np
@@ -260,12 +260,6 @@ def alerts_signature(alerts: Sequence[dict]) -> list:
 
 # --------------------------------------------------------------------------- run-page charts
 
-@dataclass
-class PanelState:
-    """What live appends need to continue a panel: smoothing state and trace indices."""
-    smooth: dict = field(default_factory=lambda: {"ema": 0.0, "n": 0})
-
-
 def _x_axis(x_range: Optional[Sequence[float]]) -> dict:
     if x_range:
         return {"range": list(x_range), "autorange": False}
@@ -363,11 +357,6 @@ def last_step(series: dict) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------- per-layer heatmaps
-
-def _log10(v: Any) -> Optional[float]:
-    f = finite(v)
-    return math.log10(f) if f is not None and f > 0 else None
-
 
 HEATMAP_MAX_LABEL_PX = 320     # a longer layer name widens the margin by automargin (one more draw)
 

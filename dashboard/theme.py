@@ -14,7 +14,6 @@ CHECKPOINT_COLOUR = "#3fb950"   # checkpoint markers on the step axis: green, ap
 GRID = "#21262d"
 
 SEVERITY_COLOURS = {"critical": "#f85149", "warning": "#d29922", "info": "#58a6ff"}
-STATUS_COLOURS = {"running": "#3fb950", "finished": "#8b949e", "crashed": "#f85149", "stalled": "#d29922"}
 NAN_COLOUR = "#ff4d4f"
 FLAG_COLOUR = "#f0883e"
 

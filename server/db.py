@@ -12,7 +12,7 @@ from typing import Optional
 
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
@@ -189,6 +189,3 @@ def schema_problem(engine: Engine, url: str) -> Optional[str]:
         return "the database has no gradwatch schema"
     return f"the database schema is at {', '.join(sorted(current))}, this server needs {', '.join(sorted(heads))}"
 
-
-def session_scope(factory: sessionmaker) -> Session:
-    return factory()

@@ -32,8 +32,7 @@ from gradwatch.agent.nonfinite import (F32_PREFIX, NULL_F32_BITS, decode_float, 
 # Free-form JSON (event data, run config) goes through encode_json before it is stored: PostgreSQL's
 # json type rejects NaN / Infinity tokens.
 
-# float32 bit patterns: canonical NaN (the "not measured" marker, NULL_F32_BITS, is the wire's)
-NAN_F32_BITS = 0x7FC00000
+# float64 bit pattern of "not measured" in steps.extra (float32's, NULL_F32_BITS, is the wire's)
 NULL_F64_BITS = 0x7FF800000000DEAD
 _NUMBER_TYPES = {float, int}
 _NULL_F32 = np.array([NULL_F32_BITS], dtype="<u4").view("<f4")[0]

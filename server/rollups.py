@@ -32,10 +32,6 @@ import numpy as np
 from .models import ROLLUP_LEVELS
 from .numbers import NULL_F32_BITS
 
-STEP_ROWS = ("min", "max", "count", "nonfinite", "last_step", "last_value")
-LAYER_ROWS = ("min", "max", "sum", "count", "nan", "last")
-
-
 def _group_starts(buckets: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(np.diff(buckets)) + 1))
 

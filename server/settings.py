@@ -68,7 +68,6 @@ class Settings(BaseModel):
     # Ingest limits: compressed body and decompressed body, in bytes.
     max_body_bytes: int = 32 * 1024 * 1024
     max_decoded_bytes: int = 64 * 1024 * 1024
-    max_steps_per_batch: int = 100_000
     # batches of one process inside their write transaction at once (server/write_gate.py);
     # 0: the database's default (1 on SQLite, 2 on PostgreSQL)
     write_concurrency: int = Field(default=0, ge=0, le=64)

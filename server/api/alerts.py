@@ -35,8 +35,10 @@ def ack_alert(alert_id: int, request: Request, scope: ReadScopeDep,
     if not isinstance(value, bool):
         raise HTTPException(422, "acknowledged: expected true or false")
     with request.app.state.database.write_sessionmaker() as session:
-        if scope is not None and not in_scope(scope, queries.run_project(session, run_id=_alert_run(session, alert_id))):
-            raise HTTPException(404, f"no alert {alert_id}")    # another project's: not told whose
+        if scope is not None:
+            owner = queries.run_project(session, run_id=_alert_run(session, alert_id))
+            if not in_scope(scope, owner):
+                raise HTTPException(404, f"no alert {alert_id}")    # another project's: not told whose
         alert = acknowledge_alert(session, alert_id=alert_id, acknowledged=value)
         if alert is None:
             raise HTTPException(404, f"no alert {alert_id}")

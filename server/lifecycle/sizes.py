@@ -132,11 +132,6 @@ def _count_rows(session: Session, run_id: int) -> dict[str, int]:
     return counts
 
 
-def run_rows(session: Session, run_id: int) -> dict[str, int]:
-    """The run's rows per table (exact counts)."""
-    return _count_rows(session, run_id)
-
-
 def run_bytes(session: Session, run_ids: Iterable[int]) -> dict[int, int]:
     """Estimated bytes of each run (see the module docstring); runs unknown are left out."""
     ids = list(run_ids)

@@ -292,8 +292,3 @@ def flush_groups(session: Session, *, cfg: RoutingConfig, settings: Any, now: fl
 def next_flush_at(session: Session) -> Optional[float]:
     return session.scalar(select(func.min(NotificationGroup.next_flush_at)))
 
-
-def groups_of_alert(session: Session, *, alert_id: int) -> list[NotificationGroup]:
-    return list(session.scalars(select(NotificationGroup).join(
-        NotificationGroupAlert, NotificationGroupAlert.group_id == NotificationGroup.id)
-        .where(NotificationGroupAlert.alert_id == alert_id)))

@@ -117,12 +117,6 @@ def active_silences(session: Session, *, project_id: int, now: float) -> list[Si
         Silence.starts_at <= now, Silence.ends_at > now).order_by(Silence.id)))
 
 
-def upcoming_silences(session: Session, *, project_id: int, now: float) -> list[Silence]:
-    """Silences not yet ended (for when their start or end changes a group's decision)."""
-    return list(session.scalars(select(Silence).where(
-        (Silence.project_id == project_id) | Silence.project_id.is_(None), Silence.ends_at > now)))
-
-
 def silence_covering(silences: Iterable[Silence], labels: dict[str, str]) -> Optional[Silence]:
     for s in silences:
         if matches_all(parse_matchers(s.matchers or []), labels):

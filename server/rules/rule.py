@@ -214,13 +214,6 @@ def window_slices(arr: np.ndarray, lo: np.ndarray, hi: np.ndarray):
             for n in np.unique(lengths).tolist() for rows in [np.flatnonzero(lengths == n)]]
 
 
-def per_slice(arr: np.ndarray, lo: np.ndarray, hi: np.ndarray, fn) -> np.ndarray:
-    out = np.empty(len(lo))
-    for rows, w in window_slices(arr, lo, hi):
-        out[rows] = fn(w)
-    return out
-
-
 def name_of(names: list[str], i: int) -> str:
     return names[i] if 0 <= i < len(names) else f"#{i}"
 

@@ -53,7 +53,6 @@ RELEVANT = {
     # lr_jump is not among FAULTS (the other rules' random runs stay as they were): H10's own runs only
     "H10": ("lr_jump", "lr_zero", "late_divergence"),
 }
-SEEDS = (0, 1)
 
 
 # --------------------------------------------------------------------------- runs
