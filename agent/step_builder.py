@@ -274,7 +274,8 @@ class StepBuilder:
             contribute(step, rec)
         reported = host.pop("reported_grad_norm", None)   # monitor.log(grad_norm=...) during the step
         if reported is not None and not fill_grad_norm(rec, reported):
-            host.setdefault("custom_dev" if isinstance(reported, torch.Tensor) else "custom", {})["grad_norm"] = reported
+            kind = "custom_dev" if isinstance(reported, torch.Tensor) else "custom"   # the agent's own won
+            host.setdefault(kind, {})["grad_norm"] = reported
         if self.replay is not None:
             self.replay.clear()
         self._reset()

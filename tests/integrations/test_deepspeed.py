@@ -6,8 +6,9 @@ Compared with the engine's own numbers read back from a real server: the loss th
 back-propagated (summed over the step's micro-batches), ``engine.get_global_grad_norm()`` (the stored
 ``grad_norm`` under ZeRO 1/2, where the agent has no ``p.grad`` to measure; ``custom:grad_norm`` at
 stage 0, where the agent's own wins), the norm of the reduced ``p.grad`` where stage 0 leaves them
-(the reference for the agent's own ``grad_norm``), ``engine.skipped_steps``, the config's clip threshold and ``clipped``; and no
-overflow is stored (no GradScaler, and fp32 / bf16 never skip a finite step).
+(the reference for the agent's own ``grad_norm``), ``engine.skipped_steps``, the config's clip
+threshold and ``clipped``; and no overflow is stored (no GradScaler, and fp32 / bf16 never skip a
+finite step).
 fp16 with DeepSpeed's DynamicLossScaler runs too (ZeRO 0 and 2) where the CPU has native fp16
 (skipped elsewhere: DeepSpeed refuses it): a step it skips stores no grad_norm and raises no alert.
 """
@@ -60,7 +61,8 @@ def test_deepspeed_engine_stores_the_engines_loss_grad_norm_and_skipped_steps(gw
         # agent/capture/norms.py) come out in bf16: rounded to 2^-8 relative each, the total measured 2.5e-3
         # off (the engine's exact value is the custom:grad_norm)
         assert max_rel([engine_norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} custom:grad_norm") <= 1e-6
-        assert max_rel([grad_norm[s] for s in range(STEPS)], rec["p_grad_norm"], f"{name} grad_norm vs p.grad") <= 2 ** -8
+        assert max_rel([grad_norm[s] for s in range(STEPS)], rec["p_grad_norm"],
+                       f"{name} grad_norm vs p.grad") <= 2 ** -8
     else:            # ZeRO 1/2: no p.grad left at the step; the stored grad_norm is the engine's
         assert rec["p_grad_norm"] == [None] * STEPS and not engine_norm
         assert max_rel([grad_norm[s] for s in range(STEPS)], rec["grad_norm"], f"{name} grad_norm vs engine") <= 1e-6
