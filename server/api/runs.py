@@ -53,7 +53,7 @@ def _series_out(s: queries.Series) -> dict:
 @contextmanager
 def _refusals_as_422(param: str) -> Iterator[None]:
     """A query's refusal as a 422: an unknown signal (named after the query parameter that gave it), or an
-    answer that would be too large (server/queries.py bounds every read)."""
+    answer that would be too large (server/queries/ bounds every read)."""
     try:
         yield
     except queries.UnknownSignal as e:

@@ -62,7 +62,7 @@ from sqlalchemy.orm import Session
 from gradwatch.agent.signals import layer_stat
 from gradwatch.server.models import Alert, LayerStat, Run, Step
 from gradwatch.server.numbers import null_mask
-from gradwatch.server.queries import _fetch_blobs
+from gradwatch.server.queries._shared import _fetch_blobs
 from gradwatch.server.rules.stats import MAD_TO_SIGMA, enc
 
 log = logging.getLogger("gradwatch.forensics")

@@ -1,7 +1,7 @@
 """Retention policy: how long a run keeps its raw rows before only its rollups remain.
 
 Leaf module (standard library and ``server/config_files.py`` only): the policy file, the environment,
-and the record a compacted run carries, which the query layer reads (``server/queries.py``).
+and the record a compacted run carries, which the query layer reads (``server/queries/``).
 
 The policy file (TOML, ``GRADWATCH_RETENTION=/etc/gradwatch/retention.toml``), like the rules file a
 table for every project and one per project, re-read when it changes::
