@@ -71,7 +71,7 @@ class AgentConfig:
     # collectors
     grad_norms: bool = True              # per-parameter grad norms every step (one fused norm)
     weights_every: int = 100             # weight norms and update ratio ||dθ||/||θ||
-    activations_every: int = 100         # activation mean/std/absmax/non-finite per module
+    activations_every: int = 200         # activation mean/std/absmax/non-finite per module (100: +0.5 % a step)
     inputs_every: int = 10               # non-finite values in the input batch
     ema_every: int = 10                  # EMA divergence
     bn_every: int = 100                  # BatchNorm running-stat norms
@@ -94,12 +94,14 @@ class AgentConfig:
     setup_advice: bool = True            # send the run's setup once (precision, clipping and its order, EMA
                                          # decay, cosine floor) for the server's notes H5-H9; no per-step cost
     # early warning, attention and output logits (H2, H3; agent/collectors/early_logits.py)
-    attn_logits_every: int = 10          # per attention module, the max attention logit q·k·scale
-    output_logits_every: int = 10        # the output's max logit and mean log Z
+    # every 50: the run's max logit is sampled every step while it grows (>= 10 and >= 1.5x one interval
+    # earlier), which carries H2's lead time; 10 cost 0.4 ms a step of the 22 ms reference step (docs/performance.md)
+    attn_logits_every: int = 50          # per attention module, the max attention logit q·k·scale
+    output_logits_every: int = 50        # the output's max logit and mean log Z (H3's drift is slow)
     attention_modules: Optional[str] = None   # attention the agent cannot see where it is computed (an external
                                          # kernel): "name[:heads], ..." (fnmatch patterns), docs/signals.md
     # early warning H1 / H4 (docs/early-warning-adam.md): cadences measured with bench/agent_overhead.py
-    adam_every: int = 10                 # Adam's g² / v̂ per parameter; 1 gives H1 its full 1-8 step lead (~2 % of a
+    adam_every: int = 20                 # Adam's g² / v̂ per parameter; 1 gives H1 its full 1-8 step lead (~2 % of a
                                          # CPU step measured, over the 1.03x budget with the rest: not the default)
     linear_every: int = 10               # output RMS of every nn.Linear module (forward hooks on those steps)
 
