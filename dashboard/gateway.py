@@ -35,10 +35,6 @@ def configure(sessionmaker, settings, *, deliveries_queued=None, live_news=None,
     _write_gate = write_gate
 
 
-def settings():
-    return _settings
-
-
 # --------------------------------------------------------------------------- who is looking
 
 SCOPE_KEY = "gradwatch.project"  # server/auth.py puts the signed-in project in the ASGI scope
