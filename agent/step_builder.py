@@ -179,7 +179,11 @@ class StepBuilder:
         (docs/agent.md, "monitor.log"): ``grad_norm`` becomes the step's ``grad_norm`` part when the
         record holds no norm of the agent's, else it is kept as the custom value ``grad_norm``;
         ``clip_max_norm`` (a number) becomes the step's clip threshold when the agent saw no
-        clipping call, so ``clipped`` is derived from either norm.
+        clipping call, so ``clipped`` is derived from either norm. Two more are a loss scaler's
+        that the agent has no GradScaler for (DeepSpeed's fp16 ``DynamicLossScaler``): ``overflow``
+        (a bool, true on a step the scaler skipped) and ``loss_scale`` (the scale the step's loss was
+        multiplied by) become the step's ``overflow`` / ``loss_scale`` when the agent's own GradScaler
+        reported none, else they are custom values.
         """
         sealer = self.sealer
         if step_per_log:
@@ -194,6 +198,9 @@ class StepBuilder:
                     self._report_clip_max_norm(value, None if target is self.pending else target)
                     continue
                 if key == "grad_norm" and self._report_grad_norm(value, None if target is self.pending else rec):
+                    continue
+                if key in ("overflow", "loss_scale") and self._report_scaler(key, value,
+                                                                            None if target is self.pending else rec):
                     continue
                 if isinstance(value, torch.Tensor):
                     if value.numel() != 1:
@@ -224,6 +231,29 @@ class StepBuilder:
             self.pending["reported_grad_norm"] = value
             return True
         return fill_grad_norm(ended, value)
+
+    def _report_scaler(self, key: str, value, ended: Any) -> bool:
+        """A loss scaler's flag or scale the agent has no GradScaler for (``monitor.log(overflow=...,
+        loss_scale=...)``, e.g. DeepSpeed's fp16 loss scaler): True when it is, or may become, the
+        step's ``overflow`` / ``loss_scale``, or was kept as a custom value here; False: the custom
+        path takes it (a tensor of several values: it warns)."""
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return False
+            value = value.detach().reshape(())
+        elif isinstance(value, bool) and key == "overflow" or \
+                isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        else:
+            self.warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs %s; ignored", key,
+                              "a bool" if key == "overflow" else "a number")
+            return True
+        if ended is None:   # the step is still going: the GradScaler may report at its end (end_step decides)
+            self.pending["reported_" + key] = value
+            return True
+        if not fill_loss_scaler(ended, key, value):
+            ended.host.setdefault("custom_dev" if isinstance(value, torch.Tensor) else "custom", {})[key] = value
+        return True
 
     def _report_clip_max_norm(self, value, ended: Optional[dict]) -> None:
         """The loop's clip threshold (``monitor.log(clip_max_norm=...)``, e.g. DeepSpeed's
@@ -276,6 +306,10 @@ class StepBuilder:
         if reported is not None and not fill_grad_norm(rec, reported):
             kind = "custom_dev" if isinstance(reported, torch.Tensor) else "custom"   # the agent's own won
             host.setdefault(kind, {})["grad_norm"] = reported
+        for key in ("overflow", "loss_scale"):   # monitor.log(overflow=..., loss_scale=...) during the step
+            reported = host.pop("reported_" + key, None)
+            if reported is not None and not fill_loss_scaler(rec, key, reported):
+                host.setdefault("custom_dev" if isinstance(reported, torch.Tensor) else "custom", {})[key] = reported
         if self.replay is not None:
             self.replay.clear()
         self._reset()
@@ -298,6 +332,33 @@ def fill_grad_norm(rec: StepRecord, value) -> bool:
     if any(key in ("grad_norm", "grad_norm_local") for key, _ in rec.parts):
         return False
     rec.add("grad_norm", value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32))
+    return True
+
+
+def fill_loss_scaler(rec: StepRecord, key: str, value) -> bool:
+    """A reported loss scaler's ``overflow`` flag or ``loss_scale`` (a float or a 0-d tensor) as the
+    step's, unless the record holds the agent's own GradScaler's (agent/collectors/loss_scale.py).
+
+    ``overflow`` goes in as a part, where the wire reads the GradScaler's ``found_inf`` (it counts
+    ``overflow_count`` from it), made on the device of the record's other parts so the seal stays one
+    copy (a fill, no sync); it also marks the step's loss scaler active (``scaler_active``), as a
+    GradScaler would: the wire stores the flag only then, and a non-finite grad norm on such a step
+    is the scaler's business, not an incident. A number ``loss_scale`` is a host value.
+    """
+    if rec.host.get(key) is not None or any(k == key for k, _ in rec.parts):
+        return False
+    if key == "overflow":
+        if isinstance(value, torch.Tensor):
+            flag = value.float()
+        else:
+            device = rec.parts[0][1].device if rec.parts else None
+            flag = torch.full((), value, dtype=torch.float32, device=device)
+        rec.add("overflow", flag)
+        rec.host["scaler_active"] = True
+    elif isinstance(value, torch.Tensor):
+        rec.add("loss_scale", value.float())
+    else:
+        rec.host["loss_scale"] = value
     return True
 
 

@@ -78,19 +78,20 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
         return backward(loss, *args, **kwargs)
 
     def wrapped_step(*args, **kwargs):
-        boundary, skipped_before = False, 0
+        boundary, skipped_before, scale_used = False, 0, None
         if not monitor.closed:
             try:
                 boundary = bool(engine.is_gradient_accumulation_boundary())
                 if boundary:
                     skipped_before = int(engine.skipped_steps)
+                    scale_used = loss_scale(engine)   # before the loss scaler updates it in this step
                     monitor.remeasure_grads()   # p.grad, reduced, before the engine clips (ZeRO stage 0)
             except Exception:  # noqa: BLE001
                 log.exception("gradwatch: reading the engine failed; continuing")
         result = step(*args, **kwargs)
         if boundary and not monitor.closed:
             try:
-                monitor.log(loss=step_loss.take(), **engine_values(engine, skipped_before))
+                monitor.log(loss=step_loss.take(), **engine_values(engine, skipped_before, scale_used))
             except Exception:  # noqa: BLE001
                 log.exception("gradwatch: could not report the step; continuing without it")
         return result
@@ -100,29 +101,45 @@ def watch(engine: Any, **attach_kwargs: Any) -> Any:
     return monitor
 
 
-def engine_values(engine: Any, skipped_before: int = 0) -> dict:
+def engine_values(engine: Any, skipped_before: int = 0, scale_used: Any = None) -> dict:
     """The engine's own numbers after a step: global grad norm and clip threshold (as the step's
-    ``grad_norm`` / ``clip_max_norm`` where the agent measured none), skipped steps, fp16 loss scale, LR."""
+    ``grad_norm`` / ``clip_max_norm`` where the agent measured none), skipped steps, LR, and with
+    fp16 the loss scaler's: ``overflow`` (the engine skipped this step: ``skipped_steps`` grew past
+    ``skipped_before``) and ``loss_scale`` (``scale_used``, read before the step), the step's signals
+    where the agent has no GradScaler (none of its own here), and the scale after the step as custom."""
     skipped = int(engine.skipped_steps)
     out: dict[str, Any] = {"deepspeed_skipped_steps": skipped}
     fp16 = _fp16(engine)
+    if fp16:   # the engine's loss scaler is this step's, as a GradScaler's would be
+        out["overflow"] = skipped > skipped_before
+        if isinstance(scale_used, (int, float)):
+            out["loss_scale"] = float(scale_used)
     norm = engine.get_global_grad_norm()
-    # an fp16 step the loss scaler skipped: the engine's norm is inf, the scaler doing its job (no
-    # GradScaler is there to tell the wire so); bf16 / fp32 skip on a non-finite norm too, but there
-    # it is the explosion A2 is for
+    # an fp16 step the loss scaler skipped: the engine's norm is the inf it sets as a marker (ZeRO
+    # 1/2 set it without computing one), the scaler doing its job, which the step's overflow says; no
+    # norm then, as before overflow was reported (a GradScaler loop stores its measured inf there).
+    # bf16 / fp32 skip on a non-finite norm too, but there it is the explosion A2 is for
     if norm is not None and not (fp16 and skipped > skipped_before):
         out["grad_norm"] = norm
     clip = engine.gradient_clipping()
     if isinstance(clip, (int, float)) and clip > 0:
         out["clip_max_norm"] = float(clip)
     if fp16:   # the scale the next step uses (the loss scaler updated it in this one)
-        scale = getattr(engine.optimizer, "loss_scale", None)
+        scale = loss_scale(engine)
         if isinstance(scale, (int, float)):
             out["deepspeed_loss_scale"] = float(scale)
     lrs = engine.get_lr()
     if lrs:
         out["deepspeed_lr"] = float(lrs[0])
     return out
+
+
+def loss_scale(engine: Any) -> Any:
+    """The fp16 loss scaler's current scale (``engine.optimizer.loss_scale``, a Python number), or None."""
+    if not _fp16(engine):
+        return None
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    return scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
 
 
 def _fp16(engine: Any) -> bool:

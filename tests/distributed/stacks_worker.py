@@ -6,7 +6,8 @@ Each rank writes what the stack itself computed to ``<out>/rank<r>.json``: per o
 loss the loop back-propagated (summed over the step's micro-batches), the grad norm the stack
 returned (``accelerator.clip_grad_norm_``, ``fabric.clip_gradients``, ``engine.get_global_grad_norm()``
 or, for DeepSpeed stage 0 fp32, which keeps none, torch's norm of the reduced ``p.grad``), and
-DeepSpeed's ``skipped_steps``, loss scale (fp16) and ``gradient_clipping``.
+DeepSpeed's ``skipped_steps``, loss scale (fp16: before each step, the scale its loss was multiplied
+by, and after it) and ``gradient_clipping``.
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ def run_deepspeed(args, out: Path) -> dict:
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif args.precision == "fp16":   # DeepSpeed's DynamicLossScaler (2^16 to start: this loop overflows at once)
-        config["fp16"] = {"enabled": True, "initial_scale_power": 16}
+        config["fp16"] = {"enabled": True, "initial_scale_power": args.scale_power}
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -158,7 +159,7 @@ def run_deepspeed(args, out: Path) -> dict:
                                                               rank=engine.global_rank, shuffle=False)
     loader = torch.utils.data.DataLoader(_data(args, world), batch_size=ACCUM_BATCH, sampler=sampler)
     dtype = next(engine.module.parameters()).dtype
-    losses, norms, own_norms, skipped, scales, current = [], [], [], [], [], 0.0
+    losses, norms, own_norms, skipped, scales, scales_used, current = [], [], [], [], [], [], 0.0
     for x, y in loader:
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -168,6 +169,8 @@ def run_deepspeed(args, out: Path) -> dict:
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             own_norms.append(float(torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(g.double()) for g in grads]))) if grads else None)
+            # the scale this step's loss was multiplied by (the loss scaler updates it in engine.step())
+            scales_used.append(float(engine.optimizer.loss_scale) if args.precision == "fp16" else None)
         engine.step()
         if boundary:
             n = engine.get_global_grad_norm()
@@ -179,7 +182,7 @@ def run_deepspeed(args, out: Path) -> dict:
     monitor.close()
     return {"world_size": world, "steps": len(losses), "loss": losses, "grad_norm": norms,
             "p_grad_norm": own_norms, "skipped_steps": skipped, "optimizer": type(engine.optimizer).__name__,
-            "clip": engine.gradient_clipping(), "loss_scale": scales}
+            "clip": engine.gradient_clipping(), "loss_scale": scales, "loss_scale_used": scales_used}
 
 
 def main() -> None:
@@ -193,6 +196,7 @@ def main() -> None:
     ap.add_argument("--precision", choices=("no", "bf16", "fp16"), default="no",
                     help="fp16: deepspeed only (its DynamicLossScaler)")
     ap.add_argument("--zero-stage", type=int, default=0)
+    ap.add_argument("--scale-power", type=int, default=16, help="deepspeed fp16: initial_scale_power")
     ap.add_argument("--plain", action="store_true", help="accelerate: agent.attach + monitor.log, not watch()")
     ap.add_argument("--wrapper", action="store_true", help="fabric: hide the optimizer in an unknown wrapper")
     ap.add_argument("--twice", action="store_true", help="accelerate: call watch() twice")

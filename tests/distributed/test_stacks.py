@@ -14,7 +14,8 @@ import uuid
 import pytest
 
 from tests.conftest import start_sqlite_server
-from tests.integrations.stacks import launch, max_rel, needs_cpu_fp16, require_installed, run_id, stored
+from tests.integrations.stacks import (check_loss_scaler, launch, max_rel, needs_cpu_fp16, require_installed,
+                                      run_id, stored)
 
 STEPS = 4
 
@@ -88,6 +89,10 @@ def test_deepspeed_zero_two_cpu_processes(server, tmp_path, stage, precision):
         skips = stored(server, rid, "custom:deepspeed_skipped_steps", rank)
         assert [skips[s] for s in range(STEPS)] == rec["skipped_steps"]
         overflow, clipped = stored(server, rid, "overflow", rank), stored(server, rid, "clipped", rank)
-        assert [overflow[s] for s in range(STEPS)] == [0] * STEPS, "no GradScaler: no overflow is ever stored"
+        if precision == "fp16":   # each rank's stored flags, count and scale are its engine's loss scaler's
+            check_loss_scaler(server, rid, rec, STEPS, rank)
+        else:
+            assert [overflow[s] for s in range(STEPS)] == [0] * STEPS, "no loss scaler: no overflow is ever stored"
+            assert all(v is None for v in stored(server, rid, "loss_scale", rank).values())
         assert [clipped.get(s) for s in range(STEPS)] == [None if s in skipped else float(n > rec["clip"])
                                                            for s, n in enumerate(rec["grad_norm"])]

@@ -41,6 +41,23 @@ def stored(server, rid: int, signal: str, rank: int = 0) -> dict[int, float | No
     return {p["step"]: None if p["last"] is None else float(p["last"]) for p in body["steps"]}
 
 
+def check_loss_scaler(server, rid: int, rec: dict, steps: int, rank: int = 0) -> None:
+    """The stored overflow, overflow_count and loss_scale are the engine's loss scaler's, as read from the
+    engine by the loop (tests/distributed/stacks_worker.py): the steps engine.skipped_steps grew at, its
+    count, engine.optimizer.loss_scale before each engine.step() (and after it: custom:deepspeed_loss_scale)."""
+    counts = rec["skipped_steps"]
+    was_skipped = [float(b > a) for a, b in zip([0] + counts, counts)]
+    overflow = stored(server, rid, "overflow", rank)
+    assert [overflow[s] for s in range(steps)] == was_skipped, (overflow, counts)
+    overflow_count = stored(server, rid, "overflow_count", rank)
+    assert [overflow_count[s] for s in range(steps)] == counts
+    scale = stored(server, rid, "loss_scale", rank)
+    assert [scale[s] for s in range(steps)] == rec["loss_scale_used"]
+    after = stored(server, rid, "custom:deepspeed_loss_scale", rank)
+    assert [after[s] for s in range(steps)] == rec["loss_scale"]
+    assert rec["loss_scale_used"][1:] == rec["loss_scale"][:-1]   # the scale after a step is the next one's
+
+
 def max_rel(actual: list, expected: list, label: str = "") -> float:
     """The largest relative difference; printed with ``label`` (``pytest -s`` shows the figures that
     docs/integrations.md quotes)."""
