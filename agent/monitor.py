@@ -244,10 +244,18 @@ class Monitor:
         ``clip_max_norm=`` (a number) is the step's clip threshold unless the agent saw a
         clipping call, so ``clipped`` is derived from it. With sharded parameters (FSDP,
         DTensor) a reported ``grad_norm`` stays custom: there the server combines the ranks' norms.
+        ``overflow=`` (a bool or a 0-d tensor: the loop's loss scaler skipped this step) and
+        ``loss_scale=`` (the scale this step's loss was multiplied by, before the scaler updates
+        it) are a loss scaler's the agent has no GradScaler for (DeepSpeed's fp16 engine): they
+        become the step's ``overflow`` (counted in ``overflow_count``; the step then counts as
+        having an active loss scaler, as with a GradScaler: a non-finite grad norm on it is not an
+        incident) and ``loss_scale``; where the agent's own GradScaler reported them, its values
+        win and the reported ones are ``custom:overflow`` / ``custom:loss_scale``.
 
         >>> monitor.log(loss=loss)                 # doctest: +SKIP
         >>> monitor.log(acc=0.91, tokens_seen=n)   # doctest: +SKIP
         >>> monitor.log(grad_norm=engine.get_global_grad_norm(), clip_max_norm=1.0)   # doctest: +SKIP
+        >>> monitor.log(overflow=skipped, loss_scale=scale_used)   # doctest: +SKIP
         """
         if self._guards.closed or os.getpid() != self._pid:
             return

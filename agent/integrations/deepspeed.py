@@ -26,8 +26,8 @@ accumulation boundary, ``engine.is_gradient_accumulation_boundary()``, skipped s
   model has no ``p.grad`` at the step (they are reduced into the optimizer's partitions), so this is
   the only norm, and the stored ``grad_norm`` is the engine's; under ZeRO it is a tensor on the device,
   taken as it is (no sync in the training thread; the sender copies it out with the rest). A step
-  the fp16 loss scaler skipped reports none (the engine's is ``inf`` then, which without a GradScaler
-  would read as an explosion; the skip is counted in ``custom:deepspeed_skipped_steps``);
+  the fp16 loss scaler skipped reports none (the engine's is an ``inf`` marker then; the step's
+  ``overflow`` says it was skipped);
 * ``grad_norm`` and the per-parameter grad norms at ZeRO stage 0: the agent's own measurement of
   ``p.grad`` right before the engine's step, where ``p.grad`` holds the reduced gradients; the
   agent's value wins over the engine's (stage 0 fp32 keeps no norm of the engine's: it clips with its
@@ -37,10 +37,19 @@ accumulation boundary, ``engine.is_gradient_accumulation_boundary()``, skipped s
 * ``clip_max_norm`` (and so ``clipped``): the config's ``gradient_clipping`` when it is above 0,
   reported with ``monitor.log(clip_max_norm=...)`` (the engine clips without torch's
   ``clip_grad_norm_``, which the agent would see);
+* ``overflow`` (and so ``overflow_count``), with fp16: true on a step the engine skipped
+  (``engine.skipped_steps`` grew in its ``engine.step()``), reported with ``monitor.log(overflow=...)``:
+  the engine's loss scaler is the step's, as a GradScaler's would be (A5 reads it; the agent has no
+  GradScaler here). bf16 / fp32 report none: stored false, as for any loop without a loss scaler;
+* ``loss_scale``, with fp16: ``engine.optimizer.loss_scale`` read right before ``engine.step()``, the
+  loss scaler's scale for the step (the one a ZeRO optimizer multiplied the step's loss by; at stage
+  0 the scaler's nominal one, see above), as the GradScaler path stores the scale before
+  ``update()`` (an overflowing step shows the scale that overflowed), reported with
+  ``monitor.log(loss_scale=...)``; none with bf16 / fp32;
 * ``custom:deepspeed_skipped_steps``: ``engine.skipped_steps``, the engine's count of steps skipped
   for an fp16 overflow or, in bf16, a non-finite grad norm (a Python int);
-* ``custom:deepspeed_loss_scale``: ``engine.optimizer.loss_scale`` after the step, with fp16 (a
-  Python number the loss scaler keeps), absent otherwise;
+* ``custom:deepspeed_loss_scale``: ``engine.optimizer.loss_scale`` after the step (the next step's
+  ``loss_scale``), with fp16 (a Python number the loss scaler keeps), absent otherwise;
 * ``custom:deepspeed_lr``: ``engine.get_lr()[0]``, the first param group's learning rate.
 
 Nothing here syncs the device: the norm stays a tensor, the counters are Python numbers the
