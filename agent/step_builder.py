@@ -306,8 +306,8 @@ class StepBuilder:
         if reported is not None and not fill_grad_norm(rec, reported):
             kind = "custom_dev" if isinstance(reported, torch.Tensor) else "custom"   # the agent's own won
             host.setdefault(kind, {})["grad_norm"] = reported
-        for key in ("overflow", "loss_scale"):   # monitor.log(overflow=..., loss_scale=...) during the step
-            reported = host.pop("reported_" + key, None)
+        for key, pending_key in _REPORTED_SCALER:   # monitor.log(overflow=..., loss_scale=...) during the step
+            reported = host.pop(pending_key, None)
             if reported is not None and not fill_loss_scaler(rec, key, reported):
                 host.setdefault("custom_dev" if isinstance(reported, torch.Tensor) else "custom", {})[key] = reported
         if self.replay is not None:
@@ -333,6 +333,10 @@ def fill_grad_norm(rec: StepRecord, value) -> bool:
         return False
     rec.add("grad_norm", value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32))
     return True
+
+
+# a loss scaler's values reported during the step: held in the step's pending values under these keys
+_REPORTED_SCALER = (("overflow", "reported_overflow"), ("loss_scale", "reported_loss_scale"))
 
 
 def fill_loss_scaler(rec: StepRecord, key: str, value) -> bool:
