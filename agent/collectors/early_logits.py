@@ -289,6 +289,7 @@ class AttentionLogits(OneForwardHooks):
 
     name = "attn_logits"
     every = "attn_logits_every"
+    emits = ("attn_logit_max", "layers.attn_logit_max")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -502,6 +503,7 @@ class OutputLogits(Collector):
 
     name = "output_logits"
     every = "output_logits_every"
+    emits = ("output_logit_max", "output_log_z")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
