@@ -31,8 +31,6 @@ from typing import Any
 # never as a page script tag; their names carry their version, so a browser may keep them for a year.
 PLOTLY_BUNDLE = re.compile(r"^plotly-.*\.min\.js$")
 
-PAGE_MODULES = tuple(f"{__name__}.pages.{page}" for page in ("runs", "run", "incident", "compare", "alerts", "settings"))
-
 # Dash moves callbacks declared with ``dash.callback`` into the first app that
 # starts serving and forgets them. The page modules declare theirs at import
 # time, once per process; keeping a copy lets every app built by create_dash
@@ -44,9 +42,11 @@ _page_callback_list: list[dict] = []
 def _import_pages() -> None:
     from dash import _callback
 
+    from gradwatch.dashboard.pages import page_modules
+
     if _page_callbacks:
         return
-    for name in PAGE_MODULES:
+    for name in page_modules():   # each page registers itself (dash.register_page) when imported
         importlib.import_module(name)
     _page_callbacks.update(_callback.GLOBAL_CALLBACK_MAP)
     _page_callback_list.extend(_callback.GLOBAL_CALLBACK_LIST)
@@ -104,9 +104,11 @@ def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=Non
     app.callback_map.update(_page_callbacks)
     app._callback_list.extend(_page_callback_list)  # noqa: SLF001 - see _page_callbacks
 
-    nav = [dcc.Link(label, href=href, className="gw-nav-link", id=f"nav-{key}")
-           for key, label, href in (("runs", "Runs", "/"), ("compare", "Compare", "/compare"),
-                                    ("alerts", "Alerts", "/alerts"), ("settings", "Settings", "/settings"))]
+    # The header links: every page with a fixed path, in its declared order (a path_template page, such
+    # as a run's, is reached from another page), so a new page adds its own link.
+    nav = [dcc.Link(page["name"], href=page["path"], className="gw-nav-link",
+                    id=f"nav-{page['module'].rsplit('.', 1)[-1]}")
+           for page in dash.page_registry.values() if page.get("path_template") is None]
 
     def shell():
         """The frame around every page; a function so that it can name the signed-in project."""
