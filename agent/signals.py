@@ -128,7 +128,8 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
     StepSignal("clipped", 3, "bool", "", "the pre-clip norm exceeded max_norm", column=True,
                panel="grad_norm", label="clipped step", draw="flag", marker="circle-open", combined=True,
                derived_from=("grad_norm", "clip_max_norm")),
-    StepSignal("loss_scale", 4, "float", "", "the GradScaler scale used for this step (before update())",
+    StepSignal("loss_scale", 4, "float", "", "the loss scale used for this step: a GradScaler's before update(), or one "
+               "reported by monitor.log(loss_scale=...) (DeepSpeed fp16)",
                column=True, panel="loss_scale", label="loss scale", compare="Loss scale (log)"),
     StepSignal("overflow", 5, "bool", "", "the scaler found inf/NaN grads and skipped optimizer.step()",
                column=True, panel="loss_scale", label="overflow (skipped step)", draw="flag"),
@@ -180,6 +181,14 @@ STEP_SIGNALS += (
                ">= 2 classes; sampled)", panel="early_logits", label="max output logit"),
     StepSignal("output_log_z", 22, "float", "", "mean over positions of the output's log Z = logsumexp over "
                "its classes (z-loss holds it near 0; sampled)", panel="early_logits", label="mean log Z"),
+)
+
+# ---- a step signal added as docs/architecture.md's "Adding a signal" says: this declaration and its
+# collector, agent/collectors/grad_presence.py
+STEP_SIGNALS += (
+    StepSignal("params_without_grad", 23, "count", "tensors", "trainable parameter tensors whose .grad is None "
+               "at the optimizer step: they took no part in the backward (an unused branch, a stray .detach(); "
+               "sampled with weights_every; sharded runs: not measured)"),
 )
 
 LAYER_STATS: tuple[LayerStat, ...] = (
