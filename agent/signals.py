@@ -184,11 +184,14 @@ STEP_SIGNALS += (
 )
 
 # ---- a step signal added as docs/architecture.md's "Adding a signal" says: this declaration and its
-# collector, agent/collectors/grad_presence.py
+# collector, agent/collectors/grad_presence.py; its run-page panel, as "Adding a panel" says: the Panel
+# and panel= on the signal
+PANELS += (Panel("params_without_grad", "Trainable parameters without a gradient (tensors)", include_zero=True),)
 STEP_SIGNALS += (
     StepSignal("params_without_grad", 23, "count", "tensors", "trainable parameter tensors whose .grad is None "
                "at the optimizer step: they took no part in the backward (an unused branch, a stray .detach(); "
-               "sampled with weights_every; sharded runs: not measured)"),
+               "sampled with weights_every; sharded runs: not measured)",
+               panel="params_without_grad", label="without .grad"),
 )
 
 LAYER_STATS: tuple[LayerStat, ...] = (
