@@ -14,8 +14,8 @@ class OverflowStorm(BatchRule):
     id, name, severity, checklist = "A5", "overflow_storm", "warning", "8.A / 8.B / 7.1"
     family = "A"
     fires_when = ">= {consecutive} consecutive skipped (overflow) steps, or > {fraction:.0%} of the last {window} steps skipped"
-    diagnosis = ("GradScaler keeps skipping steps: loss scaling is misconfigured, or the values really overflow the "
-                 "fp16 range.")
+    diagnosis = ("The loss scaler (GradScaler, DeepSpeed's fp16 scaler) keeps skipping steps: loss scaling is "
+                 "misconfigured, or the values really overflow the fp16 range.")
     actions = {
         "setup": "Check the loss-scaling setup (init_scale, the order scale -> backward -> unscale_ -> clip -> step -> "
                  "update).",
@@ -59,7 +59,7 @@ class LossScaleCollapse(BatchRule):
     id, name, severity, checklist = "B3", "loss_scale_collapse", "critical", "8.B"
     family = "B"
     fires_when = "loss scale < {min_scale:g}, or halved {halvings} times with no growth in {window} steps"
-    diagnosis = "GradScaler keeps halving the loss scale: the effective update shrinks towards nothing."
+    diagnosis = "The loss scaler keeps halving the loss scale: the effective update shrinks towards nothing."
     actions = {
         "bf16": "Switch autocast to bf16 (dtype=torch.bfloat16), which needs no loss scaling.",
         "raise_init_scale": "Or raise GradScaler's init_scale, and find the op that overflows (see A3 / A5).",
