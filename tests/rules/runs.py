@@ -52,6 +52,8 @@ RELEVANT = {
     "H3": ("logz_drift", "nan_loss"),
     # lr_jump is not among FAULTS (the other rules' random runs stay as they were): H10's own runs only
     "H10": ("lr_jump", "lr_zero", "late_divergence"),
+    # mem_leak is not among FAULTS either: D4's own runs only
+    "D4": ("mem_leak",),
 }
 
 
@@ -206,6 +208,14 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
         seg["logz_drift"] = _segment(lrng, n, 40, 300, earliest=calm if short else 50)
         logz_rate = lrng.choice([-1.0, 0.3, 2.0])
 
+    # D4 peak device memory: a generator of its own (the other runs stay as they were); a CPU run has none
+    mrng = random.Random(f"{scenario}/{seed}/{short}/{calm}/memory")
+    mem_base = mrng.choice([None, 2e9, 3e10]) if "mem_leak" not in faults else mrng.choice([2e9, 3e10])
+    mem_jitter = mrng.choice([0.02, 0.15, 0.4])          # the peak moves with each batch's shapes
+    if "mem_leak" in faults:
+        seg["mem_leak"] = _segment(mrng, n, 30 if short else 200, 70 if short else n - 60, earliest=calm if short else 50)
+        mem_rate = mrng.choice([2e-4, 1e-3, 5e-3])      # per step: +10 %, +50 %, +250 % over 500 steps
+
     def inside(name: str, i: int) -> bool:
         return name in seg and seg[name][0] <= i < seg[name][1]
 
@@ -342,6 +352,11 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
             if inside("logz_drift", i):
                 z += logz_rate * (i - seg["logz_drift"][0])
             st["output_log_z"] = z if lrng.random() > 0.03 else lrng.choice([None, math.nan])
+        if mem_base is not None:
+            held = mem_base * (0.6 if i < 2 else 1.0)   # the first steps, before the optimizer's state exists
+            if "mem_leak" in seg and i >= seg["mem_leak"][0]:
+                held *= 1 + mem_rate * (min(i, seg["mem_leak"][1]) - seg["mem_leak"][0])
+            st["mem_peak"] = held * (1 + mem_jitter * mrng.random()) if mrng.random() > 0.02 else None
         st["layers"] = layers
         if gaps:
             for key in ("loss", "grad_norm", "lr", "loss_scale", "overflow", "clipped", "ema_divergence"):
@@ -400,6 +415,7 @@ def configs(rule_id: str) -> list[dict]:
         "B2": {"window": 100, "min_improvement": 0.05},
         "B3": {"halvings": 2, "window": 300, "min_scale": 4096.0},
         "B4": {"steps": 3},
+        "D4": {"window": 50, "windows": 3, "growth": 0.1},
         "B5": {"steps": 10},
         "C1": {"window": 50, "min_history": 20, "spread_ratio": 0.05},
         "C2": {"window": 30, "fraction": 0.2},
@@ -428,6 +444,7 @@ TINY = {
     "B2": {"window": 40, "min_improvement": 0.05},
     "B3": {"halvings": 2, "window": 20, "min_scale": 4096.0},
     "B4": {"steps": 2},
+    "D4": {"window": 5, "windows": 3, "growth": 0.1},
     "B5": {"steps": 10},
     "C1": {"window": 20, "min_history": 10, "spread_ratio": 0.05},
     "C2": {"window": 10, "fraction": 0.3},
