@@ -20,20 +20,12 @@ from __future__ import annotations
 
 import math
 
-# the most batches a second one run's ranks are asked to send together, and the longest pace asked
-# (server/pacing.py computes the pace; these bounds are shared so a rank's guess before the first
-# reply is the least pace the server can ask, and the agent obeys up to MAX_PACE_S: agent/sender.py).
-# 10 s, not less: a server whose batches are dear (a slow machine, 256 sharded ranks: ~20 ms a batch)
-# needs it to keep its lock half free; at 5 s it fell behind by seconds, every batch queued
-# (docs/performance.md, "One run of many ranks"). Longer would hold back the combined rows and the
-# cross-rank rules (judged once a step's last rank has sent it) for more than a few steps.
-RUN_BATCHES_PER_S = 128.0
-MAX_PACE_S = 10.0
+# the bounds the server's pace keeps to, shared with it through a leaf module (agent/pace_bounds.py)
+from gradwatch.agent.pace_bounds import FIRST_HOLD_FACTOR, MAX_PACE_S, RUN_BATCHES_PER_S  # noqa: F401 (sender.py)
+
 # the longest pace a rank assumes before the first reply (initial_pace): its first batch is late by up
 # to this much, and the ranks' first batches in slots of 5 s were measured to keep a server up
 FIRST_MAX_PACE_S = 5.0
-# how much dearer than the least a rank assumes the server's batches before it has heard (initial_pace)
-FIRST_HOLD_FACTOR = 4.0
 
 
 def initial_pace(rank: int, world_size: int) -> float:

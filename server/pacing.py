@@ -30,9 +30,10 @@ import time
 
 # RUN_BATCHES_PER_S: the most batches a second one run's ranks are asked to send together, however cheap
 # a batch; MAX_PACE_S (10 s): the longest pause asked for, the longest the agent obeys (agent/sender.py;
-# the silent-rank rule F4 waits minutes or 200 steps, far beyond it; agent/pacing.py says why 10).
-# Shared with the agent, which assumes a pace before the first reply and spreads a run's batches over it.
-from gradwatch.agent.pacing import FIRST_HOLD_FACTOR, MAX_PACE_S, RUN_BATCHES_PER_S
+# the silent-rank rule F4 waits minutes or 200 steps, far beyond it; agent/pace_bounds.py says why 10).
+# Shared with the agent, which assumes a pace before the first reply and spreads a run's batches over it:
+# a leaf module of the agent's with no imports, not its sending code.
+from gradwatch.agent.pace_bounds import FIRST_HOLD_FACTOR, MAX_PACE_S, RUN_BATCHES_PER_S
 
 # the share of the time a run's batches may hold its row lock: at one half, a batch waits for the
 # others about as long as it takes itself (queueing at 50 % load), inside the p99 target of 200 ms

@@ -213,7 +213,8 @@ def wire_run(scenario: str, seed: int, short: bool = False, calm: int = 3) -> li
     mem_base = mrng.choice([None, 2e9, 3e10]) if "mem_leak" not in faults else mrng.choice([2e9, 3e10])
     mem_jitter = mrng.choice([0.02, 0.15, 0.4])          # the peak moves with each batch's shapes
     if "mem_leak" in faults:
-        seg["mem_leak"] = _segment(mrng, n, 30 if short else 200, 70 if short else n - 60, earliest=calm if short else 50)
+        seg["mem_leak"] = _segment(mrng, n, 30 if short else 200, 70 if short else n - 60,
+                                   earliest=calm if short else 50)
         mem_rate = mrng.choice([2e-4, 1e-3, 5e-3])      # per step: +10 %, +50 %, +250 % over 500 steps
 
     def inside(name: str, i: int) -> bool:
