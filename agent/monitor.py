@@ -31,7 +31,7 @@ import torch
 
 from gradwatch.agent import collectors as collector_kinds
 from gradwatch.agent.checkpoints import checkpoint_event
-from gradwatch.agent.capture.ema import check_ema
+from gradwatch.agent.capture.ema_pairs import check_ema
 from gradwatch.agent.capture.replay import StepReplay
 from gradwatch.agent.collectors.base import Watched, check_emits, overrides
 from gradwatch.agent.collectors.ema import EmaDivergence

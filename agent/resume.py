@@ -22,7 +22,7 @@ sender logs where they went.
 
 Everything here runs once per attach (one host read of the scale and of the BatchNorm buffers: a
 sync, once), except :func:`rng_hash`, which the ``rng_state`` collector runs at every step end
-(~2 µs on the CPU, no device sync). Imports torch and :mod:`agent.capture.ema` only.
+(~2 µs on the CPU, no device sync). Imports torch and :mod:`agent.capture.ema_pairs` only.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from gradwatch.agent.capture.ema import ema_tensors
+from gradwatch.agent.capture.ema_pairs import ema_tensors
 from gradwatch.agent.unwrap import scaler_enabled
 
 # event data is bounded (64 KB): a model with thousands of BatchNorm layers names the first ones

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gradwatch.agent.capture.activations import batch_shape
+from gradwatch.agent.capture.activation_stats import batch_shape
 from gradwatch.agent.collectors.base import overrides
 from gradwatch.agent.collectors.grads import GradNorms
 from gradwatch.agent.collectors.loss_scale import LossScale

@@ -25,7 +25,7 @@ the parameters' ``.grad`` tensors (set aside and put back), every buffer (BatchN
 running statistics are copied and restored), the optimizer (never called). Its forwards
 are invisible to the agent's own hooks (:attr:`StepReplay.replaying`).
 
-Imports torch and :mod:`agent.capture.activations` only.
+Imports torch and :mod:`agent.capture.activation_stats` only.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gradwatch.agent.capture.activations import first_tensor
+from gradwatch.agent.capture.activation_stats import first_tensor
 
 FP16_MAX = 65504.0
 # exp(x) overflows past these: ln(max) of the dtype (softmax without max-subtraction, checklist 6.2)

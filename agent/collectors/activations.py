@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gradwatch.agent.capture.activations import activation_stats, first_tensor
+from gradwatch.agent.capture.activation_stats import activation_stats, first_tensor
 from gradwatch.agent.collectors.base import OneForwardHooks
 
 
@@ -17,7 +17,7 @@ class ActivationStats(OneForwardHooks):
     name = "activations"
     every = "activations_every"
     while_hunting = True
-    # in the order of capture.activations.activation_stats's four values
+    # in the order of capture.activation_stats.activation_stats's four values
     emits = ("layers.act_mean", "layers.act_std", "layers.act_absmax", "layers.act_nonfinite")
 
     def __init__(self, watched, guards):

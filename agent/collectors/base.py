@@ -1,6 +1,6 @@
 """The collector protocol, and :class:`Watched`: what a monitor watches.
 
-Leaf of the collectors: imports torch, :mod:`agent.capture.activations`, :mod:`agent.capture.shards` and
+Leaf of the collectors: imports torch, :mod:`agent.capture.activation_stats`, :mod:`agent.capture.shards` and
 :mod:`agent.nonfinite` only.
 
 A collector is one kind of measurement. It declares
@@ -38,7 +38,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from gradwatch.agent.capture.activations import CONTAINERS
+from gradwatch.agent.capture.activation_stats import CONTAINERS
 from gradwatch.agent.capture.shards import local_grads, local_tensors, shard_layout
 from gradwatch.agent.nonfinite import NULL_F32_BITS  # the wire's "not measured" float32 (docs/wire-format.md)
 from gradwatch.agent.signals import unknown_record_names

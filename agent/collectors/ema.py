@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from gradwatch.agent.capture.ema import EmaMatcher, ema_divergence
+from gradwatch.agent.capture.ema_pairs import EmaMatcher, ema_divergence
 from gradwatch.agent.capture.ema_worker import BARRIER_TIMEOUT, EmaWorker
 from gradwatch.agent.collectors.base import Collector, scatter_measured
 

@@ -1,7 +1,7 @@
 """Non-finite values in the step's first input batch, every ``inputs_every`` steps and while hunting a NaN."""
 from __future__ import annotations
 
-from gradwatch.agent.capture.activations import count_nonfinite
+from gradwatch.agent.capture.activation_stats import count_nonfinite
 from gradwatch.agent.collectors.base import Collector
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gradwatch import agent
-from gradwatch.agent.capture.ema import EmaMatcher, ema_divergence
+from gradwatch.agent.capture.ema_pairs import EmaMatcher, ema_divergence
 from gradwatch.agent.capture.norms import grad_norms
 from gradwatch.agent.record import StepRecord
 from agent_helpers import TinyNet, batches, checklist_step
