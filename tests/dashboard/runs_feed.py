@@ -54,6 +54,7 @@ def make_steps(n: int, *, start: int = 0, seed: int = 0, overflow_every: int = 0
             scale /= 2
         if layers_every and i % layers_every == 0:
             step["grad_zero_fraction"] = 0.01 + 0.001 * (i % 7)
+            step["params_without_grad"] = i % 3   # sampled with the weights, as the agent does (0: healthy)
             # the early-warning signals, sampled on the same steps as the agent samples them (healthy values)
             step["attn_logit_max"] = 6.0 + 0.2 * math.sin(i / 20)
             step["output_logit_max"] = 9.0 + 0.3 * math.sin(i / 30)
