@@ -252,7 +252,7 @@ class StepBuilder:
             self.pending["reported_" + key] = value
             return True
         if not fill_loss_scaler(ended, key, value):
-            ended.host.setdefault("custom_dev" if isinstance(value, torch.Tensor) else "custom", {})[key] = value
+            keep_as_custom(ended.host, key, value)
         return True
 
     def _report_clip_max_norm(self, value, ended: Optional[dict]) -> None:
@@ -302,14 +302,10 @@ class StepBuilder:
         host["scaler_active"] = scaler_enabled(self.watched.scaler)
         for contribute in self._at_end:
             contribute(step, rec)
-        reported = host.pop("reported_grad_norm", None)   # monitor.log(grad_norm=...) during the step
-        if reported is not None and not fill_grad_norm(rec, reported):
-            kind = "custom_dev" if isinstance(reported, torch.Tensor) else "custom"   # the agent's own won
-            host.setdefault(kind, {})["grad_norm"] = reported
-        for key, pending_key in _REPORTED_SCALER:   # monitor.log(overflow=..., loss_scale=...) during the step
+        for key, pending_key, fill in _REPORTED:   # monitor.log(grad_norm=..., ...) during the step
             reported = host.pop(pending_key, None)
-            if reported is not None and not fill_loss_scaler(rec, key, reported):
-                host.setdefault("custom_dev" if isinstance(reported, torch.Tensor) else "custom", {})[key] = reported
+            if reported is not None and not fill(rec, key, reported):
+                keep_as_custom(host, key, reported)   # the agent's own measurement won
         if self.replay is not None:
             self.replay.clear()
         self._reset()
@@ -335,8 +331,9 @@ def fill_grad_norm(rec: StepRecord, value) -> bool:
     return True
 
 
-# a loss scaler's values reported during the step: held in the step's pending values under these keys
-_REPORTED_SCALER = (("overflow", "reported_overflow"), ("loss_scale", "reported_loss_scale"))
+def keep_as_custom(host: dict, key: str, value) -> None:
+    """A reported value the agent's own measurement won over, kept as the step's custom value ``key``."""
+    host.setdefault("custom_dev" if isinstance(value, torch.Tensor) else "custom", {})[key] = value
 
 
 def fill_loss_scaler(rec: StepRecord, key: str, value) -> bool:
@@ -364,6 +361,13 @@ def fill_loss_scaler(rec: StepRecord, key: str, value) -> bool:
     else:
         rec.host["loss_scale"] = value
     return True
+
+
+# values reported during the step (monitor.log): (signal, the key holding it in the step's pending values
+# until end_step, the function making it the step's signal unless the agent measured its own)
+_REPORTED = (("grad_norm", "reported_grad_norm", lambda rec, _, value: fill_grad_norm(rec, value)),
+             ("overflow", "reported_overflow", fill_loss_scaler),
+             ("loss_scale", "reported_loss_scale", fill_loss_scaler))
 
 
 def accumulate(target: dict, key: str, value) -> None:
