@@ -103,7 +103,7 @@ class AgentConfig:
     # early warning H1 / H4 (docs/early-warning-adam.md): cadences measured with bench/agent_overhead.py
     adam_every: int = 20                 # Adam's g² / v̂ per parameter; 1 gives H1 its full 1-8 step lead (~2 % of a
                                          # CPU step measured, over the 1.03x budget with the rest: not the default)
-    linear_every: int = 10               # output RMS of every nn.Linear module (forward hooks on those steps)
+    linear_every: int = 10               # output RMS of every nn.Linear module (watched on those steps only)
 
     def __post_init__(self) -> None:
         problems = []

@@ -1,16 +1,16 @@
 """Activation mean / std / abs-max / non-finite count per module, every ``activations_every`` steps
 and on every step of a NaN hunt.
 
-The per-module forward hooks (and a model-level post hook that removes them)
-are registered on the sampled step's first forward and removed when it
-returns, so other steps pay nothing for them.
+Each module is watched on the sampled step's first forward only
+(:func:`~agent.collectors.base.after_forward`, undone by a model-level post hook when
+that forward returns), so other steps pay nothing for it.
 """
 from __future__ import annotations
 
 import torch
 
 from gradwatch.agent.capture.activation_stats import activation_stats, first_tensor
-from gradwatch.agent.collectors.base import OneForwardHooks
+from gradwatch.agent.collectors.base import OneForwardHooks, after_forward
 
 
 class ActivationStats(OneForwardHooks):
@@ -27,19 +27,20 @@ class ActivationStats(OneForwardHooks):
 
     def on_first_forward(self, step, args, kwargs) -> None:
         modules = self.watched.modules
-        self.hook_this_forward([m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(modules)])
+        self.hook_this_forward([after_forward(m, self._seen(i)) for i, (_, m) in enumerate(modules)])
 
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            if index in self.seen or "activations" in self.guards.disabled:
-                return None
-            with self.guards.guard("activations"):
+    def _seen(self, index: int):
+        guards, guard = self.guards, self.guards.guard("activations")
+
+        def seen(output):
+            if index in self.seen or "activations" in guards.disabled:
+                return
+            with guard:
                 t = first_tensor(output)
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
                     self.seen.add(index)
                     self.acts.append((index, activation_stats(t)))
-            return None
-        return hook
+        return seen
 
     def end_step(self, step, rec) -> None:
         acts = self.acts

@@ -2,7 +2,9 @@
 
 Before a Transformer diverges, the output norms of its linear layers (QKV, the attention projection,
 FC2) rise step after step (Rybakov et al. 2024, arXiv:2410.16682). On a sampled step's first
-training forward, forward hooks on the model's ``nn.Linear`` modules (subclasses included) record
+training forward, the model's ``nn.Linear`` modules (subclasses included) are watched for that forward
+only (:func:`~agent.collectors.base.after_forward`: a wrapper on the instance, or a forward hook where
+the module has hooks of its own), which record
 ``‖y‖ / √n`` of each one's output, in float32 (``vector_norm(..., dtype=float32)``: no upcast copy of a
 bf16 output), and are removed when that forward returns: other steps pay nothing. The record part
 ``layers.linear_out_rms`` holds one value per module of the run's module list, "not measured" for
@@ -22,7 +24,7 @@ import math
 import torch
 
 from gradwatch.agent.capture.shards import local_tensor
-from gradwatch.agent.collectors.base import OneForwardHooks, scatter_measured, to_device
+from gradwatch.agent.collectors.base import OneForwardHooks, after_forward, scatter_measured, to_device
 
 
 def output_rms(out: torch.Tensor) -> torch.Tensor:
@@ -78,20 +80,22 @@ class LinearOutputs(OneForwardHooks):
 
     def on_first_forward(self, step, args, kwargs) -> None:
         modules = self.watched.modules
-        self.hook_this_forward([modules[i][1].register_forward_hook(self._hook(i)) for i in self.linears])
+        self.hook_this_forward([after_forward(modules[i][1], self._seen(i)) for i in self.linears])
 
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            if index in self.values or self.name in self.guards.disabled:
-                return None
-            with self.guards.guard(self.name):
+    def _seen(self, index: int):
+        values, guards, guard = self.values, self.guards, self.guards.guard(self.name)
+
+        def seen(output):
+            if index in values or self.name in guards.disabled:
+                return
+            with guard:
                 if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() > 0:
-                    self.values[index] = output_norm_part(output)
-            return None
-        return hook
+                    values[index] = output_norm_part(output)
+        return seen
 
     def end_step(self, step, rec) -> None:
-        values, self.values = self.values, {}
+        values = dict(self.values)   # the forwards' closures hold this dict: emptied, not replaced
+        self.values.clear()
         if not values or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name):
