@@ -27,7 +27,7 @@ import torch
 
 
 class StepRecord:
-    __slots__ = ("step", "host", "parts", "index", "layout", "vector", "event", "stream")
+    __slots__ = ("step", "host", "parts", "index", "layout", "vector", "event", "stream", "later")
 
     def __init__(self, step: int):
         self.step = step
@@ -39,6 +39,15 @@ class StepRecord:
         self.vector: Optional[torch.Tensor] = None
         self.event = None
         self.stream = None   # the training thread's CUDA stream, for a record sealed by the sender thread
+        # host values the sender thread computes when it reads the record: name -> (function, argument)
+        self.later: Optional[dict[str, tuple[Any, Any]]] = None
+
+    def add_later(self, key: str, compute: Any, argument: Any) -> None:
+        """A host value ``compute(argument)`` worked out on the sender thread (:meth:`read`), off the
+        training thread's step: ``argument`` must be a snapshot nothing changes afterwards."""
+        if self.later is None:
+            self.later = {}
+        self.later[key] = (compute, argument)
 
     def add(self, key: str, tensor: torch.Tensor, index: Optional[list[int]] = None) -> None:
         """A 0-d or 1-d tensor (a higher-dimensional one is flattened). ``index``: for a per-layer part that
@@ -52,6 +61,16 @@ class StepRecord:
         self.parts.append((key, tensor if tensor.dim() < 2 else tensor.reshape(-1)))
         if index is not None:
             self.index[key] = index
+
+    def seal_unless_cpu(self) -> None:
+        """The sealer's seal: a record whose parts all lie in CPU memory is left for :meth:`read` to
+        seal on the sender thread (they are final values already, and a concatenation on the training
+        thread cost ~40 us a step of the overhead bench: the first torch call after a step's work runs
+        with cold caches); one with device parts is sealed now, behind the training thread's work."""
+        for _, t in self.parts:
+            if not t.is_cpu:
+                self.seal()
+                return
 
     def seal(self) -> None:
         """Flatten the device parts into one vector and start its copy to the host (no sync)."""
@@ -108,7 +127,14 @@ class StepRecord:
         self.parts = []
 
     def read(self) -> "StepValues":
-        """Sender thread only: wait for the copy, then take the vector's float32 bytes."""
+        """Sender thread only: wait for the copy, then take the vector's float32 bytes (a record left
+        unsealed, :meth:`seal_unless_cpu`, is sealed here); the :meth:`add_later` host values are
+        computed too."""
+        later, self.later = self.later, None
+        for key, (compute, argument) in (later or {}).items():
+            self.host[key] = compute(argument)
+        if self.parts:
+            self.seal()
         if self.vector is None:
             return StepValues(b"", {})
         if self.event is not None:

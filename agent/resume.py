@@ -47,9 +47,20 @@ def rng_hash() -> int:
     >>> first == rng_hash(), (torch.manual_seed(1) and first == rng_hash())
     (False, True)
     """
-    h = zlib.crc32(torch.default_generator.get_state().numpy())
-    if torch.cuda.is_initialized():
-        h = zlib.crc32(torch.cuda.get_rng_state().numpy(), h)
+    return hash_rng_states(rng_states())
+
+
+def rng_states() -> tuple:
+    """Copies of the RNG states :func:`rng_hash` hashes: (CPU state, CUDA state or None)."""
+    return torch.default_generator.get_state(), (torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)
+
+
+def hash_rng_states(states: tuple) -> int:
+    """:func:`rng_hash` of states taken by :func:`rng_states` (the sender thread hashes a step's copies)."""
+    cpu, cuda = states
+    h = zlib.crc32(cpu.numpy())
+    if cuda is not None:
+        h = zlib.crc32(cuda.numpy(), h)
     return h
 
 

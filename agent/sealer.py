@@ -170,7 +170,7 @@ class Sealer:
         self.submit_sealed(rec)
 
     def submit_sealed(self, rec: Any) -> None:
-        rec.seal()
+        rec.seal_unless_cpu()   # CPU parts: the sender thread seals them when it reads the record
         if self.sender is not None:
             self.sender.submit(rec)
 

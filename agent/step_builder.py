@@ -206,7 +206,8 @@ class StepBuilder:
                     if value.numel() != 1:
                         self.warn.warning("log:" + key, "gradwatch: monitor.log(%s=...) needs a scalar; ignored", key)
                         continue
-                    target.setdefault("custom_dev", {})[key] = value.detach().reshape(())
+                    # a copy: the record may be read after the loop changed its tensor in place
+                    target.setdefault("custom_dev", {})[key] = value.detach().reshape(()).clone()
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     target.setdefault("custom", {})[key] = float(value)
         if step_per_log:
@@ -220,7 +221,7 @@ class StepBuilder:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 return False   # the custom path warns
-            value = value.detach().reshape(())
+            value = value.detach().reshape(()).clone()   # the loop's tensor may change in place
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             return False
         else:
@@ -240,7 +241,7 @@ class StepBuilder:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 return False
-            value = value.detach().reshape(())
+            value = value.detach().reshape(()).clone()   # the loop's tensor may change in place
         elif isinstance(value, bool) and key == "overflow" or \
                 isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)

@@ -2,13 +2,14 @@
 
 A resumed run's G6 (``rng_not_restored``) compares the hash of the RNG state the resumed process holds
 at attach with this value of the step before it (docs/resume.md). Every step, not sampled: a checkpoint
-may be taken after any step. A host value (~2 µs: one copy of torch's 5 KB CPU generator state and a
-CRC-32; the CUDA generator's state is host-side), no device sync.
+may be taken after any step. A host value: the training thread copies torch's 5 KB CPU generator state
+(the CUDA generator's state is host-side), the sender thread computes its CRC-32 when it reads the
+record; no device sync.
 """
 from __future__ import annotations
 
 from gradwatch.agent.collectors.base import Collector
-from gradwatch.agent.resume import rng_hash
+from gradwatch.agent.resume import hash_rng_states, rng_states
 
 
 class RngState(Collector):
@@ -22,4 +23,5 @@ class RngState(Collector):
         if not self.guards.on(self.name):
             return
         with self.guards.guard(self.name):
-            rec.host["rng_hash"] = rng_hash()
+            # the states copied now, their CRC-32 worked out by the sender thread (StepRecord.read)
+            rec.add_later("rng_hash", hash_rng_states, rng_states())
