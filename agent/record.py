@@ -132,7 +132,10 @@ class StepRecord:
         computed too."""
         later, self.later = self.later, None
         for key, (compute, argument) in (later or {}).items():
-            self.host[key] = compute(argument)
+            try:
+                self.host[key] = compute(argument)
+            except Exception:  # noqa: BLE001 - the value is left out; the step's other numbers still go
+                pass
         if self.parts:
             self.seal()
         if self.vector is None:

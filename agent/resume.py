@@ -26,6 +26,7 @@ sync, once), except :func:`rng_hash`, which the ``rng_state`` collector runs at 
 """
 from __future__ import annotations
 
+import ctypes
 import zlib
 from typing import Any, Optional
 
@@ -58,10 +59,17 @@ def rng_states() -> tuple:
 def hash_rng_states(states: tuple) -> int:
     """:func:`rng_hash` of states taken by :func:`rng_states` (the sender thread hashes a step's copies)."""
     cpu, cuda = states
-    h = zlib.crc32(cpu.numpy())
+    h = zlib.crc32(_state_bytes(cpu))
     if cuda is not None:
-        h = zlib.crc32(cuda.numpy(), h)
+        h = zlib.crc32(_state_bytes(cuda), h)
     return h
+
+
+def _state_bytes(state: torch.Tensor) -> bytes:
+    """A generator state's bytes (a CPU uint8 tensor), read straight from its memory: numpy is not a
+    dependency of the agent (an agent-only install has none; ``.numpy()`` would raise there)."""
+    state = state.contiguous()
+    return ctypes.string_at(state.data_ptr(), state.numel() * state.element_size())
 
 
 def optimizer_steps(optimizer: Any) -> Optional[int]:
