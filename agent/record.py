@@ -200,15 +200,24 @@ class StepValues:
 _F32 = struct.Struct("<f")
 
 
-def _host_bytes(v: torch.Tensor) -> bytes:
-    """A float32 CPU tensor's values as little-endian bytes, copied out in one go.
+def cpu_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's memory as bytes (native byte order), copied out in one go.
 
     ``ctypes.string_at`` reads the tensor's memory directly: torch tensors do not export the
-    buffer protocol, and going through numpy would make it a dependency of the agent.
+    buffer protocol, and going through numpy would make it a dependency of the agent (an
+    agent-only install has none).
+
+    >>> cpu_bytes(torch.tensor([1, 2, 255], dtype=torch.uint8))
+    b'\\x01\\x02\\xff'
     """
-    if not v.is_contiguous():
-        v = v.contiguous()
-    raw = ctypes.string_at(v.data_ptr(), 4 * v.numel())
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _host_bytes(v: torch.Tensor) -> bytes:
+    """A float32 CPU tensor's values as little-endian bytes."""
+    raw = cpu_bytes(v)
     if sys.byteorder != "little":
         a = array("f")
         a.frombytes(raw)

@@ -21,18 +21,19 @@ collide (``server/resume.py``), so a run resumed under its own name never loses 
 sender logs where they went.
 
 Everything here runs once per attach (one host read of the scale and of the BatchNorm buffers: a
-sync, once), except :func:`rng_hash`, which the ``rng_state`` collector runs at every step end
-(~2 µs on the CPU, no device sync). Imports torch and :mod:`agent.capture.ema_pairs` only.
+sync, once), except the RNG hash the ``rng_state`` collector takes at every step end (:func:`rng_states`
+copied there, :func:`hash_rng_states` on the sender thread; no device sync). Imports torch,
+:mod:`agent.capture.ema_pairs`, :mod:`agent.record` (its byte reader) and :mod:`agent.unwrap` only.
 """
 from __future__ import annotations
 
-import ctypes
 import zlib
 from typing import Any, Optional
 
 import torch
 
 from gradwatch.agent.capture.ema_pairs import ema_tensors
+from gradwatch.agent.record import cpu_bytes
 from gradwatch.agent.unwrap import scaler_enabled
 
 # event data is bounded (64 KB): a model with thousands of BatchNorm layers names the first ones
@@ -59,17 +60,10 @@ def rng_states() -> tuple:
 def hash_rng_states(states: tuple) -> int:
     """:func:`rng_hash` of states taken by :func:`rng_states` (the sender thread hashes a step's copies)."""
     cpu, cuda = states
-    h = zlib.crc32(_state_bytes(cpu))
+    h = zlib.crc32(cpu_bytes(cpu))   # numpy is not a dependency of the agent
     if cuda is not None:
-        h = zlib.crc32(_state_bytes(cuda), h)
+        h = zlib.crc32(cpu_bytes(cuda), h)
     return h
-
-
-def _state_bytes(state: torch.Tensor) -> bytes:
-    """A generator state's bytes (a CPU uint8 tensor), read straight from its memory: numpy is not a
-    dependency of the agent (an agent-only install has none; ``.numpy()`` would raise there)."""
-    state = state.contiguous()
-    return ctypes.string_at(state.data_ptr(), state.numel() * state.element_size())
 
 
 def optimizer_steps(optimizer: Any) -> Optional[int]:

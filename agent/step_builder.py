@@ -192,7 +192,8 @@ class StepBuilder:
             rec = sealer.open_record
             target = rec.host if (rec is not None and not step_per_log) else self.pending
             if loss is not None:
-                accumulate(target, "logged_loss", loss)
+                # a copy of a tensor, like the values below: the record may be read after the loop changed it
+                accumulate(target, "logged_loss", loss.detach().clone() if isinstance(loss, torch.Tensor) else loss)
             for key, value in values.items():
                 if key == "clip_max_norm":
                     self._report_clip_max_norm(value, None if target is self.pending else target)

@@ -370,7 +370,7 @@ class AttentionLogitMode(TorchFunctionMode):
         super().__init__()
         self.owners, self.found, self.failed = owners, found, failed
         self.active = False
-        # SDPA calls scored when the mode is left: (args, kwargs, credited position, q's and k's versions)
+        # SDPA calls scored when the mode is left: (args, kwargs, credited position, q, k, their versions)
         self.deferred: list[tuple] = []
         self.deferred_bytes = 0
 
@@ -423,16 +423,14 @@ class AttentionLogitMode(TorchFunctionMode):
             position = credited_module(sys._getframe(2), self.owners)
         except Exception:  # noqa: BLE001 - scored at once then, the way it fails there
             return False
-        self.deferred.append((args, kwargs, position, q._version, k._version))
+        self.deferred.append((args, kwargs, position, q, k, q._version, k._version))
         self.deferred_bytes += size
         return True
 
     def score_deferred(self) -> None:
         """Score the SDPA calls kept by :meth:`_defer` (outside the mode: these calls are not seen)."""
         deferred, self.deferred, self.deferred_bytes = self.deferred, [], 0
-        for args, kwargs, position, q_version, k_version in deferred:
-            q = args[0] if args else kwargs.get("query")
-            k = args[1] if len(args) > 1 else kwargs.get("key")
+        for args, kwargs, position, q, k, q_version, k_version in deferred:
             if q._version != q_version or k._version != k_version:
                 continue   # changed in place after the call: these are not the logits it computed
             try:

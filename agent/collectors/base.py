@@ -38,6 +38,7 @@ import contextlib
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
+from torch.nn.modules import module as _torch_module   # the global module hooks live here
 
 from gradwatch.agent.capture.activation_stats import CONTAINERS
 from gradwatch.agent.capture.shards import local_grads, local_tensors, shard_layout
@@ -267,8 +268,8 @@ _NO_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunction", contextlib.nullco
 
 
 def _has_global_hooks() -> bool:
-    from torch.nn.modules import module as _module
-    return bool(getattr(_module, "_global_forward_hooks", None) or getattr(_module, "_global_forward_pre_hooks", None))
+    return bool(getattr(_torch_module, "_global_forward_hooks", None)
+                or getattr(_torch_module, "_global_forward_pre_hooks", None))
 
 
 # Index tensors on their devices, by (positions, device): a collector scatters the same positions step
