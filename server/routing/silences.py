@@ -119,7 +119,13 @@ def active_silences(session: Session, *, project_id: int, now: float) -> list[Si
 
 def silence_covering(silences: Iterable[Silence], labels: dict[str, str]) -> Optional[Silence]:
     for s in silences:
-        if matches_all(parse_matchers(s.matchers or []), labels):
+        try:
+            matchers = parse_matchers(s.matchers or [])
+        except ValueError:
+            # stored before matchers were RE2's (a lookaround, a backreference): it covers nothing rather
+            # than failing the ingest that raised the alert; `gradwatch silence list` still shows it
+            continue
+        if matches_all(matchers, labels):
             return s
     return None
 
