@@ -1,61 +1,99 @@
-"""LiveNews, the live push's hand-over (server/live_news.py): real threads, no mocks."""
+"""LiveNews, the live push's hand-over (server/live_news.py): real threads, no mocks.
+
+Time is LiveNews's injected ``clock`` (a list the test moves), not the wall clock: a parked wait ends
+when news comes, when a recheck says so, or when the test moves the clock past its timeout, never
+because a busy machine was slow (docs/testing.md, "No wall-clock thresholds"). ``join(HANG_S)`` only
+bounds how long a broken test hangs."""
 from __future__ import annotations
 
 import threading
-import time
 
 from gradwatch.server import live_news
 from gradwatch.server.live_news import LiveNews
+from tests.conftest import wait_until
+
+HANG_S = 60.0     # a hang bound, not a timing: every wait below ends at an event or a clock move
+
+
+class Clock:
+    """A clock the test moves by hand; ``reads`` counts how often LiveNews looked at it."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
 
 
 def _park(news: LiveNews, run_id: int, out: list, **kw) -> threading.Thread:
-    t = threading.Thread(target=lambda: out.append((news.wait(run_id, **kw), time.monotonic())))
+    t = threading.Thread(target=lambda: out.append(news.wait(run_id, **kw)), daemon=True)
     t.start()
     return t
 
 
+def _parked(news: LiveNews, n: int) -> None:
+    wait_until(lambda: news._waiters == n, what=f"{n} parked waits")
+
+
 def test_a_stored_batch_wakes_the_pages_waiting_on_its_run_only():
-    news = LiveNews()
+    clock = Clock()
+    news = LiveNews(clock=clock)
     mine, other = [], []
-    a, b = _park(news, 1, mine, timeout=5.0), _park(news, 2, other, timeout=0.5)
-    time.sleep(0.1)
-    published = time.monotonic()
+    a, b = _park(news, 1, mine, timeout=5.0), _park(news, 2, other, timeout=5.0)
+    _parked(news, 2)                  # both parked before the news (their generation read)
     news.published(1)
-    a.join(5)
-    b.join(5)
-    assert mine[0][0] is True and mine[0][1] - published < 0.5
-    assert other[0][0] is False     # run 2 got nothing: it waited out its timeout
+    a.join(HANG_S)
+    # the clock has not moved: run 1's wait can only have ended on the news
+    assert not a.is_alive() and mine == [True]
+    assert b.is_alive() and other == []       # run 2's page heard nothing and is still parked
+    clock.now += 5.0                          # its timeout passes: it answers "nothing new"
+    b.join(HANG_S)
+    assert not b.is_alive() and other == [False]
 
 
 def test_a_wait_without_news_times_out_and_a_recheck_can_end_it():
-    news = LiveNews()
-    t0 = time.monotonic()
-    assert news.wait(7, timeout=0.3) is False
-    assert time.monotonic() - t0 >= 0.3
+    clock = Clock()
+    news = LiveNews(clock=clock)
+    out = []
+    t = _park(news, 7, out, timeout=0.3)
+    _parked(news, 1)
+    clock.now += 0.29                         # short of the timeout: still parked
+    # a wait that returns reads the clock twice more (its deadline, then watch() on the way out); three
+    # reads after the move mean it looked at the new time and parked again, at least twice
+    seen = clock.reads
+    wait_until(lambda: clock.reads >= seen + 3, what="the parked wait looking at the clock again")
+    assert t.is_alive() and out == []
+    clock.now += 0.01                         # at the timeout: False
+    t.join(HANG_S)
+    assert out == [False] and news._waiters == 0
+
     calls = []
 
     def recheck():   # another replica stored steps: found by re-reading, no wake-up
-        calls.append(1)
+        calls.append(clock.now)
         return len(calls) >= 2
-    t0 = time.monotonic()
+    # the clock stands still, so only the recheck can end this wait: every RECHECK_S of waiting
     assert news.wait(7, recheck=recheck, timeout=5.0) is True
-    assert len(calls) == 2 and time.monotonic() - t0 < 2.5 * live_news.RECHECK_S + 0.5
+    assert len(calls) == 2
 
 
 def test_beyond_max_waiters_a_page_is_told_to_poll_at_once():
-    news = LiveNews()
+    clock = Clock()
+    news = LiveNews(clock=clock)
     done = []
     parked = [_park(news, 3, done, timeout=5.0) for _ in range(live_news.MAX_WAITERS)]
-    deadline = time.monotonic() + 5
-    while news._waiters < live_news.MAX_WAITERS and time.monotonic() < deadline:
-        time.sleep(0.01)
-    t0 = time.monotonic()
-    assert news.wait(3, timeout=5.0) is None
-    assert time.monotonic() - t0 < 0.5
+    _parked(news, live_news.MAX_WAITERS)
+    # the clock stands still: a wait that parked would never end; this one answers None at once
+    extra = []
+    t = _park(news, 3, extra, timeout=5.0)
+    t.join(HANG_S)
+    assert not t.is_alive() and extra == [None]
     news.published(3)
-    for t in parked:
-        t.join(5)
-    assert [ok for ok, _ in done] == [True] * live_news.MAX_WAITERS
+    for p in parked:
+        p.join(HANG_S)
+    assert done == [True] * live_news.MAX_WAITERS
     assert news._waiters == 0
 
 
