@@ -99,7 +99,8 @@ class Sender:
     def __init__(self, config: AgentConfig, *, transport: HttpTransport, spool: Spool,
                  assembler: StepAssembler, header: dict, meta: Optional[dict] = None,
                  clock: Callable[[], float] = time.monotonic, warn: Optional[OnceLogger] = None,
-                 journal: Optional[TailJournal] = None, inbox: Optional[AlertInbox] = None):
+                 journal: Optional[TailJournal] = None, inbox: Optional[AlertInbox] = None,
+                 wall_clock: Callable[[], float] = time.time):
         self.config = config
         # Where the replies' alerts go (None: batches do not ask for them).
         self.inbox = inbox
@@ -109,6 +110,8 @@ class Sender:
         self.header = dict(header)
         self.meta = meta
         self.clock = clock
+        # the pace's slots are wall-clock instants shared by the ranks' hosts (agent/pacing.py)
+        self.wall_clock = wall_clock
         self.warn = warn or OnceLogger()
         self.journal = journal if journal is not None and journal.on else None
         # True while the thread sleeps with nothing taken: a submit wakes it (crash tail only)
@@ -276,7 +279,7 @@ class Sender:
         if pace <= self.config.flush_interval:
             return now + self.config.flush_interval
         at = self.clock()    # after the batch's round trip: the slot is counted from the present
-        return at + seconds_to_slot(time.time(), pace, rank=rank, world_size=world)
+        return at + seconds_to_slot(self.wall_clock(), pace, rank=rank, world_size=world)
 
     def _drain_queue(self) -> bool:
         """Take everything submitted so far; True when a stop marker was handled."""

@@ -1,6 +1,8 @@
 """Delivery to a real server: batching, the disk spool, outages, slow and failing servers, drops."""
 from __future__ import annotations
 
+import json
+import math
 import statistics
 import time
 
@@ -224,42 +226,70 @@ def test_sync_stops_at_an_unreachable_server_and_keeps_the_files(tmp_path):
     assert sorted(p.name for p in spool.rglob("*.json")) == before
 
 
+class BatchLog:
+    """The real HTTP transport, noting the step numbers of every batch it posts (in order)."""
+
+    def __init__(self, url: str):
+        from gradwatch.agent.transport import HttpTransport
+        self.http = HttpTransport(url)
+        self.batches: list[list[int]] = []
+
+    def post(self, body: bytes):
+        self.batches.append([s["step"] for s in json.loads(body).get("steps", [])])
+        return self.http.post(body)
+
+
 def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_goes_at_once(shared_server, tmp_path):
     """A run of many ranks: the ingest reply asks every rank but rank 0 to send at most every
     ``rank_pace`` seconds (server/pacing.py: 1024 ranks -> 8 s at least), and the agent does, every step still
     arriving; a non-finite step is sent at once whatever the pace. The rank is given by hand (no
-    1024-process job here): the header is what the agent sends as its rank and world size."""
+    1024-process job here): the header is what the agent sends as its rank and world size.
+
+    What the pace causes is asserted, not how many batches fit in so many seconds (docs/testing.md): the
+    pace each rank took from the replies, rank 3 sending fewer batches than rank 0 over the same steps,
+    and the non-finite step's batch ending at that step while the loop goes on (a batch sent at a tick
+    of the pace would carry the steps made while it waited)."""
     from gradwatch.server.pacing import rank_pace
 
     least = rank_pace(1024, 3)   # the pace at the least hold; a measured hold only lengthens it
     assert least == 8.0 and rank_pace(1024, 0) == 0.0 and rank_pace(2, 1) < 0.5
-    runs = {}
+    runs, logs = {}, {}
     for rank in (0, 3):
         model, opt, scaler = tiny_loop()
+        logs[rank] = BatchLog(shared_server.url)
         monitor = agent.attach(model, scaler, server=shared_server.url, project="pace", run=f"r{rank}",
-                               spool_dir=str(tmp_path / f"spool{rank}"), flush_interval=0.2)
+                               spool_dir=str(tmp_path / f"spool{rank}"), flush_interval=0.2, transport=logs[rank])
         monitor.sender.header.update(rank=rank, world_size=1024)
-        data = batches(200)
+        data = batches(400)
         sent_before, t0 = None, None
         for i, (x, y) in enumerate(data[:120]):
             checklist_step(model, opt, scaler, x, y)
             time.sleep(0.05)
             if i == 40:    # the first replies have told the agent its pace by now
                 sent_before, t0 = monitor.sender.delivered_batches, time.perf_counter()
-        runs[rank] = (monitor.sender.delivered_batches - sent_before, time.perf_counter() - t0)
+        runs[rank] = (monitor.sender.delivered_batches - sent_before, time.perf_counter() - t0, monitor.sender._pace)
         if rank == 3:
             x, y = data[120]
             x = x.clone()
             x[0, 0] = float("nan")
             checklist_step(model, opt, scaler, x, y)   # step 120: non-finite
-            counts = wait_until(lambda: stored_counts(shared_server, "pace", "r3", rank=3).get(120), timeout=2.5,
-                                what="the non-finite step, sent before the 8 s pace was up")
-            assert counts == 1
+            # the loop goes on until the step is stored (the wait's limit is a hang bound, the pace is 8 s)
+            k = 121
+            while not stored_counts(shared_server, "pace", "r3", rank=3).get(120):
+                assert k < len(data), "the non-finite step was not stored"
+                checklist_step(model, opt, scaler, *data[k])
+                time.sleep(0.05)
+                k += 1
+            (carrier,) = [b for b in logs[3].batches if 120 in b]
+            assert carrier[-1] == 120, carrier     # shipped when taken, not with the steps after it
+            print(f"\n[pace] the non-finite step stored {k - 121} steps later (0.05 s each)")
         monitor.close()
-    (fast, fast_s), (paced, paced_s) = runs[0], runs[3]
-    assert fast >= fast_s / 0.2 / 2, runs       # rank 0: a batch per flush_interval (0.2 s), give or take
-    assert paced <= paced_s / least + 1, runs   # rank 3: at most one per pace
-    assert sorted(stored_counts(shared_server, "pace", "r3", rank=3)) == list(range(121))   # nothing lost
+    (fast, fast_s, pace0), (paced, paced_s, pace3) = runs[0], runs[3]
+    assert pace0 == 0.0 and pace3 >= least, runs       # the paces the replies gave
+    assert paced < fast, runs                           # rank 3 waited its pace between batches, rank 0 did not
+    print(f"[pace] steps 41-119: rank 0 sent {fast} batches in {fast_s:.1f} s, rank 3 {paced} in {paced_s:.1f} s")
+    stored = stored_counts(shared_server, "pace", "r3", rank=3)
+    assert sorted(stored) == list(range(k)) and set(stored.values()) == {1}   # nothing lost
 
 
 class PacingServer:
@@ -281,11 +311,50 @@ class PacingServer:
         return Delivery(200, json.dumps({"accepted": 1, "pace": self.pace}))
 
 
-def test_paced_ranks_send_in_their_own_slots_of_the_pace_not_together(tmp_path):
+def test_a_paced_rank_schedules_each_batch_in_its_own_slot_of_the_pace():
     """agent/pacing.py: rank r of W, paced at P seconds, sends at the wall-clock instants k P + P r / W, so
-    the ranks of a run given one pace at once do not all send in the same instant. Two ranks of a 64-rank
-    run at a 1 s pace: each posts in its own slot, 1 s apart. (The first batch goes in its slot of the
-    pace assumed before any reply, 64 / 128 = 0.5 s here.)"""
+    the ranks of a run given one pace at once do not all send in the same instant. The sender's schedule
+    on injected clocks (its ``clock`` and ``wall_clock``): two ranks of a 64-rank run, the first batch in
+    its slot of the pace assumed before any reply (agent/pacing.py initial_pace: 2 s at 64 ranks), then,
+    told a 1 s pace, every batch in its slot, one pace after the last, whatever the reply's round trip
+    (shorter than half a pace) or the moment the reply came."""
+    from gradwatch.agent.config import AgentConfig
+    from gradwatch.agent.pacing import initial_pace
+    from gradwatch.agent.sender import Sender
+
+    world, pace = 64, 1.0
+    cfg = AgentConfig.from_sources({"flush_interval": 0.2}, env={})
+    for rank in (5, 40):
+        slot = pace * rank / world                     # 5/64 s and 40/64 s past every whole second
+        mono, wall = [50.0], [1_000.0]                 # the two clocks, 950 s apart
+        sender = Sender(cfg, transport=None, spool=None, assembler=None,
+                        header={"rank": rank, "world_size": world},
+                        clock=lambda: mono[0], wall_clock=lambda: wall[0])
+
+        def next_post_wall(now_wall: float) -> float:
+            mono[0], wall[0] = now_wall - 950.0, now_wall
+            return sender._next_tick(mono[0]) + 950.0  # the tick (sender clock) as a wall-clock instant
+
+        first = initial_pace(rank, world)
+        assert first == 2.0
+        t = next_post_wall(1_000.0)
+        assert t - 1_000.0 >= first / 2 and math.isclose((t - first * rank / world) % first, 0.0, abs_tol=1e-9)
+        sender._read_reply(json.dumps({"accepted": 1, "pace": pace}))
+        # replies that came 0 to 0.49 s after a post in the slot: the next post one pace later, in the slot
+        for k, reply_after in enumerate((0.0, 0.03, 0.2, 0.49)):
+            post = 1_010.0 + k + slot
+            nxt = next_post_wall(post + reply_after)
+            assert math.isclose(nxt, post + pace, abs_tol=1e-9), (rank, reply_after, nxt)
+        # the pace told at an odd moment (1012.9): the next slot at least half a pace away
+        nxt = next_post_wall(1_012.9)
+        assert math.isclose((nxt - slot) % pace, 0.0, abs_tol=1e-9) or math.isclose((nxt - slot) % pace, pace)
+        assert pace / 2 <= nxt - 1_012.9 <= 1.5 * pace, nxt
+
+
+def test_paced_ranks_send_in_their_own_slots_of_the_pace_not_together(tmp_path):
+    """The schedule above with real threads and the real wall clock: two ranks of a 64-rank run at a 1 s
+    pace each post in their own slot, every batch delivered. What a loaded machine does to the instants
+    (how late a woken thread posts) is printed, not asserted: the slots themselves are the test above."""
     world, pace = 64, 1.0
     servers = {}
     monitors = {}
@@ -315,15 +384,12 @@ def test_paced_ranks_send_in_their_own_slots_of_the_pace_not_together(tmp_path):
         # after the first reply told the pace, every batch but the closing one is posted in the rank's slot
         paced = posted[1:-1]
         assert len(paced) >= 3, posted
-        for t in paced:
-            late = (t - slot) % pace
-            # the thread wakes at its tick; a busy machine may hold it up a little, never by the 0.55 s
-            # between the two ranks' slots (measured: 0.01-0.08 s late, once 0.35 s under load)
-            assert late < 0.45, (rank, [round((x - slot) % pace, 3) for x in paced])
         gaps = [b - a for a, b in zip(paced, paced[1:])]
-        assert all(0.55 < g < 1.45 for g in gaps), (rank, gaps)
+        # never sooner than half a pace: the next slot is at least that far from the reply (agent/pacing.py)
+        assert min(gaps) >= pace / 2, (rank, gaps)
         assert servers[rank].steps == i, (rank, servers[rank].steps, i)     # nothing lost
-    # the two ranks post apart, 35/64 of the pace: their posts' phases (mod the pace) differ by that
+        print(f"\n[slots] rank {rank}: posted late by "
+              f"{[round((t - slot) % pace, 3) for t in paced]} s after its slot; gaps {[round(g, 3) for g in gaps]}")
+    # the two ranks post apart, 35/64 of the pace: their posts' phases (mod the pace) differ by about that
     phase = {r: statistics.median(t % pace for t in servers[r].posted[1:-1]) for r in (5, 40)}
-    apart = (phase[40] - phase[5]) % pace
-    assert abs(apart - 35 / 64 * pace) < 0.15, phase
+    print(f"[slots] phases apart {(phase[40] - phase[5]) % pace:.3f} s (slots {35 / 64 * pace:.3f} s apart)")

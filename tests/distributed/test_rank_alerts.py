@@ -4,6 +4,7 @@ a silent rank (F4) driven through real HTTP ingest of per-rank batches."""
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 import uuid
 
@@ -64,9 +65,13 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
     other's: one F3 on rank 1, naming this host. A healthy run of the same job: no F3.
 
     Under DDP the same sleep shows on every rank: the all-reduce makes the fast rank wait for the slow
-    one, so the ends of the steps, and the step times between them, are the same on both ranks (asserted
-    below). Each rank's ``data_time`` (previous step's end -> first forward) stays its own: F3 names rank
-    1 through it (docs/rules.md, F3), and a healthy DDP run of the same job raises none."""
+    one, so the ends of the steps, and the step times between them, are the same on both ranks. Each
+    rank's ``data_time`` (previous step's end -> first forward) stays its own: F3 names rank 1 through
+    it (docs/rules.md, F3), and a healthy DDP run of the same job raises none.
+
+    What the timing causes is asserted, not its size (docs/testing.md, "No wall-clock thresholds"): the
+    rank named, the rank that is late to its forward, the fast rank's step covering that lateness. How
+    many milliseconds a loaded machine measures is printed."""
     srv = server_factory(db_url)
     host = socket.gethostname()
     slow = f"slow-{uuid.uuid4().hex[:6]}"
@@ -75,7 +80,9 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
     rid = run_id(srv, slow)
     (f3,) = _alerts(srv, rid, "F3")
     assert f3["rank"] == 1 and f3["evidence"]["host"] == host and f3["evidence"]["steps"] == 20, f3
-    assert f3["evidence"]["ratio"] > 1.2 and f"Rank 1 on host {host} is a straggler" in f3["message"]
+    assert f"Rank 1 on host {host} is a straggler" in f3["message"], f3["message"]
+    # what the sleep causes: rank 1's step time above the other rank's (by how much is the machine's)
+    assert f3["evidence"]["step_time"] > f3["evidence"]["others_median"], f3
 
     healthy = f"healthy-{uuid.uuid4().hex[:6]}"
     torchrun("local", tmp_path / "healthy", nproc=2, server=srv, run=healthy, extra=["--steps", "40", "--base-s", "0.02"])
@@ -86,15 +93,25 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
              extra=["--steps", "40", "--slow-rank", "1", "--slow-s", "0.03"])
     rid = run_id(srv, ddp)
     t0, t1 = series(srv, rid, "step_time", 0), series(srv, rid, "step_time", 1)
-    both = [s for s in t0 if s >= 5 and t0[s] is not None and t1.get(s) is not None]
-    assert sum(t0[s] for s in both) / sum(t1[s] for s in both) > 0.8      # the fast rank waited as long
     d0, d1 = series(srv, rid, "data_time", 0), series(srv, rid, "data_time", 1)
-    late = [s for s in both if d0.get(s) is not None and d1.get(s) is not None]
-    assert late and all(d1[s] >= 0.03 for s in late), [(s, d1[s]) for s in late]   # rank 1 sleeps before its forward
-    assert sum(d1[s] - d0[s] for s in late) / len(late) >= 0.025                    # rank 0 does not
+    steps = [s for s in t0 if s >= 5 and all(v.get(s) is not None for v in (t0, t1, d0, d1))]
+    assert len(steps) >= 30, steps
+    lateness = [d1[s] - d0[s] for s in steps]          # how much later rank 1 reaches its forward
+    # rank 1 is the one that waits before its forward: later than rank 0 at most steps (the median's sign)
+    assert statistics.median(lateness) > 0, lateness
+    # and rank 0 waited for it at the all-reduce: its step time covers rank 1's lateness (without the
+    # collective, as in the local run, rank 0's step would be shorter than rank 1's sleep)
+    assert sum(t0[s] for s in steps) > sum(lateness), ([t0[s] for s in steps], lateness)
+    print(f"\n[straggler:ddp] rank 1 later to its forward by median {1000 * statistics.median(lateness):.1f} ms "
+          f"(sleeps 30 ms); step time rank 0 / rank 1: "
+          f"{sum(t0[s] for s in steps) / sum(t1[s] for s in steps):.2f}")
     (f3,) = _alerts(srv, rid, "F3")
-    assert f3["rank"] == 1 and f3["evidence"]["host"] == host and f3["evidence"]["excess_s"] >= 0.025, f3
-    assert "reaches its forward" in f3["message"] and f"Rank 1 on host {host}" in f3["message"]
+    assert f3["rank"] == 1 and f3["evidence"]["host"] == host, f3
+    assert "reaches its forward" in f3["message"] and f"Rank 1 on host {host}" in f3["message"], f3["message"]
+    # the data-time verdict, on rank 1's own lateness (its size is the machine's, printed)
+    assert f3["evidence"]["data_time"] > f3["evidence"]["others_data_median"], f3
+    print(f"[straggler:ddp] F3 evidence: excess {1000 * f3['evidence']['excess_s']:.1f} ms, "
+          f"{f3['evidence']['ratio']:.2f}x the step time")
 
     ddp_healthy = f"ddp-healthy-{uuid.uuid4().hex[:6]}"
     torchrun("ddp", tmp_path / "ddp-healthy", nproc=2, server=srv, run=ddp_healthy, extra=["--steps", "40"])
