@@ -20,8 +20,23 @@ PyTorch code computes attention:
   ``q·kᵀ/√head_dim`` from its in-projection, ``bias_k`` / ``add_zero_attn`` keys, ``attn_mask`` and
   ``key_padding_mask`` applied as it applies them.
 
-A softmax over any other shape or dimension is not attention and passes untouched (a 3-D
-``[batch·heads, query, key]`` softmax is not seen: it cannot be told from a classifier's).
+* ``softmax`` over the last dimension of a 3-D ``[batch·heads, query, key]`` tensor **computed from a
+  batched product of two activations**: ``torch.bmm`` / ``torch.baddbmm`` (fairseq's
+  ``MultiheadAttention``, older Megatron, many research codebases), or a ``matmul`` / ``@`` / ``einsum``
+  of 3-D tensors giving a 3-D result. A 3-D softmax alone cannot be told from a classifier's, so the
+  mode follows the products' outputs (:meth:`AttentionLogitMode._follow`, by object, weakly held)
+  through the shape and value operations attention code applies between the product and the softmax
+  (``view`` / ``reshape`` / ``transpose`` to 4-D and back, ``masked_fill``, an additive mask or bias,
+  ``*`` / ``/`` by a scale, ``float()`` / ``.to``, ``torch.where``): the softmax's input is the logits,
+  as for the 4-D case (the scaling folded into q, baddbmm's ``alpha`` and its additive ``input``, the
+  mask: whatever the model fed its softmax). A product with a parameter as an operand (a batched
+  linear layer: ``torch.bmm(x, w.expand(...))``, ``w.repeat(...)``, ``torch.baddbmm(b, x, w)``; a
+  parameter only reshaped, copied or cast, read from the autograd graph) is not followed, nor is a
+  product whose output is never softmaxed over its last dimension (the second bmm of attention,
+  ``probs @ v``, or any other use): only a softmax makes a product attention.
+
+A softmax over any other shape or dimension is not attention and passes untouched (a 3-D softmax over
+a tensor no followed product made, a classifier's say, is not seen).
 
 The value is the **max over every unmasked logit** of the call (all samples, heads, query and key
 positions), kept as a 0-d tensor on the device (no host sync); a masked entry (``-inf``, or a
@@ -35,7 +50,9 @@ through: its caller's frame holds the module as ``self``.
 Cost: only while the mode is on (the sampled forward): every torch call of that forward passes
 through :meth:`AttentionLogitMode.__torch_function__` (a dict look-up and the call), the attention
 calls add one ``amax`` (softmax) or one batched ``q·kᵀ`` in chunks of at most :data:`CHUNK_LOGITS`
-logits (SDPA, MHA), and one short frame walk each. An SDPA call whose ``q`` and ``k`` autograd keeps
+logits (SDPA, MHA), and one short frame walk each; a 3-D product adds a parameter test and a weak
+reference to its output, and the shape and value operations a dict test while any product is followed
+(none otherwise). An SDPA call whose ``q`` and ``k`` autograd keeps
 anyway is scored when the forward is over (:meth:`AttentionLogitMode.leave`), the products one after
 another rather than each between the model's own work, with its caches cold (2.5 -> 1.8 ms a sampled
 forward of the overhead bench's 12-block model). Nothing on other steps.
@@ -56,12 +73,18 @@ from torch.overrides import TorchFunctionMode
 
 from gradwatch.agent.capture.shards import local_tensor
 
+import weakref
+
 # one chunk of recomputed logits holds at most this many (64 MB in float32)
 CHUNK_LOGITS = 1 << 24
 # the q and k tensors of SDPA calls held until the forward is over, at most (AttentionLogitMode._defer)
 DEFER_BYTES = 64 << 20
 # how far up the Python stack a call's module is looked for
 MAX_FRAMES = 64
+# 3-D products (and what they became) followed in one forward, at most: past it the dead ones are dropped,
+# and if all are alive nothing new is followed (a model with more products than this a forward is not one
+# whose 3-D attention this can promise to see)
+MAX_FOLLOWED = 4096
 
 # What a call is, by the function object PyTorch hands the mode. Another library may have wrapped one of
 # these (a profiler's pass-through around F.scaled_dot_product_attention, installed before or after this
@@ -69,7 +92,19 @@ MAX_FRAMES = 64
 # imported here and as they are now, unwrapped through ``__wrapped__`` — and, last, by the name of torch's
 # own function. (tests/agent/test_attention_zoo.py, the pass-through wrapper cases.)
 _KINDS = {"softmax": "softmax", "special_softmax": "softmax", "scaled_dot_product_attention": "sdpa",
-          "multi_head_attention_forward": "mha"}
+          "multi_head_attention_forward": "mha",
+          # batched products whose 3-D output may be attention scores (followed to a softmax)
+          "bmm": "product", "baddbmm": "product", "matmul": "product", "__matmul__": "product",
+          "__rmatmul__": "product", "einsum": "product"}
+# What attention code does to the scores between the product and the softmax: the result of one of these
+# with a followed tensor among its first three arguments is followed too (by name: the function and the
+# Tensor method share it; the in-place forms return the tensor itself, already followed)
+_KINDS.update({name: "carry" for name in (
+    "view", "reshape", "view_as", "reshape_as", "transpose", "permute", "contiguous", "unsqueeze", "squeeze",
+    "float", "half", "bfloat16", "double", "to", "type", "type_as", "clone",
+    "masked_fill", "where", "add", "sub", "mul", "div", "true_divide", "clamp", "clamp_min", "clamp_max",
+    "__add__", "__radd__", "__iadd__", "__sub__", "__isub__", "__mul__", "__rmul__", "__imul__",
+    "__truediv__", "__itruediv__", "__getitem__", "masked_fill_", "add_", "sub_", "mul_", "div_")})
 _ORIGINALS = {inspect.unwrap(f): kind for f, kind in (
     (F.softmax, "softmax"), (torch.softmax, "softmax"), (torch.Tensor.softmax, "softmax"),
     (torch.special.softmax, "softmax"), (torch._C._nn.scaled_dot_product_attention, "sdpa"),
@@ -100,10 +135,14 @@ _seen_kinds: dict[Any, Optional[str]] = {}
 
 
 def call_kind(func: Callable) -> Optional[str]:
-    """"softmax", "sdpa", "mha" or None for the function a torch function mode is handed (cached).
+    """"softmax", "sdpa", "mha", "product" (a batched product: torch.bmm, baddbmm, matmul, einsum),
+    "carry" (an operation the scores pass through on their way to the softmax) or None for the function
+    a torch function mode is handed (cached).
 
-    >>> call_kind(torch.softmax), call_kind(F.scaled_dot_product_attention), call_kind(torch.add)
-    ('softmax', 'sdpa', None)
+    >>> call_kind(torch.softmax), call_kind(F.scaled_dot_product_attention), call_kind(torch.baddbmm)
+    ('softmax', 'sdpa', 'product')
+    >>> call_kind(torch.Tensor.masked_fill), call_kind(torch.exp)
+    ('carry', None)
     """
     try:
         return _seen_kinds[func]
@@ -133,6 +172,53 @@ def _dim_arg(func: Callable, args: tuple, kwargs: dict) -> Any:
     if "dim" in kwargs:
         return kwargs["dim"]
     return args[1] if len(args) > 1 else None
+
+
+# autograd nodes that only move, copy or cast their input (the walk of _is_parameter goes through them)
+_SHAPE_NODES = frozenset(("ViewBackward", "UnsafeViewBackward", "TransposeBackward", "PermuteBackward",
+                          "ExpandBackward", "RepeatBackward", "CloneBackward", "ToCopyBackward", "UnsqueezeBackward",
+                          "SqueezeBackward", "ReshapeAliasBackward", "AsStridedBackward", "SliceBackward",
+                          "SelectBackward", "TBackward", "AliasBackward"))
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter, or a parameter only moved, copied or cast (``w.expand(...)``,
+    ``w.repeat(...)``, ``w.transpose(...)``, an autocast copy): read from ``t``'s autograd graph, at
+    most 8 nodes up. A parameter that does not require grad, copied by ``repeat``, is not recognised
+    (no graph): its product counts as one of activations.
+
+    >>> w = torch.nn.Parameter(torch.ones(2, 3)); x = torch.ones(2, 3, requires_grad=True)
+    >>> _is_parameter(w.repeat(4, 1, 1).transpose(1, 2)), _is_parameter(x.transpose(0, 1)), _is_parameter(w * 2)
+    (True, False, False)
+    """
+    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+        return True
+    fn = t.grad_fn
+    for _ in range(8):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return isinstance(getattr(fn, "variable", None), torch.nn.Parameter)
+        if name.rstrip("0123456789") not in _SHAPE_NODES:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
+
+
+def _product_operands(func: Callable, args: tuple, kwargs: dict) -> tuple:
+    """The two factors of a batched product call (``baddbmm``'s ``batch1`` / ``batch2``, not its added
+    ``input``; an einsum's operands)."""
+    name = getattr(func, "__name__", "")
+    if name == "einsum":
+        ops = args[1:] if len(args) > 1 else ()
+        return tuple(ops[0]) if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops
+    if name == "baddbmm":
+        return args[1:3] if len(args) >= 3 else (kwargs.get("batch1"), kwargs.get("batch2"))
+    return args[:2] if len(args) >= 2 else tuple(args) + tuple(kwargs.get(n) for n in ("mat2", "other"))
 
 
 def softmax_logit_max(x: torch.Tensor) -> torch.Tensor:
@@ -373,21 +459,74 @@ class AttentionLogitMode(TorchFunctionMode):
         # SDPA calls scored when the mode is left: (args, kwargs, credited position, q, k, their versions)
         self.deferred: list[tuple] = []
         self.deferred_bytes = 0
+        # 3-D batched products' outputs and what they became, this forward: id -> weak reference
+        self.followed: dict[int, Any] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = call_kind(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        if kind == "carry":
+            out = func(*args, **kwargs)
+            if self.followed and out is not None:
+                self._carry(args, out)
+            return out
+        if kind == "product":
+            out = func(*args, **kwargs)
+            self._follow(func, args, kwargs, out)
+            return out
         if kind == "softmax":
             x = args[0] if args else kwargs.get("input")
             dim = _dim_arg(func, args, kwargs)
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3):
-                self._measure(softmax_logit_max, (local_tensor(x),), {})
+            if isinstance(x, torch.Tensor):
+                if x.dim() == 4 and dim in (-1, 3):
+                    self._measure(softmax_logit_max, (local_tensor(x),), {})
+                elif x.dim() == 3 and dim in (-1, 2) and self._is_followed(x):
+                    self._measure(softmax_logit_max, (local_tensor(x),), {})
         elif kind == "sdpa":
             if not self._defer(args, kwargs):
                 self._measure(sdpa_logit_max, args, kwargs)
         elif kind == "mha":
             self._measure(mha_logit_max, args, kwargs)
         return func(*args, **kwargs)
+
+    def _is_followed(self, t: Any) -> bool:
+        ref = self.followed.get(id(t))
+        return ref is not None and ref() is t
+
+    def _keep(self, out: torch.Tensor) -> None:
+        if len(self.followed) >= MAX_FOLLOWED:
+            self.followed = {i: r for i, r in self.followed.items() if r() is not None}
+            if len(self.followed) >= MAX_FOLLOWED:
+                return
+        self.followed[id(out)] = weakref.ref(out)
+
+    def _follow(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        """Follow a batched product's 3-D output (both factors 3-D activations, neither a parameter) to
+        see whether a softmax over its last dimension comes of it: attention scores then."""
+        try:
+            if not isinstance(out, torch.Tensor) or out.dim() != 3 or not out.is_floating_point():
+                return
+            ops = _product_operands(func, args, kwargs)
+            if len(ops) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() == 3 and not _is_parameter(t)
+                                        for t in ops):
+                return
+            self._keep(out)
+        except Exception as e:  # noqa: BLE001 - never hurt the host: the product's result is returned as is
+            self.failed(e)
+
+    def _carry(self, args: tuple, out: Any) -> None:
+        """``out`` came of a followed tensor (one of the call's first three arguments): follow it too."""
+        try:
+            if not isinstance(out, torch.Tensor) or self._is_followed(out):
+                return
+            for a in args[:3]:
+                if isinstance(a, torch.Tensor) and self._is_followed(a):
+                    self._keep(out)
+                    return
+        except Exception as e:  # noqa: BLE001 - never hurt the host
+            self.failed(e)
 
     def _measure(self, how: Callable, args: tuple, kwargs: dict) -> None:
         try:
@@ -453,5 +592,6 @@ class AttentionLogitMode(TorchFunctionMode):
                 self.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - never hurt the host
                 pass
+        self.followed = {}
         if self.deferred:
             self.score_deferred()

@@ -31,6 +31,10 @@ What is in it (docs/early-warning-logits.md, "The attention-logit zoo", says wha
   learned temperature; ALiBi; a helper function given the module; cross attention through a
   ``nn.MultiheadAttention`` with its default ``need_weights=True``, nested in a module that runs its own
   attention too.
+* Two with a 3-D softmax over ``[batch·heads, query, key]`` scores from a batched product: fairseq's
+  ``MultiheadAttention`` (``torch.baddbmm``, the scaling folded into q, an additive causal mask and a
+  key padding mask) and a plain ``torch.bmm`` one that also runs batched products that are not
+  attention (with a parameter; ``probs @ v``).
 """
 from __future__ import annotations
 
@@ -633,6 +637,65 @@ class LatentClassifier(nn.Module):
         return self.head(out.mean(1))
 
 
+class FairseqAttention(nn.Module):
+    """Style 7, fairseq's ``MultiheadAttention`` eager path (time-first ``[T, B, C]``): the scaling folded
+    into q (``q_proj(x) * self.scaling``), heads folded into the batch (``[B·H, T, d]``), the scores by
+    ``torch.baddbmm`` with the additive causal mask as its ``input``, the key padding applied on a 4-D
+    view (``masked_fill(-inf)``) and viewed back, then fairseq's ``utils.softmax`` (``F.softmax(x,
+    dim=-1, dtype=torch.float32)``) over the 3-D ``[B·H, T, S]`` tensor, ``type_as`` and
+    ``torch.bmm(probs, v)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_dim, self.num_heads = D, HEADS
+        self.head_dim = D // HEADS
+        self.scaling = self.head_dim ** -0.5
+        self.k_proj, self.v_proj, self.q_proj, self.out_proj = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x, keep):
+        x = x.transpose(0, 1)                                             # [T, B, C], fairseq's layout
+        tgt_len, bsz, _ = x.shape
+        q = self.q_proj(x) * self.scaling
+        k, v = self.k_proj(x), self.v_proj(x)
+        q, k, v = (z.contiguous().view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1) for z in (q, k, v))
+        src_len = k.shape[1]
+        attn_mask = torch.full((tgt_len, src_len), float("-inf")).triu(1)
+        attn_weights = torch.baddbmm(attn_mask, q, k.transpose(1, 2))   # [B·H, T, S]
+        attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len)
+        attn_weights = attn_weights.masked_fill((keep == 0).unsqueeze(1).unsqueeze(2), float("-inf"))
+        attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+        attn_weights_float = F.softmax(attn_weights, dim=-1, dtype=torch.float32)
+        attn_probs = attn_weights_float.type_as(attn_weights)
+        attn = torch.bmm(attn_probs, v)                                    # [B·H, T, d]
+        attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, self.embed_dim)
+        return self.out_proj(attn).transpose(0, 1)
+
+
+class BmmAttention(nn.Module):
+    """Style 8, plain ``torch.bmm``: a fused ``qkv``, heads folded into the batch, ``torch.bmm(q, kᵀ)``
+    divided by √d, a causal ``masked_fill(-inf)`` on the 3-D scores, ``Tensor.softmax(-1)``, and two
+    batched products that are not attention: a per-head gate computed by ``torch.bmm`` with a parameter
+    (a batched linear layer, its output through ``sigmoid``) and the values' ``torch.bmm(probs, v)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads, self.d = HEADS, D // HEADS
+        self.qkv = nn.Linear(D, 3 * D)
+        self.gate = nn.Parameter(torch.randn(HEADS, self.d, self.d) * 0.3)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, self.d).transpose(1, 2).reshape(b * self.heads, t, self.d)
+                   for z in self.qkv(x).chunk(3, dim=-1))
+        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(self.d)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.bmm(scores.softmax(-1), v)                                 # [b·heads, t, d]
+        gate = torch.bmm(v, self.gate.repeat(b, 1, 1)).sigmoid()               # not attention
+        y = (out * gate).reshape(b, self.heads, t, self.d).transpose(1, 2).reshape(b, t, D)
+        return self.proj(y)
+
+
 def _own(make_attn, **kw) -> Callable[[], nn.Module]:
     def build():
         torch.manual_seed(0)
@@ -691,6 +754,12 @@ def other_models() -> list[ZooModel]:
                  ("MultiheadAttention", "LatentBlock"),
                  notes="nn.MultiheadAttention cross attention (need_weights=True, key padding) inside a module with "
                        "its own F.softmax attention", expected_count=4, masks_matter=True, lr=1e-3),
+        ZooModel("own-fairseq-baddbmm-3d", _own(FairseqAttention), padded_tokens, next_token_loss,
+                 ("FairseqAttention",), notes="fairseq MultiheadAttention: q*scaling, baddbmm(causal mask, q, k^T), "
+                 "key padding on a 4-D view, F.softmax(dtype=float32) over [B*H, T, S]", expected_count=2),
+        ZooModel("own-bmm-3d", _own(BmmAttention), lm, next_token_loss, ("BmmAttention",),
+                 notes="fused qkv, bmm(q, k^T)/sqrt(d), masked_fill(-inf) on [B*H, T, T], Tensor.softmax; a bmm "
+                       "with a parameter and bmm(probs, v) beside it", expected_count=2),
     ]
 
 
