@@ -62,8 +62,9 @@ def test_server_down_mid_run_every_step_arrives_exactly_once(server_factory, sql
     wait_until(lambda: len(stored_counts(srv, "deliv", "outage")) >= 25, what="first steps stored")
     srv.kill()                        # as a crash would
     run("down", 50)
-    time.sleep(0.3)                   # let the sender spool the outage's batches
-    assert spooled_steps(tmp_path / "spool"), "batches made during the outage are on disk"
+    # batches made during the outage are on disk (the sender spools them at its next tick: waited for,
+    # the limit is a hang bound)
+    wait_until(lambda: spooled_steps(tmp_path / "spool"), what="the outage's batches in the spool")
     srv.start()
     run("back", 50)
     monitor.close(timeout=20)
