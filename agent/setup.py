@@ -25,7 +25,13 @@ turn it into notes on the run page (docs/early-warning-advice.md). What is read:
   ``ModelEmaV2/V3`` keep it; for ``torch.optim.swa_utils.AveragedModel`` built with
   ``get_ema_multi_avg_fn(decay)`` the ``decay`` its function closes over);
 * ``scheduler`` (``attach(scheduler=...)``; the HF and Lightning callbacks pass theirs): for a cosine
-  schedule, its base LRs and the LRs it ends at (:func:`scheduler_part`).
+  schedule, its base LRs and the LRs it ends at (:func:`scheduler_part`);
+* ``lr``: the learning rates the user configured for param group 0 (the group whose LR the ``lr``
+  signal carries), whatever the scheduler: its LR at attach and at the first step's end, and the
+  ``initial_lr`` a PyTorch, timm or HF scheduler writes into the group when it is built (the LR
+  it was given: a warm-up's target, the value a cosine or step schedule starts from and a restart
+  returns to), and ``max_lr`` (OneCycleLR's and CyclicLR's peak) (:func:`lr_part`). Rule H10
+  (``lr_jump``) reads the largest as the run's configured LR: a rise up to it is the schedule's own.
 
 Cost: a few microseconds at attach and one forward pre-hook call and one observer call per clip in
 the first step; nothing after it. No device sync: every value read is host metadata or a Python
@@ -166,6 +172,40 @@ def scheduler_part(scheduler: Any) -> Optional[dict]:
     return out
 
 
+_CONFIGURED_LR_KEYS = ("initial_lr", "max_lr")
+
+
+def lr_part(optimizer: Any, at_attach: Optional[float] = None) -> Optional[dict]:
+    """Param group 0's configured LRs: ``{"at_attach", "at_first_step", "initial_lr", "max_lr",
+    "configured"}`` (each where it is a finite float; ``configured``: the largest of them). Tensor LRs
+    are left out (no device read).
+
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    >>> lr_part(opt, at_attach=0.001)
+    {'at_attach': 0.001, 'at_first_step': 0.001, 'initial_lr': 0.1, 'configured': 0.1}
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None
+    g = groups[0]
+    out: dict[str, float] = {}
+    for key, value in (("at_attach", at_attach), ("at_first_step", g.get("lr")),
+                       *((k, g.get(k)) for k in _CONFIGURED_LR_KEYS)):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = float(value)
+    if not out:
+        return None
+    out["configured"] = max(out.values())
+    return out
+
+
+def _first_lr(optimizer: Any) -> Optional[float]:
+    groups = getattr(optimizer, "param_groups", None)
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+
+
 def _stage(scaler: Any, optimizer: Any) -> Optional[str]:
     """The GradScaler's stage for ``optimizer`` ("ready": grads still scaled; "unscaled"; "stepped"), or
     for whichever optimizer it knows when ``optimizer`` is not known yet; None without an enabled scaler."""
@@ -210,6 +250,7 @@ class SetupWatch:
             "ema": None if w.ema is None else {"class": type(w.ema).__name__, "decay": _safely(ema_decay, w.ema)},
             "scheduler": _safely(scheduler_part, scheduler),
         }
+        self.lr_at_attach = _safely(_first_lr, w.optimizer)
         self.autocast: Optional[dict] = None
         self.clips: list[dict] = []
         self.norm_only = 0
@@ -273,7 +314,7 @@ class SetupWatch:
         if not self.clips and module_clip is not None and math.isfinite(module_clip):
             self.clips.append({"max_norm": float(module_clip), "stage": _stage(self.watched.scaler,
                                                                              self.watched.optimizer)})
-        data = {**self.data, "autocast": self.autocast,
+        data = {**self.data, "autocast": self.autocast, "lr": _safely(lr_part, self.watched.optimizer, self.lr_at_attach),
                 "clip": {"calls": len(self.clips), "max_norm": self.clips[0]["max_norm"] if self.clips else None,
                          "stages": sorted({c["stage"] for c in self.clips if c["stage"]}),
                          **({"norm_only_calls": self.norm_only} if self.norm_only else {})}}

@@ -255,7 +255,8 @@ EVENT_KINDS += (
                                     "step, and again whenever the set grows)"),
     EventKind("run_setup", "the run's setup, once per process with its first step: device and native bf16, "
                            "autocast dtype, GradScaler, Transformer or not, clip_grad_norm_ calls and the scaler "
-                           "stage at them, EMA decay, a cosine schedule's base and final LRs (H5-H9)"),
+                           "stage at them, EMA decay, a cosine schedule's base and final LRs (H5-H9), the LRs "
+                           "param group 0 was configured with (H10)"),
 )
 
 # ---- issue 18, early warning H1 / H4 (docs/early-warning-adam.md): Adam's second moment going stale, and

@@ -1,6 +1,9 @@
 """The learning-rate schedule: a learning rate stuck at zero (B4), an abrupt jump of it (H10)."""
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import numpy as np
 
 from gradwatch.server.rules.registry import register
@@ -58,46 +61,75 @@ class LrZero(BatchRule):
 
 # schedulers whose own cycle restarts the learning rate at its peak: their jumps are declared, not abrupt
 _RESTARTING = ("CosineAnnealingWarmRestarts", "CyclicLR")
+# float rounding of a schedule's arithmetic (timm's warm-up end: warmup_lr_init + t * step, not exactly the base)
+_ROUNDING = 1.0 + 1e-6
 
 
 @register
 class LrJump(BatchRule):
     id, name, severity, checklist = "H10", "lr_jump", "warning", "7.1 / 8.C"
     family = "H"
-    fires_when = ("the learning rate rises >= {factor:g}x from one step to the next (from a non-zero LR; not where "
-                  "the run declared a scheduler that restarts its cycle, nor within {settle_steps} steps of a process's "
-                  "start: a resume's LR is G2's and G5's)")
-    diagnosis = ("An abrupt learning-rate increase: every update is that many times larger from one step to the next, "
-                 "with Adam's moments and the model tuned to the old rate; a gradient or loss explosion tends to "
-                 "follow within a few steps (checklist 7.1: an LR too large; 8.C: lower it). A warm-up rises by "
-                 "at most 2x a step; a jump like this is usually a scheduler bug, a resumed scheduler whose state "
-                 "was not restored, or a manual param_group edit.")
+    fires_when = ("the learning rate rises >= {factor:g}x from one step to the next (from a non-zero LR) to above the "
+                  "LR the run configured (the largest of param group 0's LR at attach and at the first step, and "
+                  "the initial_lr / max_lr its scheduler was built with, from the run_setup event; without one, any "
+                  "such rise); not where the run declared a scheduler that restarts its cycle, nor within "
+                  "{settle_steps} steps of a process's start: a resume's LR is G2's and G5's")
+    diagnosis = ("An abrupt learning-rate increase beyond what the run was configured with: every update is that many "
+                 "times larger from one step to the next, with Adam's moments and the model tuned to the old rate; a "
+                 "gradient or loss explosion tends to follow within a few steps (checklist 7.1: an LR too large; "
+                 "8.C: lower it). A schedule's own rises stay within the configured LR (a warm-up by step or by "
+                 "epoch reaching its target, a cosine or step schedule, OneCycleLR's peak, a return to initial_lr); "
+                 "a jump past it is usually a scheduler bug, a resumed scheduler whose state was not restored, or a "
+                 "manual param_group edit.")
     actions = {
-        "check_schedule": "If it was not meant: check the scheduler (its state after a resume, its step count), and "
-                          "any code that writes param_group['lr'].",
-        "ramp": "If the new LR is meant: reach it with a warm-up over a few hundred steps instead of one step, and "
-                "clip gradients (max_norm=1.0) meanwhile.",
+        "check_schedule": "If it was not meant: check the scheduler (its lambda or factors, its state after a resume, "
+                          "its step count), and any code that writes param_group['lr'].",
+        "ramp": "If the new LR is meant: configure it (the optimizer's lr, the scheduler's peak) and reach it with a "
+                "warm-up over a few hundred steps instead of one step, and clip gradients (max_norm=1.0) meanwhile.",
     }
     params = {"factor": Float(5.0), "settle_steps": Int(5, zero_ok=True)}
     needs = ("lr",)
     # State: "last" [step, lr] of the last measured finite LR; "restarting": the run declared a restarting scheduler;
-    # "quiet_until": the last step of a resumed process's first settle_steps, not judged.
+    # "quiet_until": the last step of a resumed process's first settle_steps, not judged; "configured": the
+    # configured LR of the latest process's run_setup event (absent: none said).
 
     @staticmethod
-    def _restarting(ctx) -> bool:
-        """The run's setup event (its first step's batch) declares a scheduler that restarts its cycle."""
-        for setup in (ctx.events.get("run_setup") or {}).values():
-            sched = setup.get("scheduler") if isinstance(setup, dict) else None
+    def _setups(ctx) -> list[tuple[int, dict]]:
+        """This batch's run_setup events (one per process, with its first step), oldest first."""
+        by_step = ctx.events.get("run_setup") or {}
+        return [(int(k), v) for k, v in sorted(by_step.items(), key=lambda kv: int(kv[0])) if isinstance(v, dict)]
+
+    @staticmethod
+    def _restarting(setups) -> bool:
+        """A setup event declares a scheduler that restarts its cycle."""
+        for _, setup in setups:
+            sched = setup.get("scheduler")
             if isinstance(sched, dict) and any(r in f"{sched.get('class', '')} {sched.get('within', '')}"
                                                for r in _RESTARTING):
                 return True
         return False
 
+    @staticmethod
+    def _configured(setups) -> Optional[float]:
+        """The LR the latest process was configured with (agent/setup.py ``lr_part``: ``lr.configured``)."""
+        for _, setup in reversed(setups):
+            lr = setup.get("lr")
+            value = lr.get("configured") if isinstance(lr, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+                return float(value)
+        return None
+
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
-        if state.get("restarting") or self._restarting(batch.ctx):
+        setups = self._setups(batch.ctx)
+        if state.get("restarting") or self._restarting(setups):
             state["restarting"] = True
             return out
+        configured = self._configured(setups)
+        if configured is not None:
+            state["configured"] = configured
+        configured = state.get("configured")
+        ceiling = math.inf if configured is None else configured * _ROUNDING
         lr_all = batch.values("lr")
         judged = np.flatnonzero(batch.measured("lr") & np.isfinite(lr_all))
         last = state.get("last")
@@ -118,10 +150,12 @@ class LrJump(BatchRule):
                 out.clear[i] = True
                 last = [step, lr]
                 continue
-            if last is not None and last[1] > 0 and lr >= factor * last[1]:
-                out.hits[i] = Hit({"lr_before": last[1], "lr": lr, "ratio": lr / last[1], "step_before": last[0]},
+            if last is not None and last[1] > 0 and lr >= factor * last[1] and not (configured and lr <= ceiling):
+                beyond = "" if configured is None else f", above the {fmt(configured)} the run was configured with"
+                said = {} if configured is None else {"configured_lr": configured}
+                out.hits[i] = Hit({"lr_before": last[1], "lr": lr, "ratio": lr / last[1], "step_before": last[0], **said},
                                   f"Learning rate jumped {lr / last[1]:.3g}x, from {fmt(last[1])} at step {last[0]} to "
-                                  f"{fmt(lr)} at step {step}")
+                                  f"{fmt(lr)} at step {step}{beyond}")
             else:
                 out.clear[i] = True
             last = [step, lr]
