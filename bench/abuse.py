@@ -75,8 +75,190 @@ def attacks(run_id: int) -> list[tuple[str, str, str, bytes, dict]]:
     ]
 
 
+# ----------------------------------------------------------------------------- issue 43's cases, one at a time
+#
+#   python bench/abuse.py --case redos [--name-length 24]    # a catastrophic silence regex, then a NaN
+#   python bench/abuse.py --case heatmap [--parallel 20]     # 20 worst-case heatmaps at once
+#
+# Each starts its own server (--server-root: another checkout's, for before/after figures) and reports the
+# slowest /api/health answer while the case runs (polled every 20 ms from a thread of its own), and for the
+# heatmap case the server's RSS (baseline, peak, after) and the answers' status codes.
+
+def _request(port: int, method: str, path: str, body=None, timeout: float = 600.0):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = json.dumps(body).encode() if body is not None else None
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+    resp = conn.getresponse()
+    out = resp.status, resp.read(), dict(resp.getheaders())
+    conn.close()
+    return out
+
+
+class HealthProbe:
+    """``/api/health`` every ``every_s`` on its own thread: the slowest answer while it runs."""
+
+    def __init__(self, port: int, every_s: float = 0.02):
+        self.port, self.every_s, self.times, self.failures = port, every_s, [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            try:
+                status, _, _ = _request(self.port, "GET", "/api/health", timeout=120)
+                if status != 200:
+                    self.failures += 1
+            except OSError:
+                self.failures += 1
+            self.times.append(time.perf_counter() - t)
+            self._stop.wait(self.every_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        if not self.times:
+            return "health: no answers"
+        ts = sorted(self.times)
+        return (f"/api/health: {len(ts)} answers, max {ts[-1] * 1000:.0f} ms, p99 {percentile(ts, 99) * 1000:.0f} ms, "
+                f"median {statistics.median(ts) * 1000:.1f} ms, failures {self.failures}")
+
+
+def case_redos(port: int, name_length: int) -> None:
+    run = "a" * name_length
+    status, body, _ = _request(port, "POST", "/api/v1/silences",
+                               {"project": "beta", "matchers": ['run=~"(a+)+b"'], "duration_s": 3600})
+    print(f"silence run=~\"(a+)+b\": {status} {body[:200].decode(errors='replace')}")
+    for pattern in ('(a|a)*b', '(a*)*b', '(.*a){20}b', '(a)\\1', '(?=a)a'):
+        st, b, _ = _request(port, "POST", "/api/v1/silences",
+                            {"project": "beta", "matchers": [f'run=~"{pattern}"'], "duration_s": 3600})
+        print(f"silence run=~\"{pattern}\": {st} {b[:160].decode(errors='replace')}")
+    batch = {"batch_id": "redos-1", "project": "beta", "run": run,
+             "steps": [{"step": 0, "time": 1.0, "loss": 1.0}, {"step": 1, "time": 2.0, "loss": "NaN"}]}
+    with HealthProbe(port) as probe:
+        time.sleep(0.2)
+        t = time.perf_counter()
+        status, body, _ = _request(port, "POST", "/api/v1/ingest", batch)
+        took = time.perf_counter() - t
+        time.sleep(0.2)
+    print(f"ingest of a NaN loss from run 'a'*{name_length}: {status} in {took * 1000:.0f} ms")
+    print(probe.summary())
+    _, alerts, _ = _request(port, "GET", "/api/v1/alerts?project=beta")
+    rows = json.loads(alerts).get("alerts", [])
+    print(f"alerts: {[(a['rule'], a.get('silenced_by')) for a in rows]}")
+
+
+def _fill_heatmap_run(port: int, steps: int, layers: int) -> int:
+    import numpy as np
+
+    from gradwatch.server.numbers import pack_f32_b64
+
+    rnd = np.random.default_rng(0)
+    names = [f"blocks.{i // 6}.p{i % 6}.weight" for i in range(layers)]
+    per = 2000
+    for first in range(0, steps, per):
+        n = min(per, steps - first)
+        vals = rnd.uniform(0.01, 1.0, size=(n, layers)).astype("<f4")
+        body = {"batch_id": f"h{first}", "project": "heat", "run": "wide",
+                "meta": {"param_names": names} if first == 0 else None,
+                "steps": [{"step": first + i, "time": float(first + i), "loss": 1.0,
+                           "layers": {"grad_norm": pack_f32_b64(vals[i])}} for i in range(n)]}
+        if body["meta"] is None:
+            del body["meta"]
+        status, out, _ = _request(port, "POST", "/api/v1/ingest", body)
+        if status != 200:
+            raise SystemExit(f"filling the heatmap run: {status} {out[:300]!r}")
+    _, out, _ = _request(port, "GET", "/api/v1/runs?project=heat")
+    return json.loads(out)["runs"][0]["id"]
+
+
+def case_heatmap(port: int, pid: int, parallel: int, steps: int, layers: int, max_steps: int,
+                 retry: bool) -> None:
+    print(f"filling a run of {steps} steps x {layers} layers ...", flush=True)
+    run_id = _fill_heatmap_run(port, steps, layers)
+    path = f"/api/v1/runs/{run_id}/layers?stat=grad_norm&max_steps={max_steps}&max_layers={layers}"
+    status, body, _ = _request(port, "GET", path)
+    print(f"one heatmap: {status}, {len(body) / 2**20:.1f} MB of JSON")
+    time.sleep(2)
+    baseline = _rss_mb(pid)
+    peak = [baseline]
+    done = threading.Event()
+
+    def sampler():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb(pid))
+            done.wait(0.05)
+
+    statuses: Counter = Counter()
+    retry_after: Counter = Counter()
+    lock = threading.Lock()
+
+    def reader():
+        for _ in range(50 if retry else 1):
+            st, _, hdrs = _request(port, "GET", path)
+            with lock:
+                statuses[st] += 1
+                if "retry-after" in {k.lower() for k in hdrs}:
+                    retry_after[st] += 1
+            if st == 200 or not retry:
+                return
+            wait = next((float(v) for k, v in hdrs.items() if k.lower() == "retry-after"), 1.0)
+            time.sleep(wait)
+
+    threading.Thread(target=sampler, daemon=True).start()
+    with HealthProbe(port) as probe:
+        t = time.perf_counter()
+        threads = [threading.Thread(target=reader) for _ in range(parallel)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        took = time.perf_counter() - t
+    done.set()
+    time.sleep(5)
+    after = _rss_mb(pid)
+    print(f"{parallel} parallel heatmaps (max_steps={max_steps}, {layers} layers), retrying on 429/503: {retry}: "
+          f"answers {dict(statuses)} (with Retry-After: {dict(retry_after)}) in {took:.1f} s")
+    print(f"server RSS: baseline {baseline:.0f} MB, peak {peak[0]:.0f} MB (kernel high-water "
+          f"{_rss_mb(pid, 'VmHWM'):.0f} MB), 5 s after {after:.0f} MB")
+    print(probe.summary())
+
+
+def run_case(args) -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="gw-abuse-")
+    fresh = FreshDatabase(args.db, tmp, "abuse")
+    proc = start_server(fresh.url, port, tmp, Path(args.server_root).resolve() if args.server_root else ROOT)
+    try:
+        if args.case == "redos":
+            case_redos(port, args.name_length)
+        else:
+            case_heatmap(port, proc.pid, args.parallel, args.heatmap_steps, args.heatmap_layers, args.max_steps,
+                         args.retry)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        fresh.close()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=("redos", "heatmap"), help="one of issue 43's cases instead of the load run")
+    ap.add_argument("--name-length", type=int, default=24, help="redos: the run name's length ('a' * N)")
+    ap.add_argument("--parallel", type=int, default=20, help="heatmap: readers at once")
+    ap.add_argument("--heatmap-steps", type=int, default=53_000, help="heatmap: the run's steps")
+    ap.add_argument("--heatmap-layers", type=int, default=150)
+    ap.add_argument("--max-steps", type=int, default=6666, help="heatmap: max_steps of each read")
+    ap.add_argument("--retry", action="store_true", help="heatmap: readers retry after Retry-After until 200")
     ap.add_argument("--db", help="database URL (default: a fresh SQLite file); for PostgreSQL a fresh database "
                                  "is created next to the one named")
     ap.add_argument("--agents", type=int, default=8)
@@ -87,6 +269,8 @@ def main() -> int:
                     help="seconds between the hostile client's requests (0: as fast as answered)")
     ap.add_argument("--server-root", help="run the server of another checkout (before / after)")
     args = ap.parse_args()
+    if args.case:
+        return run_case(args)
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -8,6 +8,7 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from .admission import HeavyReadBusy, HeavyReadGate, set_heavy_reads
 from .api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
 from .db import Database, open_database, schema_problem
 from .live_news import DASHBOARD_THREADS, LiveNews
@@ -85,6 +86,9 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.retention_counters = RetentionCounters()   # on /metrics, whether or not the job runs
     app.state.lock_hold = LockHoldMeter()   # the ranks' pace follows it (server/pacing.py)
     app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(database.engine.dialect.name))
+    # one memory budget for the heavy reads (heatmaps) of this process, whoever asks (server/admission.py)
+    app.state.heavy_reads = HeavyReadGate(settings.heavy_read_budget_bytes)
+    set_heavy_reads(app.state.heavy_reads)
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 
@@ -142,7 +146,8 @@ def _finish_deletes(database: Database, gate) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Values the database cannot hold are the client's problem (422), on every route."""
+    """Values the database cannot hold are the client's problem (422), on every route; a heavy read the
+    server has no budget for now is answered 429/503 with ``Retry-After``."""
     from fastapi.responses import JSONResponse
     from sqlalchemy.exc import DataError, StatementError
 
@@ -155,6 +160,12 @@ def _add_error_handlers(app: FastAPI) -> None:
             return await out_of_range(request, exc)
         raise exc
 
+    async def busy(request, exc: HeavyReadBusy):
+        # the heavy-read budget is taken (429: too many already waiting; 503: the wait ran out)
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status,
+                            headers={"Retry-After": str(exc.retry_after_s)})
+
+    app.add_exception_handler(HeavyReadBusy, busy)
     app.add_exception_handler(OverflowError, out_of_range)
     app.add_exception_handler(DataError, out_of_range)
     app.add_exception_handler(StatementError, statement_error)

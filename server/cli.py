@@ -61,6 +61,7 @@ def run_serve(args) -> int:
 
     settings = Settings.from_env(db=args.db, host=args.host, port=args.port, webhooks=args.webhook,
                                  rules_file=args.rules, routing_file=args.routing, migrate=args.migrate)
+    settings.check_operator_env()     # every setting checked before anything starts (SettingsError: one line)
     _prepare_schema(settings)
     database = open_database(settings.database_url)
     try:
@@ -290,6 +291,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except Exception as e:  # noqa: BLE001 - one readable line for the errors a user can fix
         from sqlalchemy.exc import ArgumentError, OperationalError
+
+        from .settings import SettingsError
+
+        if isinstance(e, SettingsError):
+            _eprint(f"gradwatch: refusing to start: {e}")
+            return 2
 
         if isinstance(e, OperationalError):
             first = str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e).splitlines()[0]

@@ -8,6 +8,7 @@ ingest path never walks them again.
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
@@ -30,8 +31,20 @@ def _no_nul(text: str) -> str:
     return text
 
 
+def _no_control(text: str) -> str:
+    # Project and run names reach email Subject lines, Slack/Discord messages, the dashboard, file names
+    # of exports and backups: a CR/LF in one broke the email header (the outbox retried it for a day).
+    # Refused at the door (422 naming the character) rather than stored and escaped in every sink
+    # (docs/deployment.md, "Hostile input"): no control character (C0, DEL, C1) and no Unicode line/paragraph separator.
+    for i, c in enumerate(text):
+        if unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+            raise ValueError(f"must not contain control characters or line breaks: {c!r} at position {i}")
+    return text
+
+
 NoNul = AfterValidator(_no_nul)
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200, strip_whitespace=False), NoNul]
+NoControl = AfterValidator(_no_control)
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200, strip_whitespace=False), NoNul, NoControl]
 StatName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,32}$")]
 CustomKey = Annotated[str, StringConstraints(min_length=1, max_length=200), NoNul]
 LayerName = Annotated[str, StringConstraints(max_length=1000), NoNul]

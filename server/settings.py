@@ -14,9 +14,15 @@ Environment:
 - ``GRADWATCH_ROUTING``       routing file: receivers, routes, grouping, inhibitions (docs/webhooks.md)
 - ``GRADWATCH_STALL_SECONDS`` seconds without data before a running run reads as stalled
 - ``GRADWATCH_MAX_BODY_BYTES`` / ``GRADWATCH_MAX_DECODED_BYTES`` ingest size limits (413 above)
+- ``GRADWATCH_WRITE_CONCURRENCY`` batches in their write transaction at once (0: the database's default)
+- ``GRADWATCH_HEAVY_READ_BUDGET_MB`` memory the heavy reads (heatmaps) may hold at once (default 384)
+
+A value out of range stops the server at start with ``SettingsError`` naming the setting, the value
+and the range (docs/deployment.md, "Settings").
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Mapping, Optional
@@ -29,6 +35,42 @@ DEFAULT_HOST = "127.0.0.1"
 # Seconds without data before a running run reads as stalled (and F2 fires): the one definition, read by
 # the query layer, rule F2's default and the dashboard; GRADWATCH_STALL_SECONDS overrides it.
 DEFAULT_STALL_SECONDS = 300.0
+
+
+class SettingsError(ValueError):
+    """An operator setting that cannot be used: the message names the setting, the value and the range."""
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def env_number(env: Mapping[str, str], name: str, default: float, *, lo: float, hi: float,
+               whole: bool = False, lo_open: bool = False) -> float:
+    """``env[name]`` as a number within [lo, hi] (``lo_open``: above lo), or ``SettingsError`` saying so.
+
+    Every numeric ``GRADWATCH_*`` variable goes through here when the server starts: 0, a negative
+    number, ``nan`` or ``inf`` in a pacing setting made a background thread spin.
+
+    >>> env_number({"GRADWATCH_RETENTION_INTERVAL": "nan"}, "GRADWATCH_RETENTION_INTERVAL", 600, lo=1, hi=86400)
+    Traceback (most recent call last):
+    ...
+    gradwatch.server.settings.SettingsError: GRADWATCH_RETENTION_INTERVAL='nan': expected a number from 1 to 86400
+    """
+    raw = env.get(name)
+    if raw is None or str(raw).strip() == "":
+        return default
+    text = str(raw).strip()
+    try:
+        value = int(text) if whole else float(text)
+    except ValueError:
+        value = None
+    fits = value is not None and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not fits:
+        what = "a whole number" if whole else "a number"
+        bounds = f"above {_num(lo)} and at most {_num(hi)}" if lo_open else f"from {_num(lo)} to {_num(hi)}"
+        raise SettingsError(f"{name}={text!r}: expected {what} {bounds}")
+    return value
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -72,6 +114,9 @@ class Settings(BaseModel):
     # 0: the database's default (1 on SQLite, 2 on PostgreSQL)
     write_concurrency: int = Field(default=0, ge=0, le=64)
     session_secret: str = ""
+    # bytes the heavy reads (per-layer heatmaps) of this process may hold at once (server/admission.py);
+    # GRADWATCH_HEAVY_READ_BUDGET_MB
+    heavy_read_budget_bytes: int = Field(default=384 * 1024 * 1024, ge=16 * 1024 * 1024)
 
     @field_validator("database_url")
     @classmethod
@@ -133,10 +178,31 @@ class Settings(BaseModel):
             routing_file=Path(routing_file or env["GRADWATCH_ROUTING"])
             if (routing_file or env.get("GRADWATCH_ROUTING")) else None,
             auth=auth,
-            stall_seconds=float(env.get("GRADWATCH_STALL_SECONDS", DEFAULT_STALL_SECONDS)),
+            stall_seconds=env_number(env, "GRADWATCH_STALL_SECONDS", DEFAULT_STALL_SECONDS, lo=1, hi=30 * 86400),
             migrate=migrate,
             session_secret=env.get("GRADWATCH_SESSION_SECRET", ""),
-            max_body_bytes=int(env.get("GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024)),
-            max_decoded_bytes=int(env.get("GRADWATCH_MAX_DECODED_BYTES", 64 * 1024 * 1024)),
-            write_concurrency=int(env.get("GRADWATCH_WRITE_CONCURRENCY", 0)),
+            max_body_bytes=env_number(env, "GRADWATCH_MAX_BODY_BYTES", 32 * 1024 * 1024, lo=1024, hi=2 ** 31,
+                                      whole=True),
+            max_decoded_bytes=env_number(env, "GRADWATCH_MAX_DECODED_BYTES", 64 * 1024 * 1024, lo=1024,
+                                         hi=2 ** 31, whole=True),
+            write_concurrency=env_number(env, "GRADWATCH_WRITE_CONCURRENCY", 0, lo=0, hi=64, whole=True),
+            heavy_read_budget_bytes=env_number(env, "GRADWATCH_HEAVY_READ_BUDGET_MB", 384, lo=16, hi=1 << 20,
+                                               whole=True) * 1024 * 1024,
         )
+
+    def check_operator_env(self, env: Optional[Mapping[str, str]] = None) -> None:
+        """Every other operator setting read from the environment, checked before the server starts
+        (the retention job's pacing and policy, SMTP, the routing file): ``SettingsError`` naming the
+        setting, the value and what it may be, instead of a thread that spins or a notification that
+        fails later."""
+        env = os.environ if env is None else env
+        from .lifecycle.retention_config import JobSettings, RetentionConfigError, load_retention
+        from .routing.config import RoutingConfigError, routing_of
+        from .routing.receivers.email import SmtpSettings
+        try:
+            JobSettings.from_env(env)
+            load_retention(env)
+            SmtpSettings.from_env(env)
+            routing_of(self)
+        except (RetentionConfigError, RoutingConfigError, ValueError) as e:
+            raise SettingsError(str(e)) from None

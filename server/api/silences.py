@@ -12,6 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from ..models import Project
+from ..schemas import Name
 from ..routing import silences as data
 from .deps import ReadScopeDep, SessionDep, check_scope
 
@@ -19,8 +20,8 @@ router = APIRouter(tags=["silences"])
 
 
 class SilenceIn(BaseModel):
-    project: Optional[str] = Field(default=None, min_length=1, max_length=200)
-    matchers: list[str] = Field(min_length=1, max_length=20)
+    project: Optional[Name] = None
+    matchers: list[Annotated[str, Field(max_length=2000)]] = Field(min_length=1, max_length=20)
     starts_at: Optional[float] = None
     ends_at: Optional[float] = None
     duration_s: Optional[float] = Field(default=None, gt=0)

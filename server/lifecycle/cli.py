@@ -374,7 +374,7 @@ def run_restore(args) -> int:
     url = Settings.from_env(db=args.db).database_url
     try:
         info = restore(args.backup, url)
-    except (FileExistsError, FileNotFoundError, RuntimeError, ValueError) as e:
+    except (FileExistsError, FileNotFoundError, RuntimeError, ValueError, OSError) as e:
         return _fail(str(e))
     print(f"restored {info.path} into {info.source} in {info.seconds:.1f} s; start the server with --db on it "
           f"(it upgrades an older schema with --migrate)")

@@ -22,6 +22,10 @@ with the built-in inhibitions (``inhibit.DEFAULT_INHIBITIONS``) on. A file looks
     webhooks = ["https://hooks.slack.com/services/T000/B000/XXX"]   # those endpoints only (by URL)
     email = ["oncall@example.org"]
 
+    [[receivers]]
+    name = "mail-only"
+    email = ["ml-team@example.org"]               # no webhooks key: email only (webhooks = [] says so too)
+
     [[routes]]                                    # first match wins unless continue = true
     matchers = ['severity="critical"']
     receiver = "oncall"
@@ -40,7 +44,9 @@ A bad key or value raises ``RoutingConfigError`` naming where it is.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -102,9 +108,16 @@ def default_config() -> RoutingConfig:
 
 # --------------------------------------------------------------------------- parsing
 
+MAX_TIMER_S = 30 * 86400.0       # a timer longer than a month is a typo (1e308 made a group wait for ever)
+# one address, no display name: anything that could end a header line or add a recipient is refused
+_EMAIL = re.compile(r"[^\s@<>,;:\"()\[\]\\]{1,64}@[A-Za-z0-9](?:[A-Za-z0-9.-]{0,253}[A-Za-z0-9])?")
+
+
 def _seconds(where: str, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise RoutingConfigError(f"{where}: {key} must be a number of seconds ≥ 0, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 <= value <= MAX_TIMER_S):
+        raise RoutingConfigError(f"{where}: {key} must be a number of seconds from 0 to {MAX_TIMER_S:.0f} "
+                                 f"(30 days), got {value!r}")
     return float(value)
 
 
@@ -161,11 +174,15 @@ def parse_routing_toml(text: str, *, source: str = "routing file") -> RoutingCon
         name = table.get("name")
         if not isinstance(name, str) or not name or len(name) > 100:
             raise RoutingConfigError(f"{where}: name: expected 1 to 100 characters")
-        hooks = table.get("webhooks", "all")
-        hooks = hooks if hooks == "all" else _strings(where, "webhooks", hooks)
         email = _strings(where, "email", table.get("email", []))
-        if any("@" not in a for a in email):
-            raise RoutingConfigError(f"{where}: email: expected addresses like oncall@example.org, got {email!r}")
+        bad = [a for a in email if not _EMAIL.fullmatch(a)]
+        if bad:
+            raise RoutingConfigError(f"{where}: email: expected addresses like oncall@example.org (no spaces, "
+                                     f"line breaks, names or commas), got {bad[0]!r}")
+        # without a webhooks key: every endpoint, unless the receiver has email (an email receiver posts
+        # to webhooks only when it says which, or "all": docs/webhooks.md, "Receivers")
+        hooks = table.get("webhooks", [] if email else "all")
+        hooks = hooks if hooks == "all" else _strings(where, "webhooks", hooks)
         receivers[name] = Receiver(name, hooks, email)
 
     def receiver_of(where: str, value: Any) -> str:

@@ -11,6 +11,7 @@ that went first. ``group.first`` names the incident's first rank and step: the l
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Any, Optional
 
 from sqlalchemy.orm import Session
@@ -59,10 +60,22 @@ def group_payload(group: NotificationGroup, alerts: list[Alert], *, held_back: i
     return payload
 
 
+def header_text(text: str) -> str:
+    """One header line: control characters and Unicode line/paragraph separators become a visible
+    ``\\x..`` escape (a name stored before ingest refused them must not end the Subject line, nor
+    make ``EmailMessage`` refuse the header and the outbox retry it for a day).
+
+    >>> header_text("exp-1\\r\\nBcc: x@y.z")
+    'exp-1\\\\x0d\\\\x0aBcc: x@y.z'
+    """
+    return "".join((f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}")
+                   if unicodedata.category(c) in ("Cc", "Zl", "Zp") else c for c in text)
+
+
 def email_body(payload: dict[str, Any]) -> dict[str, Any]:
     g = payload.get("group") or {}
-    subject = (f"[gradwatch] {payload['severity'].upper()} {payload['rule']} {payload['name']}: "
-               f"{payload['project']}/{payload['run']}")
+    subject = header_text(f"[gradwatch] {payload['severity'].upper()} {payload['rule']} {payload['name']}: "
+                          f"{payload['project']}/{payload['run']}")
     if g.get("count", 1) > 1:
         subject += f" (+{g['count'] - 1} more)"
     lines = [payload["message"], "", f"Diagnosis: {payload['diagnosis']}", "", "What to do:"]

@@ -40,9 +40,15 @@ class SmtpSettings:
         try:
             port = int(port) if port else (587 if starttls else 25)
         except ValueError:
-            raise ValueError(f"GRADWATCH_SMTP_PORT: expected a port number, got {port!r}") from None
+            port = -1
+        if not 1 <= port <= 65535:
+            raise ValueError(f"GRADWATCH_SMTP_PORT={env.get('GRADWATCH_SMTP_PORT')!r}: expected a port number "
+                             f"from 1 to 65535")
+        sender = env.get("GRADWATCH_SMTP_FROM", "").strip()
+        if any(ord(c) < 32 or ord(c) == 127 for c in sender):
+            raise ValueError(f"GRADWATCH_SMTP_FROM={sender!r}: one address without control characters")
         return cls(host=env.get("GRADWATCH_SMTP_HOST", "").strip(), port=port,
-                   sender=env.get("GRADWATCH_SMTP_FROM", "").strip() or f"gradwatch@{socket.gethostname()}",
+                   sender=sender or f"gradwatch@{socket.gethostname()}",
                    starttls=starttls, user=env.get("GRADWATCH_SMTP_USER", ""),
                    password=env.get("GRADWATCH_SMTP_PASSWORD", ""))
 
