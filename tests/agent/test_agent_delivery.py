@@ -138,9 +138,13 @@ def test_unwritable_spool_counts_drops_and_reports_them_when_the_server_returns(
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the spool directory should be")
     port = free_port()
+    # http_timeout is a hang bound: nothing listens at first (refused at once), then the server must be
+    # given its time to answer. A post that times out after the server stored it leaves the drops to be
+    # reported again (agent/sender.py: "not reported after all"): at 0.5 s, with two CPU hogs beside the
+    # test, the 40 dropped steps were reported twice (80 == 40)
     monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
                                           "run": "nospool", "spool_dir": str(blocker / "spool"),
-                                          "flush_interval": 0.05, "http_timeout": 0.5}, 40)
+                                          "flush_interval": 0.05, "http_timeout": 30.0}, 40)
     assert monitor.flush(timeout=5)
     assert monitor.dropped_steps == 40
     srv = server_factory(sqlite_url, port=port)
@@ -160,7 +164,7 @@ def test_full_spool_drops_are_counted_and_reported_to_the_server(server_factory,
     monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
                                           "run": "tiny-spool", "spool_dir": str(tmp_path / "spool"),
                                           "spool_max_mb": 0.01, "flush_interval": 0.02, "max_batch_steps": 10,
-                                          "http_timeout": 0.5}, 120)
+                                          "http_timeout": 30.0}, 120)   # a hang bound, as above
     assert monitor.flush(timeout=5)
     kept = spooled_steps(tmp_path / "spool")
     dropped = monitor.dropped_steps
