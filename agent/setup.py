@@ -314,7 +314,8 @@ class SetupWatch:
         if not self.clips and module_clip is not None and math.isfinite(module_clip):
             self.clips.append({"max_norm": float(module_clip), "stage": _stage(self.watched.scaler,
                                                                              self.watched.optimizer)})
-        data = {**self.data, "autocast": self.autocast, "lr": _safely(lr_part, self.watched.optimizer, self.lr_at_attach),
+        data = {**self.data, "autocast": self.autocast,
+                "lr": _safely(lr_part, self.watched.optimizer, self.lr_at_attach),
                 "clip": {"calls": len(self.clips), "max_norm": self.clips[0]["max_norm"] if self.clips else None,
                          "stages": sorted({c["stage"] for c in self.clips if c["stage"]}),
                          **({"norm_only_calls": self.norm_only} if self.norm_only else {})}}

@@ -42,6 +42,21 @@ def test_h10_leaves_a_declared_restarting_schedule_alone(rdb):
     assert "H10" not in rdb.rules(name)
 
 
+def test_h10_judges_a_rise_against_the_configured_lr_the_setup_event_carries(rdb):
+    """The run_setup event (first batch) says the run was configured with 1e-2: an epoch warm-up's 1e-5 ->
+    1e-2 (three batches later) is the schedule's own; a later x50 past it warns, naming the configured LR."""
+    setup = {"step": 0, "kind": "run_setup", "data": {"lr": {"at_attach": 1e-5, "initial_lr": 1e-2,
+                                                              "configured": 1e-2}}}
+    name = run_name()
+    rdb.feed(name, lr_steps(lambda i: 1e-5 if i < 100 else 1e-2 if i < 150 else 5e-1), batch=33, events=[setup])
+    a = rdb.rules(name)["H10"]
+    assert a.first_step == 150 and a.evidence["lr_before"] == 1e-2 and a.evidence["configured_lr"] == 1e-2
+    assert "above the 0.01 the run was configured with" in a.message
+    quiet = run_name()
+    rdb.feed(quiet, lr_steps(lambda i: 1e-5 if i < 100 else 1e-2), batch=33, events=[setup])
+    assert "H10" not in rdb.rules(quiet)
+
+
 def coverage(step_: int, measured: list[str], transformer: bool) -> dict:
     return {"step": step_, "kind": "attention_coverage",
             "data": {"measured": measured, "count": len(measured), "named": [], "transformer": transformer,

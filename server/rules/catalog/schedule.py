@@ -153,7 +153,8 @@ class LrJump(BatchRule):
             if last is not None and last[1] > 0 and lr >= factor * last[1] and not (configured and lr <= ceiling):
                 beyond = "" if configured is None else f", above the {fmt(configured)} the run was configured with"
                 said = {} if configured is None else {"configured_lr": configured}
-                out.hits[i] = Hit({"lr_before": last[1], "lr": lr, "ratio": lr / last[1], "step_before": last[0], **said},
+                out.hits[i] = Hit({"lr_before": last[1], "lr": lr, "ratio": lr / last[1], "step_before": last[0],
+                                   **said},
                                   f"Learning rate jumped {lr / last[1]:.3g}x, from {fmt(last[1])} at step {last[0]} to "
                                   f"{fmt(lr)} at step {step}{beyond}")
             else:
