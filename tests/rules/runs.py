@@ -49,6 +49,7 @@ RELEVANT = {
     "H1": ("adam_stale", "overflow_storm", "dead", "gn_nonfinite_no_scaler"),
     "H4": ("linear_growth", "layer_faults"),
     "H2": ("attn_growth", "layer_faults"),
+    "H12": ("attn_growth", "layer_faults"),
     "H3": ("logz_drift", "nan_loss"),
     # lr_jump is not among FAULTS (the other rules' random runs stay as they were): H10's own runs only
     "H10": ("lr_jump", "lr_zero", "late_divergence"),
@@ -432,6 +433,7 @@ def configs(rule_id: str) -> list[dict]:
         "H2": {"factor": 2.0, "sigmas": 3.0, "min_logit": 20.0, "consecutive": 3, "window": 50, "min_history": 5},
         "H3": {"min_abs_log_z": 10.0, "min_drift": 4.0, "sigmas": 3.0, "consecutive": 3, "window": 50,
                "min_history": 5},
+        "H12": {"min_logit": 20.0, "danger": 200.0, "horizon": 100, "level": 100.0, "consecutive": 1},
     }.get(rule_id)
     return [base] + ([{**base, **tight}] if tight else [])
 
@@ -461,4 +463,6 @@ TINY = {
     "H2": {"factor": 2.0, "sigmas": 3.0, "min_logit": 20.0, "consecutive": 2, "window": 12, "min_history": 3},
     "H3": {"min_abs_log_z": 10.0, "min_drift": 4.0, "sigmas": 3.0, "consecutive": 2, "window": 12,
            "min_history": 3},
+    "H12": {"min_logit": 20.0, "danger": 200.0, "horizon": 100, "level": 100.0, "span": 3, "max_span": 20,
+            "consecutive": 1},
 }

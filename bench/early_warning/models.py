@@ -1,0 +1,199 @@
+"""The architectures of the declared space, tiny, with synthetic but learnable data.
+
+Language models (every arch but hf_bert, hf_vit, timm_vit): 16-token sequences over 32 tokens from a fixed
+random chain in which the token at t + 1 is one of 4 successors of the token at t - 2 (LAG), drawn uniformly
+(the first 3 tokens uniform): a model must attend 2 positions back, so its attention is rewarded for
+turning sharp; next-token cross-entropy falls from ln 32 = 3.47 towards (3 ln 32 + 13 ln 4) / 16 = 1.78.
+hf_bert: the class of a sequence is its last token mod 4 or the next class (read from position 0:
+attention again), hf_vit / timm_vit: the class of a 16x16 image is the quadrant of a bright 4x4 patch or the next one,
+each with probability 1/2: the loss falls from ln 4 towards ln 2. The best model's loss is then the same on
+every position and sample, so a batch's loss varies only by the model's own errors: batch noise
+cannot put 5 losses in a row 1.5x above the running minimum on a healthy run.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .space import Case
+
+V, T, C, IMG, LAG = 32, 16, 4, 16, 2
+
+
+def causal(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+def alibi(heads: int, t: int) -> torch.Tensor:
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+    i = torch.arange(t)
+    dist = (i[None, :] - i[:, None]).clamp(max=0).float()                 # -(i - j) for j <= i
+    bias = slopes[:, None, None] * dist[None]
+    return bias.masked_fill(~causal(t)[None], float("-inf"))               # (heads, t, t) float mask
+
+
+class Attention(nn.Module):
+    """Hand-written causal self-attention computed five ways (``kind``)."""
+
+    def __init__(self, kind: str, dim: int, heads: int):
+        super().__init__()
+        self.kind, self.heads, self.dh = kind, heads, dim // heads
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.register_buffer("bias", alibi(heads, T), persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h, dh = self.heads, self.dh
+        q, k, v = (p(x).view(b, t, h, dh).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        scale = dh ** -0.5
+        if self.kind == "sdpa_bool":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal(t))
+        elif self.kind == "sdpa_alibi":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, :t, :t])
+        elif self.kind == "baddbmm3d":      # fairseq / older Megatron: scores over [batch*heads, q, k]
+            q3, k3, v3 = (z.reshape(b * h, t, dh) for z in (q, k, v))
+            mask = torch.zeros(t, t).masked_fill(~causal(t), float("-inf")).expand(b * h, t, t)
+            w = torch.baddbmm(mask, q3, k3.transpose(1, 2), alpha=scale)
+            y = torch.bmm(F.softmax(w, dim=-1), v3).view(b, h, t, dh)
+        else:
+            if self.kind == "einsum":
+                w = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+            else:                           # softmax4d
+                w = (q @ k.transpose(-2, -1)) * scale
+            w = w.masked_fill(~causal(t), float("-inf"))
+            y = torch.softmax(w, dim=-1) @ v
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(kind, dim, heads), nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, kind: str, dim: int, heads: int, depth: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(V, dim), nn.Parameter(torch.randn(T, dim) * 0.02)
+        if kind == "torch_encoder":
+            layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        else:
+            self.blocks = nn.Sequential(*[Block(kind, dim, heads) for _ in range(depth)])
+        self.kind = kind
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, V)
+
+    def forward(self, input_ids):
+        x = self.tok(input_ids) + self.pos[: input_ids.shape[1]]
+        if self.kind == "torch_encoder":
+            t = input_ids.shape[1]
+            x = self.blocks(x, mask=nn.Transformer.generate_square_subsequent_mask(t), is_causal=True)
+        else:
+            x = self.blocks(x)
+        return self.head(self.ln(x))
+
+
+def _hf(case: Case) -> nn.Module:
+    import transformers as tf
+    d, h, n = case.width, case.heads, case.depth
+    common = dict(hidden_size=d, num_hidden_layers=n, num_attention_heads=h, intermediate_size=4 * d)
+    if case.arch == "hf_gpt2":
+        cfg = tf.GPT2Config(vocab_size=V, n_positions=T, n_embd=d, n_layer=n, n_head=h, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg._attn_implementation = "eager"
+        return tf.GPT2LMHeadModel(cfg)
+    if case.arch == "hf_llama":
+        cfg = tf.LlamaConfig(vocab_size=V, max_position_embeddings=T, num_key_value_heads=max(1, h // 2), **common)
+        cfg._attn_implementation = "sdpa"
+        return tf.LlamaForCausalLM(cfg)
+    if case.arch == "hf_bert":
+        cfg = tf.BertConfig(vocab_size=V, max_position_embeddings=T, num_labels=C, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, **common)
+        cfg._attn_implementation = "eager"
+        return tf.BertForSequenceClassification(cfg)
+    cfg = tf.ViTConfig(image_size=IMG, patch_size=4, num_channels=3, num_labels=C, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, **common)
+    cfg._attn_implementation = "eager"
+    return tf.ViTForImageClassification(cfg)
+
+
+def build(case: Case) -> tuple[nn.Module, Callable[[int], dict], Callable[[Any, dict], torch.Tensor]]:
+    """(model, step -> batch of keyword arguments, (output, batch) -> loss); the same case, the same
+    weights and batches."""
+    torch.manual_seed(case.seed)
+    if case.arch.startswith("hf_"):
+        model = _hf(case)
+    elif case.arch == "timm_vit":
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from tests.agent.zoo_models import TimmVisionTransformer
+        model = TimmVisionTransformer(fused_attn=bool(case.seed % 2), dim=case.width, depth=case.depth,
+                                      num_classes=C)
+    else:
+        model = TinyLM(case.arch, case.width, case.heads, case.depth)
+    g = torch.Generator().manual_seed(case.seed + 1)
+    succ = torch.stack([torch.randperm(V, generator=g)[:4] for _ in range(V)])     # 4 successors per token
+
+    if case.arch in ("hf_vit", "timm_vit"):
+        def batch(step: int) -> dict:
+            gg = torch.Generator().manual_seed(case.seed * 7919 + step)
+            y = torch.randint(0, C, (case.batch,), generator=gg)
+            x = torch.randn(case.batch, 3, IMG, IMG, generator=gg) * 0.5
+            for c in range(C):
+                r, s = (c // 2) * 8 + 2, (c % 2) * 8 + 2
+                x[y == c, :, r:r + 4, s:s + 4] += 1.5
+            y = (y + torch.randint(0, 2, (case.batch,), generator=gg)) % C
+            return {"pixel_values" if case.arch == "hf_vit" else "x": x, "labels": y}
+    elif case.arch == "hf_bert":
+        def batch(step: int) -> dict:
+            gg = torch.Generator().manual_seed(case.seed * 7919 + step)
+            x = torch.randint(0, V, (case.batch, T), generator=gg)
+            y = (x[:, -1] + torch.randint(0, 2, (case.batch,), generator=gg)) % C
+            return {"input_ids": x, "labels": y}
+    else:
+        def batch(step: int) -> dict:
+            gg = torch.Generator().manual_seed(case.seed * 7919 + step)
+            x = torch.empty(case.batch, T + 1, dtype=torch.long)
+            x[:, 0] = torch.randint(0, V, (case.batch,), generator=gg)
+            x[:, :LAG + 1] = torch.randint(0, V, (case.batch, LAG + 1), generator=gg)
+            pick = torch.randint(0, 4, (case.batch, T), generator=gg)
+            for t in range(LAG, T):
+                x[:, t + 1] = succ[x[:, t - LAG], pick[:, t]]
+            return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
+
+    def loss(out, b: dict) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"].reshape(-1))
+    return model, batch, loss
+
+
+def forward(model: nn.Module, case: Case, b: dict):
+    """The model's forward on a batch (labels kept out: the loss is computed by the loop)."""
+    if case.arch == "timm_vit":
+        return model(b["x"])
+    key = "pixel_values" if case.arch == "hf_vit" else "input_ids"
+    return model(**{key: b[key]})
+
+
+def optimizer(case: Case, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    ps = list(model.parameters())          # one param group: every parameter at one LR
+    if case.optimizer == "adamw":
+        return torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)
+    if case.optimizer == "sgd_momentum":
+        return torch.optim.SGD(ps, lr=lr, momentum=0.9)
+    return torch.optim.RMSprop(ps, lr=lr, alpha=0.99)
+
+
+def lr_at(step: int, lr: float, warmup: int) -> float:
+    return lr * min(1.0, (step + 1) / warmup) if warmup else lr

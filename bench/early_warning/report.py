@@ -1,0 +1,142 @@
+"""The early-warning report of a sweep's results, tuning half and held-out half, labelled.
+
+    .venv/bin/python -m bench.early_warning.report                       # bench/early_warning/results.jsonl
+    .venv/bin/python -m bench.early_warning.report --results /tmp/ew.jsonl --cases   # + one row per case
+
+Lead of a rule on a divergent run: the divergence step (divergence.py) minus the first step of the rule's
+first alert above info; an alert after the divergence step, or none, is a miss. Warnings per 1,000 healthy
+steps: the controls' alerts above info (every rule), per 1,000 control steps. Oracle lead: the divergence step
+minus the first step whose true max attention logit (oracle.py) is above the highest value the case's
+control reached in its whole run (its healthy range); none when it never leaves it before the divergence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .sweep import RESULTS, SPLIT
+
+RULES = ("H1", "H2", "H3", "H4", "H12")
+ANY = "any H"
+
+
+def load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def first_warning(alerts: list[dict], rules) -> Optional[int]:
+    steps = [a["first_step"] for a in alerts if a["rule"] in rules and a["severity"] != "info"]
+    return min(steps) if steps else None
+
+
+def lead(d: int, first: Optional[int]) -> Optional[int]:
+    return d - first if first is not None and first <= d else None
+
+
+def true_max(run: dict) -> list[float]:
+    return [max((v for v in vs if v is not None), default=math.nan) for vs in run["logits"]]
+
+
+def oracle_lead(case: dict) -> Optional[int]:
+    ctl = [v for v in true_max(case["control"]) if math.isfinite(v)]
+    if not ctl:
+        return None
+    hi = max(ctl)
+    d = case["divergent"]["diverged_at"]
+    for s, v in enumerate(true_max(case["divergent"])):
+        if s > d:
+            break
+        if math.isfinite(v) and v > hi:
+            return d - s
+    return None
+
+
+def summary(leads: list[Optional[int]]) -> dict:
+    got = [x for x in leads if x is not None]
+    n = len(leads)
+    return {"n": n, "warned": len(got), "misses": n - len(got),
+            # a miss counts as a lead below every warned one (-inf) in the median and p25
+            "median": _pct([x if x is not None else -math.inf for x in leads], 50),
+            "p25": _pct([x if x is not None else -math.inf for x in leads], 25),
+            "ge20": sum(1 for x in got if x >= 20), "ge50": sum(1 for x in got if x >= 50)}
+
+
+def _pct(xs: list[float], q: float):
+    if not xs:
+        return None
+    v = float(np.percentile(np.array(xs, dtype=float), q, method="lower"))
+    return "miss" if v == -math.inf else int(v)
+
+
+def half_table(cases: list[dict], label: str, rules=RULES) -> str:
+    lines = [f"**{label}**: {len(cases)} divergent runs with a valid control, "
+             f"{sum(c['control']['steps'] for c in cases)} healthy control steps", "",
+             "| signal | warned | misses | median lead | p25 lead | warned >= 20 ahead | >= 50 ahead |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in (*rules, ANY):
+        rs = [x for x in rules] if r == ANY else [r]
+        s = summary([lead(c["divergent"]["diverged_at"], first_warning(c["divergent"]["alerts"], rs)) for c in cases])
+        lines.append(f"| {r} | {s['warned']}/{s['n']} | {s['misses']} | {s['median']} | {s['p25']} | "
+                     f"{s['ge20']} ({100 * s['ge20'] / max(1, s['n']):.0f} %) | {s['ge50']} |")
+    o = summary([oracle_lead(c) for c in cases])
+    lines.append(f"| oracle (true max logit leaves the control's range) | {o['warned']}/{o['n']} | {o['misses']} | "
+                 f"{o['median']} | {o['p25']} | {o['ge20']} ({100 * o['ge20'] / max(1, o['n']):.0f} %) | {o['ge50']} |")
+    steps = sum(c["control"]["steps"] for c in cases)
+    loud = [(c["case"]["id"], a["rule"], a["severity"]) for c in cases for a in c["control"]["alerts"]
+            if a["severity"] != "info"]
+    h_loud = [x for x in loud if x[1].startswith("H")]
+    lines += ["", f"Controls: {len(loud)} alerts above info ({1000 * len(loud) / max(1, steps):.2f} per 1,000 healthy "
+              f"steps), {len(h_loud)} of them H ({1000 * len(h_loud) / max(1, steps):.2f} per 1,000)"
+              + (f": {sorted(loud)}" if loud else ""), ""]
+    return "\n".join(lines)
+
+
+def case_rows(cases: list[dict], rules=RULES) -> str:
+    lines = ["| case | half | arch | optimizer | lr | warm-up | depth x width / heads | batch | diverged at | "
+             + " | ".join(rules) + " | oracle | control alerts |",
+             "| " + " | ".join(["---"] * (11 + len(rules) - 1)) + " |"]
+    for c in cases:
+        k, d = c["case"], c["divergent"]["diverged_at"]
+        leads = [lead(d, first_warning(c["divergent"]["alerts"], [r])) for r in rules]
+        ctl = sorted({a["rule"] for a in c["control"]["alerts"] if a["severity"] != "info"})
+        lines.append(f"| {k['id']} | {c['half']} | {k['arch']} | {k['optimizer']} | {c['lr']:.3g} | {k['warmup']} | "
+                     f"{k['depth']} x {k['width']} / {k['heads']} | {k['batch']} | {d} | "
+                     + " | ".join("-" if x is None else str(x) for x in leads)
+                     + f" | {oracle_lead(c) if oracle_lead(c) is not None else '-'} | {', '.join(ctl) or '-'} |")
+    return "\n".join(lines)
+
+
+def split_cases(results: list[dict]) -> tuple[list[dict], list[dict], dict]:
+    split = json.loads(SPLIT.read_text())
+    halves = {i: "tuning" for i in split["tuning"]} | {i: "held-out" for i in split["held_out"]}
+    counts: dict[str, int] = {}
+    tuning, held = [], []
+    for c in results:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+        if c["status"] != "ok":
+            continue
+        c["half"] = halves[c["case"]["id"]]
+        (tuning if c["half"] == "tuning" else held).append(c)
+    return tuning, held, counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--cases", action="store_true", help="also one row per case")
+    args = ap.parse_args()
+    tuning, held, counts = split_cases(load(Path(args.results)))
+    print(f"cases: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}\n")
+    print(half_table(tuning, "Tuning half"))
+    print(half_table(held, "Held-out half"))
+    if args.cases:
+        print(case_rows(sorted(tuning + held, key=lambda c: c["case"]["id"])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The declared space the cases are drawn from, and the draw.
+
+A case is drawn from :data:`SPACE` by ``random.Random(CASE_SEED * 1000 + case_id)``: the same id gives the
+same case on any machine. Every parameter trains at one learning rate (one param group), fp32 on CPU, no
+clipping, no scaler; the LR warms up linearly from 0 over ``warmup`` steps (0: none) and then stays.
+
+The LR of the divergent run (:func:`lr_search`, applied blindly, without gradwatch): start from a log-uniform
+draw in the optimizer's :data:`LR_RANGE`; run plain PyTorch for up to :data:`BUDGET` steps; if the run
+diverges (:mod:`.divergence`) before :data:`EARLIEST` the LR is divided by :data:`DOWN`, if it does not
+diverge within the budget it is multiplied by :data:`UP`; once an LR too high and one too low are both
+known, the next try is their geometric mean (bisection in log LR); the first LR whose divergence lands in
+[EARLIEST, BUDGET) after the loss fell (:func:`.divergence.learned`: the loss first fell to LEARNED x its first
+value; a run that diverges without having learned counts as an LR too high) is kept. After :data:`TRIES` tries without one the case is *rejected* (counted in the
+report, never replaced by hand). The control is the same case (same init, same data) at the kept LR /
+:data:`CONTROL_DIVISOR` for BUDGET steps; a control whose loss trips the divergence rule, or never falls to
+LEARNED x its first value, is *invalid* and its case is left out of every figure (counted in the report).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+
+CASE_SEED = 41
+BUDGET = 300            # steps of a run
+EARLIEST = 80           # a divergence before this step is too early to warn of (the LR is lowered)
+TRIES = 8
+UP, DOWN = 2.0, 1.6
+CONTROL_DIVISOR = 5.0
+
+ARCHS = ("softmax4d", "baddbmm3d", "einsum", "sdpa_bool", "sdpa_alibi", "torch_encoder",
+         "hf_gpt2", "hf_llama", "hf_bert", "hf_vit", "timm_vit")
+OPTIMIZERS = ("adamw", "sgd_momentum", "rmsprop")
+LR_RANGE = {"adamw": (2e-2, 2e-1), "sgd_momentum": (0.5, 5.0), "rmsprop": (5e-3, 5e-2)}
+LEARNED = 0.95          # the loss must first fall to LEARNED x its first value (divergence.learned)
+WARMUPS = (0, 0, 25, 50, 100, 200, 400)    # 400: the run ends inside its warm-up
+DEPTHS = (1, 2, 3)
+WIDTHS = (32, 48)
+HEADS = (2, 4)
+LM_BATCHES = (16, 32)          # sequences of 16 tokens: 256-512 tokens a step
+CLS_BATCHES = (64, 128)        # classification: large enough that label noise cannot trip the rule
+
+
+@dataclass(frozen=True)
+class Case:
+    id: int
+    arch: str
+    optimizer: str
+    lr0: float                  # the first draw of the LR search
+    warmup: int
+    depth: int
+    width: int
+    heads: int
+    batch: int
+    seed: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def draw(case_id: int) -> Case:
+    r = random.Random(CASE_SEED * 1000 + case_id)
+    arch = ARCHS[case_id % len(ARCHS)]           # architectures in turn, so every one is in both halves' draw
+    opt = r.choice(OPTIMIZERS)
+    lo, hi = LR_RANGE[opt]
+    lr0 = math.exp(r.uniform(math.log(lo), math.log(hi)))
+    heads = 4 if arch == "timm_vit" else r.choice(HEADS)       # the timm transcription has 4 heads
+    cls = arch in ("hf_bert", "hf_vit", "timm_vit")
+    return Case(case_id, arch, opt, lr0, r.choice(WARMUPS), r.choice(DEPTHS), r.choice(WIDTHS), heads,
+                r.choice(CLS_BATCHES if cls else LM_BATCHES), r.randrange(1 << 30))

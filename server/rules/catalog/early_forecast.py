@@ -1,0 +1,107 @@
+"""Attention-logit forecast (H12): the growth of each attention module's max logit, forecast to a danger level.
+
+H2 (early_logits.py) judges each sample against the module's own median, learned during the growth itself,
+and so confirms late (issue 41: a median lead of 11 steps on runs written unlike the scenarios). H12 reads
+what the growth says instead: the doubling time of the max attention logit between two samples, forecast to
+the level where softmax attention is one-hot (Zhai et al. 2023; Wortsman et al. 2023), with an absolute
+prior on the level (a healthy run's max logit sharpens quickly at first, then levels off below it).
+The forecast itself is :func:`forecast_step`, used by the rule and by bench/early_warning/replay.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from gradwatch.server.rules.batch import layer_array
+from gradwatch.server.rules.registry import register
+from gradwatch.server.rules.rule import BatchRule, Outcome, name_of
+from gradwatch.server.rules.spec import Float, Hit, Int
+from gradwatch.server.rules.stats import fmt
+
+
+def forecast_step(mem: dict, step: int, x: float, cfg: dict) -> Optional[dict]:
+    """Feed one sample (``step``, max logit ``x``) of one module; ``mem`` its state (a dict, JSON-safe).
+    Returns the evidence when the module's condition holds at this sample, else None.
+
+    The condition: the logit is at least ``min_logit``, grew over the last ``span``..``max_span`` steps
+    (against the latest kept sample at least ``span`` steps back) at a rate that reaches ``danger`` within
+    ``horizon`` steps, or is already past ``level`` and not falling; ``consecutive`` samples in a row.
+
+    >>> cfg = dict(min_logit=20.0, danger=1000.0, horizon=300, level=200.0, span=10, max_span=120,
+    ...            consecutive=2, thin=5)
+    >>> mem = {}
+    >>> [forecast_step(mem, s, v, cfg) is not None for s, v in [(0, 5.0), (50, 12.0), (100, 30.0), (150, 75.0)]]
+    [False, False, False, True]
+    """
+    keep = [tuple(p) for p in mem.get("k", []) if step - p[0] <= cfg["max_span"] and p[0] < step]
+    ref = next((p for p in reversed(keep) if step - p[0] >= cfg["span"]), None)
+    hit = None
+    if math.isfinite(x) and x >= cfg["min_logit"] and ref is not None and ref[1] > 0:
+        rate = math.log(x / ref[1]) / (step - ref[0]) if x > 0 else -math.inf
+        to_danger = 0.0 if x >= cfg["danger"] else (math.log(cfg["danger"] / x) / rate if rate > 0 else math.inf)
+        growing = rate > 0 and to_danger <= cfg["horizon"]
+        high = x >= cfg["level"] and rate >= 0
+        if growing or high:
+            hit = {"rate": rate, "doubling_steps": math.log(2) / rate if rate > 0 else None,
+                   "steps_to_danger": to_danger, "reference": [int(ref[0]), float(ref[1])]}
+    mem["n"] = int(mem.get("n", 0)) + 1 if hit is not None else 0
+    if math.isfinite(x) and x > 0 and (not keep or step - keep[-1][0] >= cfg["thin"]):
+        keep.append((int(step), float(x)))
+    mem["k"] = [list(p) for p in keep]
+    if hit is not None and mem["n"] >= cfg["consecutive"]:
+        hit["samples_in_a_row"] = mem["n"]
+        return hit
+    return None
+
+
+@register
+class AttentionLogitForecast(BatchRule):
+    id, name, severity, checklist = "H12", "attention_logit_forecast", "warning", "5.2"
+    family = "H"
+    fires_when = ("an attention module's max attention logit is >= {min_logit:g} and its growth since a sample "
+                  "{span}-{max_span} steps earlier reaches {danger:g} within {horizon} steps, or it is >= {level:g} "
+                  "and not falling; {consecutive} samples in a row")
+    diagnosis = ("Attention-logit growth, forecast: the max attention logit of this module grows fast enough to "
+                 "turn its softmax one-hot (attention entropy collapse) within the forecast horizon; the loss "
+                 "diverges after it. Check: (1) is qk-layernorm used? (2) is the learning rate high for this model "
+                 "size? (3) is the warm-up short or absent?")
+    actions = {
+        "qk_layernorm": "Add qk-layernorm: a LayerNorm on each head's queries and keys before q·k (Dehghani et al. "
+                        "2023; Wortsman et al. 2023).",
+        "lower_lr": "Lower the learning rate (÷2-÷10); the growth rate follows it.",
+        "longer_warmup": "Lengthen the learning-rate warm-up.",
+    }
+    params = {"min_logit": Float(60.0), "danger": Float(1000.0), "horizon": Int(300), "level": Float(250.0),
+              "span": Int(10), "max_span": Int(120), "consecutive": Int(2), "thin": Int(5)}
+    needs = ("layers.attn_logit_max",)
+    # State per module j: "f<j>" the forecast's memory (forecast_step: the kept samples, the run of hits).
+
+    def evaluate(self, batch, state, cfg):
+        out = Outcome.quiet(batch.n)
+        for k, i in enumerate(batch.carriers("attn_logit_max")):
+            row = layer_array(batch.steps[i], "attn_logit_max")
+            step = int(batch.step[i])
+            worst = None
+            judged = False
+            for j in np.flatnonzero(np.isfinite(row)).tolist():
+                mem = state.setdefault(f"f{j}", {})
+                hit = forecast_step(mem, step, float(row[j]), cfg)
+                judged = True
+                if hit is not None and (worst is None or hit["steps_to_danger"] < worst[1]["steps_to_danger"]):
+                    worst = (j, hit, float(row[j]))
+            if worst is not None:
+                j, hit, x = worst
+                module = name_of(batch.ctx.module_names, j)
+                when = ("past it" if hit["steps_to_danger"] == 0 else
+                        f"reaching {fmt(cfg['danger'])} in ~{fmt(hit['steps_to_danger'])} steps"
+                        if math.isfinite(hit["steps_to_danger"]) else "not falling")
+                dbl = f", doubling every {fmt(hit['doubling_steps'])} steps" if hit["doubling_steps"] else ""
+                out.hits[i] = Hit({"module": module, "attn_logit_max": x, **hit},
+                                  f"Max attention logit of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
+                                  f"at step {hit['reference'][0]}{dbl}, {when}: add qk-layernorm, lower the LR or "
+                                  f"lengthen the warm-up")
+            elif judged:
+                out.clear[i] = True
+        return out

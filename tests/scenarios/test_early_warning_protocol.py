@@ -1,0 +1,90 @@
+"""The early-warning evaluation protocol's own machinery (bench/early_warning, docs/early-warning.md), on a
+CI-sized slice: one generated case, divergent and control, through the real agent to a real server.
+
+What is checked is the machinery, not a figure: the divergence rule, the frozen split (its hash), the
+oracle (bench/early_warning/oracle.py, independent of the agent) against the agent's stored values on the
+sampled steps, and the lead and oracle-lead computations against the alerts the server stored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import pytest
+
+from bench.early_warning import report, sweep
+from bench.early_warning.divergence import diverged_at, learned
+from bench.early_warning.space import BUDGET, CONTROL_DIVISOR, EARLIEST, LEARNED, draw
+
+# the split committed in cf1ec9a, before any tuning: it must never change
+SPLIT_SHA256 = "6ff479e9243d0dc5658e9f934dcb40e114c4ec7e750c85660bd17c78987a4eb1"
+# a tuning-half case that the blind LR search (sweep.lr_search) lands at this LR (bench/early_warning/results.jsonl)
+CASE, LR = 4, 2.080830178640878
+
+
+def test_the_divergence_rule():
+    assert diverged_at([3.0, 2.0, 1.0, 1.6, 1.7, 1.8, 1.9, 2.0]) == 3      # 5 in a row above 1.5 x the min
+    assert diverged_at([3.0, 2.0, 1.0, 1.6, 1.7, 1.8, 1.9, 1.4, 1.6]) is None   # 4 in a row only
+    assert diverged_at([3.0, 2.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5]) is None    # at 1.5 x, not above
+    assert diverged_at([3.0, 1.0, 1.6, float("inf")]) == 3                  # the first non-finite loss
+    assert diverged_at([3.0, 1.1, 1.7, 1.7, 1.6, 1.7, 1.7]) is None        # 1.6 is not above 1.5 x 1.1
+    assert diverged_at([3.0, 1.1, 1.7, 1.7, 1.7, 1.7, 1.7]) == 2
+    assert learned([3.0, 2.5, 9.0], until=2, fraction=0.85) and not learned([3.0, 2.9, 9.0], until=2)
+
+
+def test_the_split_is_the_frozen_one():
+    raw = sweep.SPLIT.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == SPLIT_SHA256
+    split = json.loads(raw)
+    assert not set(split["tuning"]) & set(split["held_out"])
+    assert sorted(split["tuning"] + split["held_out"]) == list(range(100)) and len(split["tuning"]) == 50
+    assert CASE in split["tuning"]
+
+
+def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
+    srv = server_factory(sqlite_url)
+    case = draw(CASE)
+    assert case.arch == "sdpa_alibi" and case.optimizer == "sgd_momentum"
+    div = sweep.train(case, LR, BUDGET, server=srv.url, run="div")
+    ctl = sweep.train(case, LR / CONTROL_DIVISOR, BUDGET, server=srv.url, run="ctl", stop_after_divergence=False)
+    d = div["diverged_at"]
+    losses = [math.nan if x is None else x for x in div["losses"]]
+    # the run diverges inside the window after learning, and stopped 5 steps after the divergence step
+    assert d is not None and EARLIEST <= d < BUDGET and learned(losses, d, LEARNED)
+    assert div["steps"] == d + 5 and diverged_at(losses) == d
+    assert all(x > 1.5 * min(losses[:d]) for x in losses[d:d + 5])
+    # the control trains the whole budget, learns and does not diverge
+    assert ctl["steps"] == BUDGET and ctl["diverged_at"] is None
+    assert learned([math.nan if x is None else x for x in ctl["losses"]], None, LEARNED)
+
+    # the oracle, recorded beside the agent, equals the agent's stored max attention logit where it sampled
+    _, runs = srv.get(f"/api/v1/runs?project={sweep.PROJECT}")
+    rid = {r["name"]: r["id"] for r in runs["runs"]}["div"]
+    status, m = srv.get(f"/api/v1/runs/{rid}/layers?stat=attn_logit_max&max_steps=10000&max_layers=10000")
+    assert status == 200 and m["bucket_size"] == 1
+    truth = report.true_max(div)
+    compared = 0
+    for c, step in enumerate(m["steps"]):               # values: one row per module, one column per step
+        vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
+        if vals and step < len(truth) and math.isfinite(truth[step]):
+            assert max(vals) == pytest.approx(truth[step], rel=1e-3), step
+            compared += 1
+    assert compared >= 3
+
+    # the lead: divergence step minus the first alert above info of the rule, none when after it
+    div["alerts"] = sweep.alerts_of(srv.url, "div")
+    ctl["alerts"] = sweep.alerts_of(srv.url, "ctl")
+    loud = [a for a in div["alerts"] if a["severity"] != "info"]
+    assert loud, "the divergent run raised nothing: the lead computation is not exercised"
+    for rule in {a["rule"] for a in loud}:
+        first = min(a["first_step"] for a in loud if a["rule"] == rule)
+        assert report.lead(d, report.first_warning(div["alerts"], [rule])) == (d - first if first <= d else None)
+    assert report.lead(100, 101) is None and report.lead(100, 40) == 60
+    # the oracle lead: the first step above the control's highest true logit
+    hi = max(v for v in report.true_max(ctl) if math.isfinite(v))
+    above = next((s for s, v in enumerate(report.true_max(div)) if s <= d and v > hi), None)
+    got = report.oracle_lead({"divergent": div, "control": ctl})
+    assert got == (None if above is None else d - above)
+    s = report.summary([10, None, 60, 30])
+    assert (s["warned"], s["misses"], s["median"], s["p25"], s["ge20"], s["ge50"]) == (3, 1, 10, "miss", 2, 1)
