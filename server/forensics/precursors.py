@@ -398,8 +398,17 @@ def format_ratio(r: Optional[float]) -> str:
     return f"{r:.0f}×" if r >= 10 else f"{r:.1f}×"
 
 
-def summary(report: PrecursorReport, *, noun: str = "the failure", cfg: PrecursorConfig = DEFAULT_CONFIG) -> str:
-    """One sentence: the earliest excursions (three at most), then the loss-scale halvings."""
+def summary(report: PrecursorReport, *, noun: str = "the failure", cfg: PrecursorConfig = DEFAULT_CONFIG,
+            earlier: Iterable[tuple[str, str, int]] = ()) -> str:
+    """One sentence: the earliest excursions (three at most), then the loss-scale halvings, then the run's
+    earlier alerts in the searched steps (``earlier``: (rule id, name, first step)).
+
+    "Nothing drifted" is said only when it is true of the whole run page: with no excursion still open at
+    the failure but an earlier alert in the searched steps (a one-step grad explosion 160 steps before, which
+    had settled), the sentence says that no signal was still out of its band, and names that alert (issue 42:
+    the incident's timeline lists it).
+    """
+    earlier = sorted(earlier, key=lambda a: (a[2], a[0]))
     parts = []
     shown = report.excursions[:3]
     for e in shown:
@@ -415,16 +424,34 @@ def summary(report: PrecursorReport, *, noun: str = "the failure", cfg: Precurso
     more = len(report.excursions) - len(shown)
     if more:
         parts[-1] += f" (and {more} more series out of band)"
-    if not parts:
-        parts.append(f"no signal left its normal band in the {report.failure_step - report.searched_from:,} steps "
+    span = report.failure_step - report.searched_from
+    if not parts and earlier:
+        parts.append(f"no signal was still out of its normal band when {noun} came (a sudden failure, with no "
+                     f"slow drift into it)")
+    elif not parts:
+        parts.append(f"no signal left its normal band in the {span:,} steps "
                      f"before {noun} (a sudden failure: nothing drifted before it)")
     if report.halvings:
         steps = [f"{s:,}" for s, _, _ in report.halvings[-cfg.max_halvings:]]
         parts.append("loss scale halved at " + ", ".join(steps))
+    if earlier:
+        shown_alerts = [f"{rid} {name.replace('_', ' ')} at step {step:,}" for rid, name, step in earlier[:4]]
+        more_alerts = f" and {len(earlier) - 4} more" if len(earlier) > 4 else ""
+        parts.append(f"earlier alerts in the {span:,} steps before it: " + ", ".join(shown_alerts) + more_alerts)
     return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- the raise site
+
+def _earlier_alerts(session: Session, alert: Alert, *, run_id: int, since: int) -> list[tuple[str, str, int]]:
+    """The run's warning and critical alerts (any rank) that started in the searched steps before ``alert``:
+    (rule id, name, first step). One indexed read of the run's alerts."""
+    with session.no_autoflush:
+        rows = session.execute(select(Alert.id, Alert.rule, Alert.name, Alert.first_step).where(
+            Alert.run_id == run_id, Alert.severity.in_(("warning", "critical")), Alert.first_step >= since,
+            Alert.first_step < alert.first_step)).all()
+    return [(r.rule, r.name, int(r.first_step)) for r in rows if r.id != alert.id]
+
 
 def attach_precursors(session: Session, alerts: Iterable[Alert], *, run: Run,
                       cfg: PrecursorConfig = DEFAULT_CONFIG) -> None:
@@ -446,7 +473,8 @@ def attach_precursors(session: Session, alerts: Iterable[Alert], *, run: Run,
                           alert.id, run.id)
             continue
         noun = FAILURE_NOUNS.get(alert.rule, f"the {alert.name.replace('_', ' ')}")
-        sentence = summary(report, noun=noun, cfg=cfg)
+        sentence = summary(report, noun=noun, cfg=cfg,
+                           earlier=_earlier_alerts(session, alert, run_id=run.id, since=report.searched_from))
         ev.update(enc({"precursors": report.items(cfg), "precursor_summary": sentence,
                        "precursor_search": {"failure_step": alert.first_step, "rank": alert.rank,
                                             "from_step": report.searched_from, "series": report.series,

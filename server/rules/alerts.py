@@ -86,6 +86,9 @@ class Episode:
             ev = dict(alert.evidence or {})
             ev["hits"] = ev.get("hits", 1) + 1
             ev["last"] = enc(h.evidence)
+            # the message as of the latest hit (it names its step): the page shows it beside the first one,
+            # whose numbers describe the step the alert opened at (issue 42)
+            ev["last_message"] = h.message
             alert.evidence = ev
             if SEVERITY_RANK.get(severity, 0) > SEVERITY_RANK.get(alert.severity, 0):
                 alert.severity = severity

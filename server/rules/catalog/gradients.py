@@ -3,11 +3,12 @@ clipping saturation (C2)."""
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import numpy as np
 
 from gradwatch.server.rules.batch import Batch, layer_array, layer_list
-from gradwatch.server.rules.catalog._shared import VANISHING_GRAD_NORM
+from gradwatch.server.rules.catalog._shared import SETUP_EVENT, VANISHING_GRAD_NORM, already_clipped, clip_max_norm
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import (NAN_EVIDENCE, BatchRule, Outcome, nan_late_evidence, name_of, pack_f8, streaks,
                                top_grad_norms, unpack_f8)
@@ -33,8 +34,15 @@ class GradExplosion(BatchRule):
     }
     params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(20, zero_ok=True)}
     needs = ("grad_norm",)
-    evidence_events = NAN_EVIDENCE
+    evidence_events = NAN_EVIDENCE + (SETUP_EVENT,)
     REFRESH = 8
+
+    def _actions(self, batch: Batch, i: int) -> Optional[list[str]]:
+        """The catalogue's actions, or on a run that already clips, that fact in place of "enable clipping"."""
+        max_norm = clip_max_norm(batch, i)
+        if max_norm is None:
+            return None
+        return [already_clipped(max_norm), *self.spec.action("largest_params")]
 
     def late_evidence(self, ctx):
         return nan_late_evidence(ctx)
@@ -58,18 +66,21 @@ class GradExplosion(BatchRule):
         for k in np.flatnonzero(s.flagged).tolist():
             i = int(arrivals[k])
             st, g, med = batch.steps[i], float(gn[i]), float(s.med[k])
-            ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": st.get("clip_max_norm"),
+            ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
                   "top_grad_norms": top_grad_norms(ctx, st)}
             names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
+            clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
+                       and g > ev["clip_max_norm"] else "")
             out.hits[i] = Hit(ev, f"Grad norm {fmt(g)} at step {st['step']} is {g / med:.0f}x its median {fmt(med)}"
-                                  + (f"; largest: {names}" if names else ""))
+                                  + clipped + (f"; largest: {names}" if names else ""),
+                              actions=self._actions(batch, i))
         for i in np.flatnonzero(unskipped).tolist():
             st = batch.steps[i]
             ev = {"grad_norm": enc(float(gn[i])), "no_scaler": True, "top_grad_norms": top_grad_norms(ctx, st)}
             if ctx.remembered.get("nan_origin"):
                 ev["nan_origin"] = ctx.remembered["nan_origin"]
             out.hits[i] = Hit(ev, f"Grad norm is {fmt(float(gn[i]))} at step {st['step']} and no GradScaler "
-                                  f"skipped the step")
+                                  f"skipped the step", actions=self._actions(batch, i))
         return out
 
 

@@ -209,6 +209,7 @@ class LossSpike(BatchRule):
                        monotone=True)
         win.save()
         run = streaks(s.flagged, int(state.get("consecutive", 0)))
+        skipped = batch.true("overflow")
         clear = np.zeros(batch.n, dtype=bool)
         clear[arrivals[~s.flagged]] = True
         out = Outcome(clear)
@@ -218,9 +219,22 @@ class LossSpike(BatchRule):
             lim = med + factor * mad
             n = int(run[k])
             ev = {"loss": x, "median": med, "mad": mad, "limit": lim, "consecutive": n, "z": (x - med) / mad}
-            out.hits[i] = Hit(ev, f"Loss spike {fmt(x)} at step {batch.steps[i]['step']} (median {fmt(med)}, "
-                                  f"{(x - med) / mad:.0f} MADs above)" + (f"; {n} in a row" if n > 1 else ""),
-                              severity="critical" if n >= cfg["critical_consecutive"] else None)
+            step = batch.steps[i]["step"]
+            diagnosis = actions = None
+            if skipped[i]:
+                # the loss scaler skipped this step (its gradients overflowed): the weights never took the
+                # update, so a rollback undoes nothing (issue 42)
+                ev["skipped"] = True
+                diagnosis = (f"The loss spiked far above its recent level at step {step}, and its gradients "
+                             f"overflowed: the loss scaler skipped the step, so the weights never took that update.")
+                actions = [f"Nothing to roll back for step {step}: the loss scaler skipped it. If spikes recur, look "
+                           f"at the batches at those steps (outliers, broken labels).",
+                           self.spec.action("lower_lr")[0]]
+            out.hits[i] = Hit(ev, f"Loss spike {fmt(x)} at step {step} (median {fmt(med)}, "
+                                  f"{(x - med) / mad:.0f} MADs above)" + (f"; {n} in a row" if n > 1 else "")
+                                  + ("; the loss scaler skipped the step" if skipped[i] else ""),
+                              severity="critical" if n >= cfg["critical_consecutive"] else None,
+                              diagnosis=diagnosis, actions=actions)
         if len(arrivals):
             state["consecutive"] = int(run[-1])
         return out

@@ -7,7 +7,8 @@ from typing import Any, Optional
 import numpy as np
 
 from gradwatch.server.rules.batch import Batch
-from gradwatch.server.rules.catalog._shared import BF16_ACTION
+from gradwatch.server.rules.catalog._shared import (BF16_ACTION, SETUP_EVENT, already_clipped, clip_max_norm,
+                                                    setup_max_norm)
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import NAN_EVIDENCE, BatchRule, Outcome, nan_late_evidence, top_grad_norms
 from gradwatch.server.rules.spec import Float, Hit, Int
@@ -30,9 +31,15 @@ class LossNonfinite(BatchRule):
         "bf16": BF16_ACTION,
         "check_inputs": "Check the inputs: add `assert not torch.isnan(x).any()` after data loading.",
     }
+    # the actions a cause gets: each true of it (issue 42: "grad norm was normal" never beside "grad norm
+    # exploded first"); neutral texts where the cause is not known
+    check_loss = ("Check the loss computation (log(0) in BCE / cross-entropy; torch.log(torch.sigmoid(logit)) "
+                  "instead of F.binary_cross_entropy_with_logits; division by zero in a normalisation).")
+    clip_unknown = ("If the grad norm grows before NaNs: enable gradient clipping (max_norm=1.0, after "
+                    "scaler.unscale_) and lower the learning rate.")
     params = {"explode_factor": Float(10.0), "clear_steps": Int(10)}
     needs = ("loss",)
-    evidence_events = NAN_EVIDENCE
+    evidence_events = NAN_EVIDENCE + (SETUP_EVENT,)
     # under DDP the all-reduce spreads one rank's NaN to every rank a step later: one alert, led by
     # the rank that went first
     one_alert_across_ranks = True
@@ -55,7 +62,7 @@ class LossNonfinite(BatchRule):
         s = win.screen(xs, ok[arrivals], lambda x, med, mad: x > factor * med,
                        monotone=not bad.any())
         win.save()
-        # the grad norm seen last before each step: finite, "NaN", or the state's
+        # the grad norm seen last before each step: finite, "NaN" / "Inf" (as stored), or the state's
         seen = ok & gn_m
         prev = state.get("prev_gn")
         out = Outcome(ok & loss_m)
@@ -64,12 +71,12 @@ class LossNonfinite(BatchRule):
             med_at = dict(zip(arrivals.tolist(), s.med.tolist()))
             for i in np.flatnonzero(bad).tolist():
                 j = int(last[i - 1]) if i else -1
-                before = (float(gn[j]) if gn_ok[j] else "NaN") if j >= 0 else prev
+                before = (float(gn[j]) if gn_ok[j] else fmt(float(gn[j]))) if j >= 0 else prev
                 med = med_at[i]
                 out.hits[i] = self._hit(batch, i, before, None if math.isnan(med) else med, cfg)
         if seen.any():
             j = int(np.flatnonzero(seen)[-1])
-            state["prev_gn"] = float(gn[j]) if gn_ok[j] else "NaN"
+            state["prev_gn"] = float(gn[j]) if gn_ok[j] else fmt(float(gn[j]))
         return out
 
     def _hit(self, batch: Batch, i: int, before: Any, med, cfg: dict) -> Hit:
@@ -80,25 +87,31 @@ class LossNonfinite(BatchRule):
         ev: dict[str, Any] = {"loss": enc(loss), "grad_norm": enc(gn), "grad_norm_before": before,
                               "grad_norm_median": med, "overflow": st.get("overflow"), "loss_scale": enc(scale)}
         spec, factor = self.spec, cfg["explode_factor"]
-        actions = list(spec.actions)
+        max_norm = clip_max_norm(batch, i)
+        if max_norm is not None:
+            ev["clip_max_norm"] = max_norm
+        clip = already_clipped(max_norm) if max_norm is not None else self.clip_unknown
+        actions = [self.check_loss, clip, *spec.action("bf16", "check_inputs")]
         inputs = batch.values("input_nonfinite")[i]
         if inputs > 0:
             ev["input_nonfinite"] = st.get("input_nonfinite")
             cause = "inputs"
             diagnosis = ("The loss became NaN/Inf at a step whose input batch held non-finite values: "
                          "the data pipeline, not the model, produced it.")
-            actions = spec.action("check_inputs", "loss_computation", "bf16")
-        elif before == "NaN" or (isinstance(before, float) and math.isfinite(before) and med is not None
+            actions = [*spec.action("check_inputs"), self.check_loss, *spec.action("bf16")]
+        elif before in NONFINITE or (isinstance(before, float) and math.isfinite(before) and med is not None
                                  and before > factor * med):
             cause = "grad_explosion_first"
             ratio = fmt(before / med) if isinstance(before, float) and med else "non-finite"
             diagnosis = (f"The gradient norm exploded first (last grad norm {fmt(_num(before))}, "
                          f"{ratio}x its median {fmt(med)}), then the loss became NaN/Inf.")
-            actions = spec.action("clip_first", "bf16", "loss_computation", "check_inputs")
+            clip = already_clipped(max_norm) if max_norm is not None else spec.action("clip_first")[0]
+            actions = [clip, *spec.action("bf16"), self.check_loss, *spec.action("check_inputs")]
         elif med is not None:
             cause = "loss_computation"
             diagnosis = (f"The loss became NaN/Inf while the grad norm was normal (last {fmt(_num(before))}, "
                          f"median {fmt(med)}): the loss computation itself produced it.")
+            actions = spec.action("loss_computation", "bf16", "check_inputs")
         else:
             cause = "unknown"
             diagnosis = "The loss became NaN/Inf before a grad-norm history was available."
@@ -114,8 +127,11 @@ class LossNonfinite(BatchRule):
                    diagnosis=diagnosis, actions=actions)
 
 
+NONFINITE = {"NaN": math.nan, "Inf": math.inf, "-Inf": -math.inf}   # a non-finite grad norm, as fmt writes it
+
+
 def _num(x: Any):
-    return math.nan if x == "NaN" else x
+    return NONFINITE.get(x, math.nan) if isinstance(x, str) else x
 
 
 # What the agent's replay of the failing step (agent/capture/replay.py, `cause`) says, in the checklist's
@@ -158,6 +174,7 @@ class NanOrigin(BatchRule):
         "clip": "Enable gradient clipping (max_norm=1.0) and lower the learning rate.",
     }
     needs = ("loss",)
+    evidence_events = (SETUP_EVENT,)    # a run that clips is not told to enable clipping
 
     def applies(self, ctx):
         return bool(ctx.events.get("nan_origin"))
@@ -168,6 +185,11 @@ class NanOrigin(BatchRule):
             module = origin.get("module", "?")
             where = origin.get("where", "activation")
             diagnosis, actions = self._diagnosis(module, where, origin)
+            max_norm = setup_max_norm(batch.ctx)
+            if max_norm is not None:
+                clip = self.spec.action("clip")[0]
+                actions = [already_clipped(max_norm) if a == clip else a
+                           for a in (actions if actions is not None else self.spec.actions)]
             out.before.append((step, Hit({"module": module, "where": where,
                                           **{k: enc(v) for k, v in origin.items() if k not in ("module", "where")}},
                                          f"First non-finite {where} at step {step} in module {module}"

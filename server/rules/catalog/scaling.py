@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gradwatch.server.rules.catalog._shared import SETUP_EVENT, already_clipped, clip_max_norm
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import BatchRule, Outcome, streaks
 from gradwatch.server.rules.spec import Float, Hit, Int
@@ -24,6 +25,7 @@ class OverflowStorm(BatchRule):
     }
     params = {"consecutive": Int(5), "fraction": Float(0.05, zero_ok=True, at_most=1), "window": Int(200)}
     needs = ("overflow",)
+    evidence_events = (SETUP_EVENT,)    # a run that clips is not told to clip
 
     def evaluate(self, batch, state, cfg):
         judged = np.flatnonzero(batch.measured("overflow"))
@@ -46,9 +48,13 @@ class OverflowStorm(BatchRule):
         for k in np.flatnonzero(hit).tolist():
             i, c, n = int(judged[k]), int(run[k]), int(in_window[k])
             ls = float(scale[i]) if batch.measured("loss_scale")[i] else None
+            max_norm = clip_max_norm(batch, i)
+            actions = None if max_norm is None else [*self.spec.action("setup", "bf16"), already_clipped(max_norm)]
+            # the numbers name the step they describe (issue 42): the alert's message is written when it opens
             out.hits[i] = Hit({"consecutive_skipped": c, "skipped_in_window": n, "window": window,
                                "loss_scale": enc(ls), "overflow_count": count[i]},
-                              f"{c} consecutive skipped steps, {n} of the last {window} (loss scale {fmt(ls)})")
+                              f"{c} consecutive skipped steps, {n} of the last {window}; loss scale {fmt(ls)} at "
+                              f"step {int(batch.step[i])}", actions=actions)
         state["consecutive"] = int(run[-1])
         state["skipped"] = skipped[gone[-1]:].tolist()
         return out
@@ -112,7 +118,8 @@ class LossScaleCollapse(BatchRule):
             else:
                 h = halvings_at(k)
                 out.hits[i] = Hit({"loss_scale": sc, "halvings": len(h), "halved_at": h[-10:], "window": window},
-                                  f"Loss scale halved {len(h)} times with no growth (now {fmt(sc)})")
+                                  f"Loss scale halved {len(h)} times with no growth: loss scale {fmt(sc)} at step "
+                                  f"{int(steps[k])}")
         state["prev"] = float(scale[-1])
         state["halvings"] = halvings_at(len(scale) - 1)
         if settled[-1] or went_through[-1]:
