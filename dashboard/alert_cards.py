@@ -16,11 +16,30 @@ def status_badge(status: str) -> html.Span:
     return html.Span(status, className=f"gw-badge gw-status-{status}")
 
 
-def health_badge(health: Optional[str], open_alerts: int = 0) -> html.Span:
-    """``ok`` when no alert is open, else the worst open severity and how many are open."""
+def health_badge(health: Optional[str], open_alerts: int = 0, resolved_alerts: int = 0,
+                 recovered: Optional[str] = None) -> html.Span:
+    """The worst open severity and how many alerts are open and resolved; ``healthy`` only for a run that
+    never had a warning or critical alert. A run whose alerts all resolved reads "recovered from C3 at step
+    80" (``recovered``: what it recovered from), never a bare "healthy" (issue 42)."""
     health = health or ("ok" if not open_alerts else "warning")
-    text = "healthy" if health == "ok" else f"{health} · {open_alerts} open"
-    return html.Span(text, className=f"gw-badge gw-health-{health}", title=f"{open_alerts} open alert(s)")
+    resolved = f" · {resolved_alerts} resolved" if resolved_alerts else ""
+    if health != "ok":
+        text, css = f"{health} · {open_alerts} open{resolved}", health
+    elif recovered:
+        text, css = f"recovered from {recovered}{resolved}", "recovered"
+    else:
+        text, css = "healthy", "ok"
+    return html.Span(text, className=f"gw-badge gw-health-{css}",
+                     title=f"{open_alerts} open alert(s), {resolved_alerts} resolved")
+
+
+def recovery(alerts: Sequence[dict]) -> tuple[int, Optional[str]]:
+    """How many of ``alerts`` (warning or critical) resolved, and the latest one as "C3 at step 80"."""
+    done = [a for a in alerts if a.get("status") == "resolved" and a.get("severity") in ("warning", "critical")]
+    if not done:
+        return 0, None
+    last = max(done, key=lambda a: (a.get("first_step") or 0, a.get("id") or 0))
+    return len(done), f"{last.get('rule')} at step {last.get('first_step')}"
 
 
 def format_time(ts: Optional[float]) -> str:
@@ -51,19 +70,24 @@ def _actions(actions) -> list:
             html.Ul([html.Li(a if isinstance(a, str) else json.dumps(a)) for a in actions], className="gw-alert-actions")]
 
 
-def held_back_note(alert: dict) -> Optional[str]:
-    """Why routing did not notify this alert (server/routing/), or None: it was (or will be) notified."""
+def held_back_note(alert: dict, by_id: Optional[dict] = None) -> Optional[str]:
+    """Why this alert was not sent to the webhooks (server/routing/), in plain words; None: it was (or will
+    be) sent. ``by_id``: the other alerts on the page, to name the step of the incident that held it back."""
     if alert.get("suppressed_by") is not None:
-        what = alert.get("suppressed_by_rule") or "alert"
-        return f"suppressed by {what} (alert {alert['suppressed_by']}): not notified"
+        what = alert.get("suppressed_by_rule") or "another alert"
+        lead = (by_id or {}).get(alert["suppressed_by"]) or {}
+        at = f" at step {lead['first_step']}" if lead.get("first_step") is not None else ""
+        return (f"not sent: part of the incident of {what}{at} (alert {alert['suppressed_by']}), which was "
+                f"sent instead")
     if alert.get("silenced_by") is not None:
-        return f"silenced by silence {alert['silenced_by']}: not notified"
+        return f"not sent: silence {alert['silenced_by']} covers it"
     if alert.get("muted"):
-        return f"muted ({alert['muted']}): not notified"
+        return f"not sent: muted ({alert['muted']})"
     return None
 
 
-def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None) -> html.Div:
+def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None,
+               by_id: Optional[dict] = None) -> html.Div:
     """One alert: severity, rule, steps, message, diagnosis, actions, evidence and an acknowledge button.
 
     ``ack_type`` is the page-prefixed type of the button's pattern-matching id.
@@ -84,10 +108,14 @@ def alert_card(alert: dict, *, ack_type: str, run_label: Optional[str] = None) -
         head.append(dcc.Link("incident", href=f"/incidents/{alert['id']}", className="gw-alert-incident",
                              id=f"{ack_type}-incident-{alert['id']}"))
     body = [html.Div(head, className="gw-alert-head")]
-    note = held_back_note(alert)
+    note = held_back_note(alert, by_id)
     if note:
         body.append(html.Div(note, className="gw-alert-held"))
     body.append(html.Div(alert.get("message", ""), className="gw-alert-message"))
+    latest = (alert.get("evidence") or {}).get("last_message")
+    if latest and latest != alert.get("message") and alert.get("status") == "firing":
+        # the first message describes the step the alert opened at; this, the latest step it held at
+        body.append(html.Div(f"latest: {latest}", className="gw-alert-latest"))
     if alert.get("diagnosis"):
         body += [html.Div("Diagnosis", className="gw-alert-label"), html.Div(alert["diagnosis"], className="gw-alert-diagnosis")]
     body += _actions(alert.get("actions"))
@@ -110,7 +138,8 @@ def alert_list(alerts: Sequence[dict], *, ack_type: str, run_labels: Optional[di
     if not alerts:
         return [html.Div(empty, className="gw-empty")]
     ordered = sorted(alerts, key=lambda a: (a.get("status") != "firing", -(a.get("first_step") or 0), -(a.get("id") or 0)))
-    return [alert_card(a, ack_type=ack_type,
+    by_id = {a.get("id"): a for a in alerts}
+    return [alert_card(a, ack_type=ack_type, by_id=by_id,
                        run_label=None if run_labels is None else run_labels.get(a.get("run_id"), f"run {a.get('run_id')}"))
             for a in ordered]
 

@@ -312,6 +312,22 @@ def list_alerts(*, run_id: Optional[int] = None, severity: Optional[str] = None,
                                            status=status or None, project=_scoped(None)), "alerts")
 
 
+def recoveries(run_ids: Sequence[int]) -> dict[int, tuple[int, Optional[str]]]:
+    """For the runs list's health badge: each run's resolved warning / critical alerts, (count, "C3 at step
+    80" for the latest). One read of the newest 1000 resolved alerts in scope (the query layer's cap): a run
+    whose resolved alerts are all older than those shows no count."""
+    from gradwatch.dashboard.alert_cards import recovery
+    from gradwatch.server import queries
+    wanted = set(run_ids)
+    with _session() as s:
+        resolved = _unwrap(queries.list_alerts(s, status="resolved", project=_scoped(None)), "alerts")
+    by_run: dict[int, list] = {}
+    for a in resolved:
+        if a.get("run_id") in wanted:
+            by_run.setdefault(a["run_id"], []).append(a)
+    return {rid: recovery(alerts) for rid, alerts in by_run.items()}
+
+
 def early_warnings(run_ids: Sequence[int]) -> dict[int, dict[str, list]]:
     """The runs' firing early-warning alerts (``server.queries.early_warnings``), for the runs list's badge."""
     from gradwatch.server import queries

@@ -12,6 +12,7 @@ from gradwatch.dashboard.figures.points import finite, plot_text, to_float
 
 
 HEATMAP_MAX_LABEL_PX = 320     # a longer layer name widens the margin by automargin (one more draw)
+ROW_PX = 12                    # the height a labelled row needs (9 px labels): every drawn row is labelled
 
 
 def _float_grid(rows: Sequence[Sequence[Any]], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,17 +46,48 @@ def _log10_cells(rows: Sequence[Sequence[Any]], width: int) -> tuple[list[list[O
     return z, np.nonzero(~finite_ & ~missing)
 
 
+def _with_data(matrix: Optional[dict]) -> dict:
+    """The matrix without the rows that hold no value at all (a layer never sampled in this range: an
+    empty band with a label nobody can read a number from; issue 42)."""
+    steps = list((matrix or {}).get("steps") or [])
+    names = list((matrix or {}).get("names") or [])
+    rows = list((matrix or {}).get("values") or [])
+    if not steps or not rows:
+        return dict(matrix or {}, names=names, values=rows)
+    _, missing = _float_grid(rows, len(steps))
+    keep = [i for i in range(min(len(names), len(rows))) if not missing[i].all()]
+    return dict(matrix, names=[names[i] for i in keep], values=[rows[i] for i in keep])
+
+
+def _cell_span(steps: Sequence[float], step: float) -> tuple[float, float]:
+    """The x extent of the heatmap column that holds ``step``: half-way to its neighbours (a lone column: ±0.5)."""
+    j = min(range(len(steps)), key=lambda k: abs(steps[k] - step))
+    left = steps[j] - steps[j - 1] if j > 0 else None
+    right = steps[j + 1] - steps[j] if j + 1 < len(steps) else None
+    left = left if left is not None else (right if right is not None else 1.0)
+    right = right if right is not None else left
+    return steps[j] - left / 2, steps[j] + right / 2
+
+
 def heatmap_figure(title: str, matrix: Optional[dict], *, alerts: Sequence[dict] = (),
-                   x_range: Optional[Sequence[float]] = None, highlight: Optional[str] = None) -> dict:
+                   x_range: Optional[Sequence[float]] = None, highlight: Optional[str] = None,
+                   highlight_step: Optional[float] = None) -> dict:
     """Layer × step heatmap of log10(value); non-finite cells get a red ✕ on top.
 
-    ``matrix`` is ``{"steps": [...], "names": [...], "values": [[one per step] per layer]}``.
-    ``highlight`` (a layer name, e.g. the NaN origin) is marked on the y axis.
+    ``matrix`` is ``{"steps": [...], "names": [...], "values": [[one per step] per layer]}``. Rows without
+    any value are left out, and every row drawn is labelled (the figure grows with its rows).
+    ``highlight`` (a layer name, e.g. the NaN origin) is marked on the y axis; with ``highlight_step`` the
+    mark is the cell at that step, else the whole row.
     """
+    matrix = _with_data(matrix)
     layout = theme.base_layout(title, height=theme.HEATMAP_HEIGHT)
     layout["hovermode"] = "closest"
     layout["xaxis"].update(_x_axis(x_range))
-    layout["yaxis"].update({"automargin": True, "tickfont": {"size": 9}, "type": "category"})
+    n_rows = len((matrix or {}).get("names") or [])
+    layout["height"] = max(theme.HEATMAP_HEIGHT, 110 + ROW_PX * n_rows)
+    # every row labelled: a category axis left to itself labels every other row once they crowd
+    layout["yaxis"].update({"automargin": True, "tickfont": {"size": 9}, "type": "category", "tickmode": "linear",
+                            "dtick": 1})
     # Margins that already hold the layer names and the colorbar: when automargin has to widen them,
     # plotly draws the heatmap twice (~45 ms a heatmap instead of ~25). 5.8 px a character of the 9 px
     # labels: automargin made 121 px of a 19-character name in the benchmark run; the colorbar took 102.
@@ -86,11 +118,21 @@ def heatmap_figure(title: str, matrix: Optional[dict], *, alerts: Sequence[dict]
                "hovertemplate": "non-finite: %{y} at step %{x}<extra></extra>"}]
     if highlight and highlight in names:
         i = names.index(highlight)
-        layout["shapes"].append({"type": "rect", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": i - 0.5,
-                                 "y1": i + 0.5, "line": {"color": theme.NAN_COLOUR, "width": 1.5}})
-        layout["annotations"] = [{"text": "NaN origin", "xref": "paper", "yref": "y", "x": 0.005, "y": highlight,
-                                  "xanchor": "left", "showarrow": False, "bgcolor": theme.BG,
-                                  "font": {"color": theme.NAN_COLOUR, "size": 10}}]
+        if highlight_step is not None:
+            # the cell of the step where it started, not the whole step axis (issue 42)
+            x0, x1 = _cell_span(steps, float(highlight_step))
+            layout["shapes"].append({"type": "rect", "xref": "x", "yref": "y", "x0": x0, "x1": x1, "y0": i - 0.5,
+                                     "y1": i + 0.5, "line": {"color": theme.NAN_COLOUR, "width": 2},
+                                     "name": "nan-origin"})
+            layout["annotations"] = [{"text": f"NaN origin, step {highlight_step:g}", "xref": "x", "yref": "y",
+                                      "x": x1, "y": highlight, "xanchor": "left", "showarrow": False,
+                                      "bgcolor": theme.BG, "font": {"color": theme.NAN_COLOUR, "size": 10}}]
+        else:
+            layout["shapes"].append({"type": "rect", "xref": "paper", "yref": "y", "x0": 0, "x1": 1,
+                                     "y0": i - 0.5, "y1": i + 0.5, "line": {"color": theme.NAN_COLOUR, "width": 1.5}})
+            layout["annotations"] = [{"text": "NaN origin", "xref": "paper", "yref": "y", "x": 0.005,
+                                      "y": highlight, "xanchor": "left", "showarrow": False, "bgcolor": theme.BG,
+                                      "font": {"color": theme.NAN_COLOUR, "size": 10}}]
     layout["showlegend"] = False
     return {"data": traces, "layout": layout}
 

@@ -15,6 +15,9 @@ from gradwatch.dashboard.ticks import pause_while_running
 GRAPH_IDS = [f"compare-graph-{signal}" for signal, _, _ in COMPARE_PANELS]
 MAX_POINTS = 1000
 REFRESH_MS = 3000
+# the page with no run picked: what to do, instead of six empty charts on a -1…6 axis (issue 42)
+EMPTY_HINT = ("No runs picked yet: pick two or more in the box above to overlay their charts on one step axis "
+              "(or open /compare?runs=3,7).")
 
 
 def _preselected(runs) -> list[int]:
@@ -48,8 +51,9 @@ def layout(runs=None, **_query):
         dcc.Store(id="compare-sig", data=None),
         dcc.Interval(id="compare-interval", interval=REFRESH_MS),
         dcc.Interval(id="compare-options-interval", interval=REFRESH_MS),
+        html.Div(EMPTY_HINT, id="compare-hint", className="gw-empty"),
         html.Div([html.Div(dcc.Graph(id=gid, config={"displayModeBar": False, "responsive": True}), className="gw-chart")
-                  for gid in GRAPH_IDS], className="gw-chart-grid"),
+                  for gid in GRAPH_IDS], className="gw-chart-grid", id="compare-grid", style={"display": "none"}),
     ])
 
 
@@ -71,6 +75,8 @@ def run_options(_tick, current):
 @callback(
     [Output(gid, "figure") for gid in GRAPH_IDS],
     Output("compare-sig", "data"),
+    Output("compare-hint", "children"),
+    Output("compare-grid", "style"),
     Input("compare-runs", "value"),
     Input("compare-range", "data"),
     Input("compare-interval", "n_intervals"),
@@ -82,7 +88,9 @@ def draw(run_ids, x_range, _tick, previous_sig):
     runs = {r["id"]: r for r in gateway.list_runs() if r["id"] in run_ids}
     sig = [run_ids, x_range, [[i, (runs.get(i) or {}).get("last_step")] for i in run_ids]]
     if sig == previous_sig:
-        return *([no_update] * len(GRAPH_IDS)), no_update
+        return *([no_update] * len(GRAPH_IDS)), no_update, no_update, no_update
+    if not any(i in runs for i in run_ids):
+        return *([no_update] * len(GRAPH_IDS)), sig, EMPTY_HINT, {"display": "none"}
     start, end = (x_range or (None, None))
     signals = [signal for signal, _, _ in COMPARE_PANELS]
     series = {i: gateway.get_series(i, signals, start=start, end=end, max_points=MAX_POINTS)
@@ -99,7 +107,7 @@ def draw(run_ids, x_range, _tick, previous_sig):
                                      log_y=log_y)
         fig["layout"]["xaxis"].update({"range": list(shown), "autorange": False} if shown else {"autorange": True})
         figs.append(fig)
-    return *figs, sig
+    return *figs, sig, None, {}
 
 
 clientside_callback(

@@ -32,8 +32,8 @@ from dash import ALL, ClientsideFunction, Input, Output, Patch, State, callback,
     no_update
 
 from gradwatch.dashboard import figures, gateway
-from gradwatch.dashboard.alert_cards import (alert_list, format_ago, format_time, health_badge, severity_badge,
-                                             status_badge)
+from gradwatch.dashboard.alert_cards import (alert_list, format_ago, format_time, health_badge, recovery,
+                                             severity_badge, status_badge)
 from gradwatch.dashboard.figures import ALL_RANKS, HEADLINE, HEATMAPS, PANELS, RANK_CHARTS, SERIES_SIGNALS, \
     format_number
 from gradwatch.dashboard.ticks import pause_while_running
@@ -420,7 +420,8 @@ def load_layers(layers_range, _tick, run_id, previous_sig):
     if ctx.triggered_id == "run-layers-interval" and sig == previous_sig:
         return [no_update] * (len(HEATMAP_IDS) + 2)
     highlight = (origin or {}).get("data", {}).get("module") or (origin or {}).get("data", {}).get("param")
-    heatmaps = [figures.heatmap_figure(title, matrices[stat], alerts=alerts, x_range=shown, highlight=highlight)
+    heatmaps = [figures.heatmap_figure(title, matrices[stat], alerts=alerts, x_range=shown, highlight=highlight,
+                                       highlight_step=(origin or {}).get("step"))
                 for stat, title in HEATMAPS]
     ratio = figures.update_ratio_figure(matrices["update_ratio"], alerts=alerts, x_range=shown)
     return *heatmaps, ratio, sig
@@ -523,7 +524,7 @@ def _header(run: dict, alerts: list, ranks: Sequence[dict] = ()) -> list:
             html.H1(run.get("name", ""), className="gw-title", id="run-title"),
             html.Span(run.get("project", ""), className="gw-project"),
             status_badge(run.get("status", "running")),
-            health_badge(run.get("health") or worst or "ok", len(open_alerts)),
+            health_badge(run.get("health") or worst or "ok", len(open_alerts), *recovery(alerts)),
         ], className="gw-run-title"),
         html.Div([html.Div([html.Span(k, className="gw-fact-key"), html.Span(v, className="gw-fact-value")],
                            className="gw-fact") for k, v in facts], className="gw-facts"),

@@ -54,9 +54,10 @@ def early_warning_cell(run_id: int, early: Optional[dict]) -> list:
 
 
 def runs_table(runs: list[dict], *, now: float, stall_seconds: float,
-               early: Optional[dict[int, dict]] = None) -> html.Table:
-    """``early``: run id -> its early warnings (``gateway.early_warnings``)."""
-    early = early or {}
+               early: Optional[dict[int, dict]] = None, recovered: Optional[dict[int, tuple]] = None) -> html.Table:
+    """``early``: run id -> its early warnings (``gateway.early_warnings``); ``recovered``: run id -> (resolved
+    alerts, what it recovered from) (``gateway.recoveries``)."""
+    early, recovered = early or {}, recovered or {}
     head = html.Thead(html.Tr([html.Th(h) for h in
                                ("Run", "Project", "Status", "Health", "Early warning", "Last step", "Last loss",
                                 "Started", "Last data", "Size", "")]))
@@ -67,7 +68,7 @@ def runs_table(runs: list[dict], *, now: float, stall_seconds: float,
             html.Td(dcc.Link(r.get("name", f"run {r['id']}"), href=f"/runs/{r['id']}", className="gw-run-link")),
             html.Td(r.get("project", "")),
             html.Td(status_badge(status)),
-            html.Td(health_badge(r.get("health"), r.get("open_alerts") or 0)),
+            html.Td(health_badge(r.get("health"), r.get("open_alerts") or 0, *recovered.get(r["id"], (0, None)))),
             html.Td(early_warning_cell(r["id"], early.get(r["id"])), className="gw-early-cell"),
             html.Td("—" if r.get("last_step") is None else f"{r['last_step']:,}", className="gw-num"),
             html.Td(format_number(r.get("last_loss")), className="gw-num"),
@@ -83,17 +84,19 @@ def runs_table(runs: list[dict], *, now: float, stall_seconds: float,
     return html.Table([head, html.Tbody(rows)], className="gw-table", id="runs-table-el")
 
 
-def layout(**_query):
+def layout(project: Optional[str] = None, run: Optional[str] = None, **_query):
+    """``/?project=nlp&run=exp-42`` (the line the agent prints at attach) opens the list filtered to that run."""
     return html.Div([
         html.Div([
             html.H1("Runs", className="gw-title"),
             html.Div([
                 dcc.Dropdown(id="runs-filter-project", placeholder="all projects", clearable=True,
-                             className="gw-dropdown"),
+                             className="gw-dropdown", value=project or None,
+                             options=[{"label": project, "value": project}] if project else []),
                 dcc.Dropdown(id="runs-filter-status", options=[{"label": s, "value": s} for s in STATUSES],
                              placeholder="any status", clearable=True, className="gw-dropdown"),
                 dcc.Input(id="runs-filter-name", type="search", placeholder="name contains…", debounce=False,
-                          className="gw-input"),
+                          className="gw-input", value=run or None),
             ], className="gw-filters"),
         ], className="gw-page-head"),
         html.Div(id="runs-delete-status", className="gw-muted"),
@@ -127,14 +130,15 @@ def refresh_runs(_tick, project, status, name, signature):
             and (not status or display_status(r, now=now, stall_seconds=stall) == status)]
     runs.sort(key=lambda r: -(r.get("started_at") or 0))
     early = gateway.early_warnings([r["id"] for r in runs])
+    recovered = gateway.recoveries([r["id"] for r in runs])
     # "last data" is relative to now, so it changes every tick; compare it in 5 s steps.
     new_sig = [[r["id"], r.get("status"), r.get("last_step"), str(r.get("last_loss")), r.get("health"),
                 r.get("open_alerts"), early.get(r["id"]), int((now - (r.get("last_seen") or now)) // 5),
-                r.get("bytes")] for r in runs]
+                r.get("bytes"), list(recovered.get(r["id"]) or ())] for r in runs]
     new_sig = {"rows": new_sig, "projects": projects, "filters": [project, status, name]}
     if new_sig == signature:
         return no_update, no_update, no_update
-    return (runs_table(runs, now=now, stall_seconds=stall, early=early),
+    return (runs_table(runs, now=now, stall_seconds=stall, early=early, recovered=recovered),
             [{"label": p, "value": p} for p in projects], new_sig)
 
 

@@ -22,7 +22,9 @@ def test_alerts_page_shows_suppressed_by_and_manages_silences(dash_server, brows
     wait_until(lambda: len(texts(browser, "#alerts-list .gw-alert")) == len(body["alerts"]), timeout=WAIT,
                what="every alert listed")
     notes = texts(browser, "#alerts-list .gw-alert-held")
-    assert len(notes) == len(held) and all(n.startswith("suppressed by A1 loss_nonfinite rank 0") for n in notes)
+    # plain words (issue 42): not sent, as part of the A1 incident, which names its alert and step
+    assert len(notes) == len(held) and all(n.startswith("not sent: part of the incident of A1 loss_nonfinite rank 0 "
+                                                        "at step 50") for n in notes), notes
     wait_until(lambda: texts(browser, "#alerts-silence-list") == ["No active silences."], timeout=WAIT,
                what="no silences yet")
 
