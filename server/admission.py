@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterator, Optional
 
 # bytes a heatmap holds per layer value it reads (the blob, the (rows, 6, width) float32 partials, the
@@ -105,23 +106,60 @@ class HeavyReadGate:
         try:
             yield
         finally:
-            with self._cond:
-                self.in_use -= cost
-                idle = self.in_use == 0
-                self._cond.notify_all()
-            if idle and cost > 16 * 2**20:
-                self._trim()
-                # and once more a moment later: the answer's JSON is built and sent after the read leaves
-                # the gate, and what it frees would otherwise stay resident until the next heavy read
-                timer = threading.Timer(2.0, self._trim_if_idle)
-                timer.daemon = True
-                timer.start()
+            held = _held_until_sent.get()
+            if held is not None:
+                held.append(lambda: self._release(cost))     # the answer is built and sent: then
+            else:
+                self._release(cost)
+
+    def _release(self, cost: int) -> None:
+        with self._cond:
+            self.in_use -= cost
+            idle = self.in_use == 0
+            self._cond.notify_all()
+        if idle and cost > 16 * 2**20:
+            self._trim()
+            # and once more a moment later: what the sent answer frees would otherwise stay resident
+            # until the next heavy read
+            timer = threading.Timer(2.0, self._trim_if_idle)
+            timer.daemon = True
+            timer.start()
 
     def _trim_if_idle(self) -> None:
         with self._cond:
             idle = self.in_use == 0
         if idle:
             self._trim()
+
+
+# Inside an API request (HoldUntilSent), a read's budget is given back when the answer has been sent,
+# not when the read returns: the route still turns up to a million cells into JSON, which the budget
+# (BYTES_PER_CELL) covers too
+_held_until_sent: ContextVar[Optional[list]] = ContextVar("gradwatch_heavy_read_held", default=None)
+
+
+class HoldUntilSent:
+    """ASGI middleware: heavy reads admitted while answering an API request keep their share of the
+    budget until the response is sent (sync routes run in a worker thread with a copy of this context; the
+    list is shared)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        # the API only: one heatmap per request there. A dashboard callback reads several in one request,
+        # and holding the first's share would make the next wait for it
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/api/"):
+            await self.app(scope, receive, send)
+            return
+        held: list = []
+        token = _held_until_sent.set(held)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _held_until_sent.reset(token)
+            for release in held:
+                release()
 
 
 def _malloc_trim():

@@ -8,7 +8,7 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .admission import HeavyReadBusy, HeavyReadGate, set_heavy_reads
+from .admission import HeavyReadBusy, HeavyReadGate, HoldUntilSent, set_heavy_reads
 from .api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
 from .db import Database, open_database, schema_problem
 from .live_news import DASHBOARD_THREADS, LiveNews
@@ -89,6 +89,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     # one memory budget for the heavy reads (heatmaps) of this process, whoever asks (server/admission.py)
     app.state.heavy_reads = HeavyReadGate(settings.heavy_read_budget_bytes)
     set_heavy_reads(app.state.heavy_reads)
+    app.add_middleware(HoldUntilSent)     # a heatmap's share is held until its answer is sent
     if settings.auth:
         from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 
