@@ -87,6 +87,9 @@ class AgentConfig:
     tokens_per_step: Optional[int] = None  # tokens per optimizer step (inferred from integer 2-D input when None)
     # alerts in the loop (docs/alerts-in-the-loop.md)
     loop_alerts: bool = True             # each batch asks for the run's new alerts: monitor.alerts(), on_alert=
+    # rank 0 prints one line at attach (where the run can be seen) and each new alert of the run to stderr, as
+    # `gradwatch demo` does; GRADWATCH_ANNOUNCE=0 (or announce=False) keeps the agent quiet (issue 42)
+    announce: bool = True
     skip_spikes: bool = False            # skip an update whose grad norm is > skip_sigma σ above the mean of
     skip_sigma: float = 6.0              # the last skip_window accepted steps (and, without a GradScaler,
     skip_window: int = 128               # a non-finite one): on the device, no sync

@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     ema = EMA(model, decay=0.999)
 
+    # announce=False: `gradwatch demo` prints the run page and echoes each alert itself
     monitor = agent.attach(model, scaler, optimizer=optimizer, ema=ema, project=args.project,
-                           run=args.run, server=args.server)
+                           run=args.run, server=args.server, announce=False)
     print(f"[demo] training run {monitor.config.run!r} for {args.steps} steps", flush=True)
     try:
         for step in range(args.steps):

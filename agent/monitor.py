@@ -22,10 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Callable, Optional
+from urllib.parse import quote
 
 import torch
 
@@ -185,6 +187,8 @@ class Monitor:
         self._hooks.install()
         if self.sender is not None:
             self.sender.on_poll = self._sealer.seal_stale
+        if cfg.announce and self.rank == 0 and cfg.mode != "disabled":
+            self._announce()
 
     # ------------------------------------------------------------------ public API
 
@@ -405,6 +409,12 @@ class Monitor:
         forget(self)
         if self.sender is not None and os.getpid() == self._pid:
             self.sender.close(self.config.exit_timeout if timeout is None else timeout, status=status)
+            # a run whose batches all reached the server leaves no spool folder behind (issue 42)
+            try:
+                if not self.sender.spool.has_backlog():
+                    self.sender.spool.prune(self.config.spool_dir)
+            except Exception:  # noqa: BLE001 - tidying up never raises into the caller
+                pass
 
     detach = close
 
@@ -461,6 +471,31 @@ class Monitor:
         if self.sender is not None and setup is not None:
             with self._guards.guard("setup"):
                 self.sender.submit(setup.event(step, module_clip=self._builder.grads.clip_max_norm))
+
+    def _announce(self) -> None:
+        """Rank 0 says where the run can be seen, in one line, and echoes the run's new alerts to stderr as
+        `gradwatch demo` does (``announce=False`` / ``GRADWATCH_ANNOUNCE=0``: quiet)."""
+        cfg = self.config
+        try:
+            base = cfg.server.rstrip("/")
+            if cfg.mode == "offline":
+                where = f"offline: spooled under {cfg.spool_dir}; upload it later with `gradwatch sync`"
+            else:
+                where = f"{base}/?project={quote(cfg.project)}&run={quote(cfg.run)}"
+            print(f"gradwatch: run {cfg.run!r} (project {cfg.project!r}): {where}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - a print never costs the training loop
+            return
+        if self._inbox is None:
+            return
+        seen: set[int] = set()
+
+        def echo(alert: LoopAlert) -> None:
+            if alert.id in seen or alert.status != "firing":
+                return
+            seen.add(alert.id)
+            print(f"gradwatch: ALERT {alert.rule} {alert.name} ({alert.severity}) at step {alert.step}: "
+                  f"{alert.message}  {base}/runs/{alert.run_id}", file=sys.stderr, flush=True)
+        self._alert_callbacks.append(echo)
 
     def _deliver_alerts(self) -> None:
         """At a step boundary, in the training thread: the inbox's news to the callbacks."""

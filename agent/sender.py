@@ -95,6 +95,17 @@ class OnceLogger:
             pass
 
 
+def _why(status, body: str) -> str:
+    """A transport failure in a few words: "connection refused" rather than "URLError ... [Errno 111]"."""
+    text = str(body or "")
+    for needle, words in (("Errno 111", "connection refused"), ("Connection refused", "connection refused"),
+                          ("timed out", "timed out"), ("Name or service not known", "unknown host"),
+                          ("nodename nor servname", "unknown host"), ("Errno -2", "unknown host")):
+        if needle in text:
+            return words
+    return f"HTTP {status}" if isinstance(status, int) and status > 0 else (text[:120] or "no answer")
+
+
 class Sender:
     def __init__(self, config: AgentConfig, *, transport: HttpTransport, spool: Spool,
                  assembler: StepAssembler, header: dict, meta: Optional[dict] = None,
@@ -487,8 +498,12 @@ class Sender:
                 except Exception:  # noqa: BLE001
                     pass
                 continue
-            self.warn.warning("unreachable", "gradwatch: server %s not reachable (%s %s); spooling to %s",
-                              self.config.server, delivery.status, delivery.body[:200], self.spool.directory)
+            # what happens and what to run, not a raw URLError (issue 42); said once per process
+            self.warn.warning("unreachable", "gradwatch: server %s not reachable (%s). Training goes on: the steps "
+                              "are kept on disk in %s and sent in order as soon as the server answers. Start it "
+                              "(`gradwatch serve`), or upload this spool later: `gradwatch sync %s --server URL`.",
+                              self.config.server, _why(delivery.status, delivery.body), self.spool.directory,
+                              self.spool.directory)
             self._backoff = min(max(self._backoff * 2, 0.25), 5.0)
             self._retry_at = self.clock() + self._backoff
             return

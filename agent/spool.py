@@ -113,6 +113,28 @@ class Spool:
             pass  # another process replaying the same directory got there first
 
 
+    def prune(self, top: str | os.PathLike) -> bool:
+        """After a clean close: remove this spool's directory if nothing is left in it (every batch reached
+        the server), and its emptied parents below ``top`` (the spool root). ``rmdir`` only: a directory that
+        still holds a batch, or a journal of another process, stays. True when the directory is gone."""
+        if os.getpid() != self._pid:
+            return False
+        top = Path(top).resolve()
+        d = self.directory.resolve()
+        try:
+            d.rmdir()
+        except OSError:
+            return False
+        for parent in d.parents:
+            if parent == top or top not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        return True
+
+
 def _sequence(name: str) -> int:
     try:
         return int(name.split("-", 1)[0].split(".", 1)[0])

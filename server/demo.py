@@ -33,7 +33,9 @@ def add_subparser(subparsers) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--db", default=None, help="database URL (default: sqlite file demo.db in the data dir)")
+    p.add_argument("--db", default=None,
+                   help="database URL (default: as for serve, export and import: GRADWATCH_DATABASE_URL or the "
+                        "SQLite file gradwatch.db in the data dir, so that `gradwatch serve` shows the demo's runs)")
     p.add_argument("--steps", type=int, default=600,
                    help="steps of the demo run (>= 60; a bad batch comes at 40%%, a NaN loss from 2/3 on)")
     p.add_argument("--step-delay", type=float, default=0.05, help="seconds per step, to watch it live")
@@ -106,7 +108,11 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     data_dir = _data_dir()
-    db = args.db or f"sqlite:///{data_dir / 'demo.db'}"
+    # one default database for demo, serve, export and import (issue 42: the demo wrote demo.db and a `gradwatch
+    # serve` after it showed an empty runs list); the demo's runs live in the project "demo"
+    from .settings import Settings
+
+    db = args.db or Settings.from_env(env=dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir))).database_url
     base = f"http://{args.host}:{args.port}"
     run_name = time.strftime("demo-%Y%m%d-%H%M%S")
     # the demo is a sandbox on this machine: its server and job talk without tokens whatever the
@@ -124,7 +130,8 @@ def run(args) -> int:
         if not _wait_healthy(base, server):
             print("gradwatch demo: the server did not come up; see its output above.", file=sys.stderr)
             return 1
-        print(f"[demo] dashboard: {base}/   (API: {base}/api/v1/runs)", flush=True)
+        where = f"; database: {db}" if db.startswith("sqlite") else ""    # a server URL may hold a password
+        print(f"[demo] dashboard: {base}/   (API: {base}/api/v1/runs{where})", flush=True)
         job = popen(
             module_command("gradwatch.agent.demo", "--server", base, "--project", "demo", "--run", run_name,
                            "--steps", str(args.steps), "--step-delay", str(args.step_delay),

@@ -26,7 +26,9 @@ def test_demo_serves_the_dashboard_and_its_run_raises_alerts(tmp_path):
     assert re.search(r"ALERT A1 loss_nonfinite \(critical\) at step 60", out), out
     assert "ALERT A5 overflow_storm" in out, out
     assert "ALERT B3 loss_scale_collapse" in out, out
-    assert (tmp_path / "demo.db").exists(), "the demo keeps its data in the embedded SQLite file"
+    # the embedded SQLite file that serve, export and import use by default too (issue 42)
+    assert (tmp_path / "gradwatch.db").exists(), "the demo keeps its data in serve's default database"
+    assert not (tmp_path / "demo.db").exists()
 
 
 def test_demo_refuses_a_port_in_use_with_a_clear_message(tmp_path):
