@@ -54,3 +54,36 @@ def test_server_down_says_what_happens_and_what_to_run_and_keeps_the_spool(tmp_p
     folder = spool / "nlp" / "offline-1" / "rank0"
     assert str(folder) in msg
     assert any(folder.glob("*")), "the batches wait in the spool for `gradwatch sync`"
+
+
+def test_the_users_own_run_echoes_its_alerts_to_stderr(live_server, tmp_path, capfd):
+    """As the demo does: a NaN loss on the user's run is printed with the run page's address."""
+    import math
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = agent.attach(model, scaler, optimizer=opt, project="nlp", run="nan-run", server=live_server.url,
+                           spool_dir=str(tmp_path / "spool"), flush_interval=0.05)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    err = ""
+    try:
+        for step in range(400):          # bounded: the alert comes back with a reply a few steps later
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y) * (math.nan if step == 30 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            time.sleep(0.02)
+            err += capfd.readouterr().err
+            if "gradwatch: ALERT A1 loss_nonfinite" in err:
+                break
+    finally:
+        monitor.close()
+    err += capfd.readouterr().err
+    line = next((ln for ln in err.splitlines() if "gradwatch: ALERT A1 loss_nonfinite" in ln), None)
+    assert line is not None, err
+    assert "(critical) at step 30: Loss is NaN at step 30" in line and f"{live_server.url}/runs/" in line, line
+    assert sum("gradwatch: ALERT A1" in ln for ln in err.splitlines()) == 1        # once, not at every change
