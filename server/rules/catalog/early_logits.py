@@ -193,8 +193,9 @@ class AttentionUnmeasured(BatchRule):
     diagnosis = ("The model looks like a Transformer, but the agent saw no attention computed in its forward, so "
                  "attention-logit growth (H2) cannot warn on this run. The agent sees attention where PyTorch "
                  "computes it: F.scaled_dot_product_attention, a softmax over a 4-D [batch, heads, query, key] "
-                 "tensor, nn.MultiheadAttention; an external kernel (flash-attn, xformers), a 3-D softmax or a "
-                 "hand-written exp/sum is not seen.")
+                 "tensor or over a 3-D [batch*heads, query, key] tensor of torch.bmm / baddbmm scores, "
+                 "nn.MultiheadAttention; an external kernel (flash-attn, xformers), a 3-D softmax whose scores "
+                 "no batched product made, or a hand-written exp/sum is not seen.")
     actions = {
         "name_modules": "Name the attention modules: agent.attach(..., attention_modules=\"blocks.*.attn:8\") (or "
                         "GRADWATCH_ATTENTION_MODULES); their logits are then read from their q/k projections "
