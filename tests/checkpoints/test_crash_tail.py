@@ -124,7 +124,9 @@ def test_a_journal_whose_batch_got_through_is_stored_once(live_server, tmp_path,
     copy = wait_until(snapshot, timeout=60, interval=0.005, what="a journal holding a checkpoint")
     assert proc.wait(timeout=60) == 0, proc.stderr.read().decode(errors="replace")
     assert not journal.exists(), "a process that closed its monitor leaves no journal"
-    # the dead process's journal, as it would be left (no process holds its lock)
+    # the dead process's journal, as it would be left (no process holds its lock); a killed process never
+    # reaches the clean close that prunes its emptied spool folder, so the folder is there with it
+    journal.parent.mkdir(parents=True, exist_ok=True)
     (journal.parent / "tail-4194303.jsonl").write_bytes(copy)
     out = _sync(srv, isolated_agent_spool)
     assert "0 batch(es) sent (0 steps), 1 already there" in out, out
