@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from gradwatch.server.rules.batch import layer_array
+from gradwatch.server.rules.catalog.early_logits import AttentionLogitGrowth
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import BatchRule, Outcome, name_of
 from gradwatch.server.rules.spec import Float, Hit, Int
@@ -67,12 +68,7 @@ class AttentionLogitForecast(BatchRule):
                  "turn its softmax one-hot (attention entropy collapse) within the forecast horizon; the loss "
                  "diverges after it. Check: (1) is qk-layernorm used? (2) is the learning rate high for this model "
                  "size? (3) is the warm-up short or absent?")
-    actions = {
-        "qk_layernorm": "Add qk-layernorm: a LayerNorm on each head's queries and keys before q·k (Dehghani et al. "
-                        "2023; Wortsman et al. 2023).",
-        "lower_lr": "Lower the learning rate (÷2-÷10); the growth rate follows it.",
-        "longer_warmup": "Lengthen the learning-rate warm-up.",
-    }
+    actions = AttentionLogitGrowth.actions   # the same growth, seen earlier: the same three remedies
     params = {"min_logit": Float(60.0), "danger": Float(1000.0), "horizon": Int(300), "level": Float(250.0),
               "span": Int(10), "max_span": Int(120), "consecutive": Int(2), "thin": Int(5)}
     needs = ("layers.attn_logit_max",)
