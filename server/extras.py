@@ -17,7 +17,7 @@ MODULE_EXTRA = {
     "fastapi": "server", "starlette": "server", "uvicorn": "server", "sqlalchemy": "server",
     "alembic": "server", "pydantic": "server", "httpx": "server", "psycopg": "server", "dash": "server",
     "flask": "server", "plotly": "server", "a2wsgi": "server", "pyarrow": "server", "orjson": "server",
-    "numpy": "server",
+    "numpy": "server", "re2": "server",
     "tensorboard": "import", "wandb": "import",
     "transformers": "hf", "accelerate": "hf",
     "lightning": "lightning", "pytorch_lightning": "lightning",

@@ -163,7 +163,7 @@ def test_every_extra_requirement_has_its_install_hint():
     from gradwatch.server.extras import MODULE_EXTRA
 
     # distribution name -> import name where they differ
-    import_name = {"uvicorn[standard]": "uvicorn", "psycopg[binary]": "psycopg"}
+    import_name = {"uvicorn[standard]": "uvicorn", "psycopg[binary]": "psycopg", "google-re2": "re2"}
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for extra in ("agent", "server", "import", "hf", "lightning", "deepspeed"):
         for req in extras[extra]:
