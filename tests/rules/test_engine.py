@@ -48,15 +48,29 @@ def test_a1_nan_loss_with_normal_grad_norm_points_at_the_loss(rdb):
 
 
 def test_a1_after_grad_explosion_says_clip_and_lower_lr(rdb):
+    """A run that does not clip is told to clip and lower the LR; one that already clips at 1.0 (healthy()'s
+    steps do) is told so, and to lower the LR, never to enable the clipping it has (issue 42)."""
     name = run_name()
-    steps = healthy(60)
+    steps = [dict(s, clip_max_norm=None, clipped=None) for s in healthy(60)]
     steps[40]["grad_norm"] = 500.0
     steps[41].update(loss=math.inf, grad_norm=math.nan, overflow=True)
     rdb.feed(name, steps)
     alerts = rdb.rules(name)
     assert alerts["A1"].evidence["cause"] == "grad_explosion_first"
-    assert alerts["A1"].actions[0].startswith("Grad norm exploded first")
+    assert alerts["A1"].actions[0].startswith("Grad norm exploded first: enable gradient clipping")
+    assert "lower the learning rate" in alerts["A1"].actions[0]
     assert alerts["A2"].first_step == 40 and alerts["A2"].evidence["ratio"] > 10
+
+    clipping = run_name()
+    steps = healthy(60)
+    steps[40]["grad_norm"] = 500.0
+    steps[41].update(loss=math.inf, grad_norm=math.nan, overflow=True)
+    rdb.feed(clipping, steps)
+    a1 = rdb.rules(clipping)["A1"]
+    assert a1.evidence["cause"] == "grad_explosion_first"
+    assert a1.actions[0].startswith("The run already clips its gradients (max_norm=1)")
+    assert "lower the learning rate" in a1.actions[0]
+    assert not any("enable gradient clipping" in a for a in a1.actions), a1.actions
 
 
 def test_a1_carries_nan_origin_and_top_grad_norms_sent_later(rdb):
