@@ -265,34 +265,43 @@ def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_go
         monitor = agent.attach(model, scaler, server=shared_server.url, project="pace", run=f"r{rank}",
                                spool_dir=str(tmp_path / f"spool{rank}"), flush_interval=0.2, transport=logs[rank])
         monitor.sender.header.update(rank=rank, world_size=1024)
-        data = batches(400)
-        sent_before, t0 = None, None
-        for i, (x, y) in enumerate(data[:120]):
+        data = batches(1200)
+        i = 0
+        # the measured stretch starts once a reply has told the agent its pace: an event, not a step count
+        # (rank 3's first batch waits for its slot of the initial pace, and a loaded server answers late; the
+        # CI of a busy machine had heard nothing by step 120). 1,000 steps only bound a hang.
+        while monitor.sender._pace is None:
+            assert i < 1000, "no ingest reply gave this rank its pace"
+            checklist_step(model, opt, scaler, *data[i])
+            time.sleep(0.05)
+            i += 1
+        sent_before, t0 = monitor.sender.delivered_batches, time.perf_counter()
+        for x, y in data[i:i + 80]:
             checklist_step(model, opt, scaler, x, y)
             time.sleep(0.05)
-            if i == 40:    # the first replies have told the agent its pace by now
-                sent_before, t0 = monitor.sender.delivered_batches, time.perf_counter()
+        i += 80
         runs[rank] = (monitor.sender.delivered_batches - sent_before, time.perf_counter() - t0, monitor.sender._pace)
         if rank == 3:
-            x, y = data[120]
+            bad = i
+            x, y = data[bad]
             x = x.clone()
             x[0, 0] = float("nan")
-            checklist_step(model, opt, scaler, x, y)   # step 120: non-finite
+            checklist_step(model, opt, scaler, x, y)   # step `bad`: non-finite
             # the loop goes on until the step is stored (the wait's limit is a hang bound, the pace is 8 s)
-            k = 121
-            while not stored_counts(shared_server, "pace", "r3", rank=3).get(120):
+            k = bad + 1
+            while not stored_counts(shared_server, "pace", "r3", rank=3).get(bad):
                 assert k < len(data), "the non-finite step was not stored"
                 checklist_step(model, opt, scaler, *data[k])
                 time.sleep(0.05)
                 k += 1
-            (carrier,) = [b for b in logs[3].batches if 120 in b]
-            assert carrier[-1] == 120, carrier     # shipped when taken, not with the steps after it
-            print(f"\n[pace] the non-finite step stored {k - 121} steps later (0.05 s each)")
+            (carrier,) = [b for b in logs[3].batches if bad in b]
+            assert carrier[-1] == bad, carrier     # shipped when taken, not with the steps after it
+            print(f"\n[pace] the non-finite step stored {k - bad - 1} steps later (0.05 s each)")
         monitor.close()
     (fast, fast_s, pace0), (paced, paced_s, pace3) = runs[0], runs[3]
     assert pace0 == 0.0 and pace3 >= least, runs       # the paces the replies gave
     assert paced < fast, runs                           # rank 3 waited its pace between batches, rank 0 did not
-    print(f"[pace] steps 41-119: rank 0 sent {fast} batches in {fast_s:.1f} s, rank 3 {paced} in {paced_s:.1f} s")
+    print(f"[pace] 80 steps once paced: rank 0 sent {fast} batches in {fast_s:.1f} s, rank 3 {paced} in {paced_s:.1f} s")
     stored = stored_counts(shared_server, "pace", "r3", rank=3)
     assert sorted(stored) == list(range(k)) and set(stored.values()) == {1}   # nothing lost
 

@@ -109,18 +109,23 @@ def choose_option(drv, dropdown_id: str, label: str, timeout: float = WAIT) -> N
     drv.find_element(By.ID, dropdown_id).click()
 
     def option():
-        for el in drv.find_elements(By.CSS_SELECTOR, "[role=listbox] .dash-dropdown-option"):
-            if el.text.strip() == label:
-                return el
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        try:
+            for el in drv.find_elements(By.CSS_SELECTOR, "[role=listbox] .dash-dropdown-option"):
+                if el.text.strip() == label:
+                    return el
+        except StaleElementReferenceException:   # the list re-rendered between find and read: look again
+            pass
         return None
     wait_until(option, timeout=timeout, what=f"option {label!r} of {dropdown_id}").click()
 
 
 def text_of(drv, element_id: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    els = drv.find_elements(By.ID, element_id)
-    return els[0].text if els else ""
+    """The element's visible text, read in one script call: Dash may replace the element between a
+    find_element and a .text (a StaleElementReferenceException the fresh-clone CI met on a loaded machine)."""
+    return drv.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : '';", element_id) or ""
 
 
 def approx_list(a: list[Any], b: list[Any], rel: float = 1e-6) -> bool:
