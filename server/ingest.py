@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, ROLLUP_WIDTH, STEP_SIGNAL_NAMES
 
 from .forensics.rollback import advise_rollback
+from .forensics.rewinds import record_rewinds
 from .lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
 from .lifecycle.retention_config import raw_floor
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
@@ -368,6 +369,9 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
     advise_rollback(session, run_id=run.id, alerts=alerts, events=wire_events)
     if alerts:
         enqueued = route_alerts(session, alerts, run=run, project=project, settings=settings, now=now) or 0
+    # the agent's Rewind policy acted on an alert: the alert says so, and a notification goes out
+    enqueued += record_rewinds(session, run=run, project=project, rank=rank, events=wire_events,
+                               settings=settings, now=now)
     return IngestOutcome(run_id=run.id, accepted=len(steps), duplicate=False,
                          alerts_enqueued=enqueued, alerts_routed=len(alerts), values_written=values,
                          rows_written=rows + len(batch.events), step_shift=shift, already_stored=already,

@@ -11,8 +11,8 @@ import json
 import unicodedata
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema,
-                      create_model)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError,
+                      WithJsonSchema, create_model, model_validator)
 
 from gradwatch.agent.signals import STEP_SIGNALS
 
@@ -101,12 +101,73 @@ def _bounded_event_data(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+StepNumber = Annotated[int, Field(ge=0, le=2**62, strict=True)]
+Count = Annotated[int, Field(ge=0, le=1_000_000_000, strict=True)]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul, NoControl]
+
+
+class RewindTrigger(BaseModel):
+    """The alert a rewind acted on, as the agent heard of it (``trigger`` of a ``rewind`` event)."""
+    model_config = ConfigDict(extra="ignore")
+
+    rule: Optional[ShortText] = None             # "A1"
+    alert_id: Optional[StepNumber] = None        # the server's alert id (the loop's LoopAlert.id)
+    step: Optional[StepNumber] = None            # where its episode started
+    name: Optional[ShortText] = None             # "loss_nonfinite"
+
+
+class RewindData(BaseModel):
+    """The data of a ``rewind`` event (docs/wire-format.md, "The rewind event"): one remediation the agent's
+    Rewind policy took. ``action``: ``rewind`` (weights restored to ``to_step``), ``cool`` (LR multiplied by
+    ``lr_factor`` for ``cool_steps``, no rewind) or ``gave_up`` (``max_rewinds`` reached: ``then``)."""
+    model_config = ConfigDict(extra="ignore")
+
+    action: Literal["rewind", "cool", "gave_up"]
+    from_step: StepNumber
+    to_step: Optional[StepNumber] = None         # required for a rewind
+    batches_skipped: Optional[Count] = None
+    lr_factor: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
+    cool_steps: Count = 0
+    trigger: Optional[RewindTrigger] = None
+    snapshot_age_steps: Optional[Count] = None
+    rewind_number: Optional[Count] = None
+    max_rewinds: Optional[Count] = None
+    then: Optional[Literal["stop", "continue"]] = None
+
+    @model_validator(mode="after")
+    def _a_rewind_goes_back(self) -> "RewindData":
+        if self.action == "rewind":
+            if self.to_step is None:
+                raise ValueError("to_step: a rewind names the step it went back to")
+            if self.to_step > self.from_step:
+                raise ValueError(f"to_step={self.to_step} is after from_step={self.from_step}: a rewind goes back")
+        return self
+
+
+EVENT_DATA_MODELS: dict[str, type[BaseModel]] = {"rewind": RewindData}   # kinds whose data has a fixed shape
+
+
 class EventIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     step: Optional[int] = Field(default=None, ge=0, le=2**62, strict=True)
     kind: Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul]
     data: Annotated[dict[str, Any], AfterValidator(_bounded_event_data)] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _data_of_its_kind(self) -> "EventIn":
+        """A kind with a declared shape (``EVENT_DATA_MODELS``) is checked here, so a malformed one is a 422
+        naming the field (``events[0]: rewind data.to_step: …``); the data is stored as sent."""
+        model = EVENT_DATA_MODELS.get(self.kind)
+        if model is not None:
+            try:
+                model.model_validate(self.data)
+            except ValidationError as e:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc']) or 'data'}: {err['msg'].removeprefix('Value error, ')}"
+                    for err in e.errors()[:5])
+                raise ValueError(f"{self.kind} data: {problems}") from None
+        return self
 
 
 class MetaIn(BaseModel):
@@ -296,6 +357,30 @@ class CheckpointOut(BaseModel):
 class CheckpointListOut(BaseModel):
     run_id: int
     checkpoints: list[CheckpointOut]
+
+
+class RewindOut(BaseModel):
+    """One rewind as ``GET /api/v1/runs/{id}/rewinds`` lists it (server/queries/events.py, ``RewindRecord``)."""
+    step: int
+    action: str
+    from_step: int
+    to_step: Optional[int]
+    batches_skipped: Optional[int]
+    lr_factor: float
+    cool_steps: int
+    snapshot_age_steps: Optional[int]
+    rewind_number: Optional[int]
+    max_rewinds: Optional[int]
+    then: Optional[str]
+    trigger: Optional[dict[str, Any]]
+    ranks: list[int]
+    time: float
+    text: str
+
+
+class RewindListOut(BaseModel):
+    run_id: int
+    rewinds: list[RewindOut]
 
 
 # --------------------------------------------------------------------------- data lifecycle

@@ -1,4 +1,4 @@
-"""Runs and their data: ``/api/v1/runs``, series, layer matrix, events, checkpoints, multi-run series."""
+"""Runs and their data: ``/api/v1/runs``, series, layer matrix, events, checkpoints, rewinds, multi-run series."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -11,8 +11,8 @@ from .. import queries
 from ..lifecycle import delete as lifecycle_delete, sizes
 from ..numbers import encode_float
 from ..schemas import (
-    CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, EventOut, LayerMatrixOut, RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut,
-    StorageOut,
+    CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, EventOut, LayerMatrixOut, RewindListOut, RewindOut,
+    RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut, StorageOut,
 )
 from ..scope import in_scope
 from .deps import ReadScopeDep, SessionDep, SettingsDep
@@ -202,6 +202,16 @@ def list_checkpoints(run_id: RunId, session: SessionDep, scope: ReadScopeDep) ->
     _check_run(session, scope, run_id)
     return CheckpointListOut(run_id=run_id, checkpoints=[
         CheckpointOut(**vars(c)) for c in queries.list_checkpoints(session, run_id=run_id)])
+
+
+@router.get("/api/v1/runs/{run_id}/rewinds", response_model=RewindListOut,
+            responses={404: {"description": "no such run"}})
+def list_rewinds(run_id: RunId, session: SessionDep, scope: ReadScopeDep) -> RewindListOut:
+    """The run's rewinds (the agent's Rewind policy: ``rewind`` events) in step order, each with the
+    sentence that says what it did (docs/api.md)."""
+    _check_run(session, scope, run_id)
+    return RewindListOut(run_id=run_id, rewinds=[
+        RewindOut(**vars(r)) for r in queries.list_rewinds(session, run_id=run_id)])
 
 
 # ----------------------------------------------------------------------------- deleting (server/lifecycle)

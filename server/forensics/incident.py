@@ -3,8 +3,9 @@
 ``get_incident(session, alert_id=...)`` gathers, for one alert: the alert itself, the other alerts of
 its incident (the run's alerts on any rank whose steps overlap the incident's window: from 200 steps
 before its first anomalous step to 200 after its last step; not its notification group, which lives
-as long as the run and would pull in every later episode), the checkpoint to roll back to, and one timeline in step order (precursors, loss-scale
-halvings, NaN-origin events, checkpoints, alerts). Reads only, through ``server.queries``' alert and
+as long as the run and would pull in every later episode), the checkpoint to roll back to, the rewinds
+of the agent's Rewind policy that acted on it (``rewinds``), and one timeline in step order (precursors,
+loss-scale halvings, NaN-origin events, checkpoints, alerts, rewinds). Reads only, through ``server.queries``' alert and
 event shapes; bounded by the run's alerts and events, which ``queries`` already caps.
 
 The checkpoint to roll back to is the last ``checkpoint`` run event (data ``{"path", "step"}``) at or
@@ -73,15 +74,31 @@ def get_incident(session: Session, *, alert_id: int, window: int = WINDOW_STEPS)
     checkpoints = [{"step": e.step, "path": (e.data or {}).get("path"), "rank": e.rank, "time": e.time}
                    for e in queries.list_events(session, run_id=alert["run_id"], kind="checkpoint")]
     rollback = stated_rollback(alert.get("evidence") or {}) or rollback_checkpoint(checkpoints, first)
+    rewinds = incident_rewinds(queries.list_rewinds(session, run_id=alert["run_id"]),
+                               {alert_id, *(a["id"] for a in related)}, lo, hi)
     return {"alert": alert, "run": asdict(run) if run is not None else None, "alerts": related,
             "checkpoints": checkpoints, "rollback": rollback, "first_anomalous_step": first,
-            "window": [max(0, lo), hi],
+            "window": [max(0, lo), hi], "rewinds": rewinds,
             "timeline": timeline(alert, related, checkpoints,
-                                 queries.list_events(session, run_id=alert["run_id"], kind="nan_origin"), lo, hi)}
+                                 queries.list_events(session, run_id=alert["run_id"], kind="nan_origin"), lo, hi,
+                                 rewinds=rewinds)}
 
 
-def timeline(alert: dict, related: list[dict], checkpoints: list[dict], origins, lo: int, hi: int) -> list[dict]:
-    """Every dated thing of the incident in step order: ``{"step", "kind", "text", "lead_steps"?}``."""
+def incident_rewinds(rewinds, alert_ids: set, lo: int, hi: int) -> list[dict]:
+    """The run's rewinds that belong to the incident: those whose trigger is one of its alerts, and those
+    made inside its window (a rewind names the alert the agent heard of first, which may be a related one)."""
+    out = []
+    for r in rewinds:
+        trigger_id = (r.trigger or {}).get("alert_id")
+        if trigger_id in alert_ids or lo <= r.step <= hi:
+            out.append(asdict(r))
+    return out
+
+
+def timeline(alert: dict, related: list[dict], checkpoints: list[dict], origins, lo: int, hi: int,
+             rewinds: list[dict] = ()) -> list[dict]:
+    """Every dated thing of the incident in step order: ``{"step", "kind", "text", "lead_steps"?}``; a rewind
+    is listed at the step it was made (``from_step``), with ``to_step``."""
     failure = alert["first_step"]
     out: list[dict] = []
     for p in (alert.get("evidence") or {}).get("precursors") or ():
@@ -108,6 +125,10 @@ def timeline(alert: dict, related: list[dict], checkpoints: list[dict], origins,
     for a in [alert, *related]:
         out.append({"step": a["first_step"], "kind": "alert", "alert_id": a["id"], "severity": a["severity"],
                     "text": f"{a['severity']} {a['rule']} {a['name']} (rank {a['rank']}): {a['message']}"})
-    order = {"checkpoint": 0, "precursor": 1, "loss_scale": 2, "nan_origin": 3, "alert": 4}
+    for r in rewinds:
+        out.append({"step": r["step"], "kind": "rewind", "action": r["action"], "to_step": r.get("to_step"),
+                    "alert_id": (r.get("trigger") or {}).get("alert_id"),
+                    "text": r["text"][:1].upper() + r["text"][1:]})
+    order = {"checkpoint": 0, "precursor": 1, "loss_scale": 2, "nan_origin": 3, "alert": 4, "rewind": 5}
     out.sort(key=lambda t: (t["step"], order.get(t["kind"], 9)))
     return out

@@ -10,7 +10,7 @@ means "not measured". The routes turn them into wire strings
 - ``layers.py``: a per-layer statistic as a layer × step matrix;
 - ``by_rank.py``: a run's ranks side by side (coverage, layout, rank × step matrices);
 - ``alerts.py``: alerts in their one shape, firing counts, the early-warning badge;
-- ``events.py``: events and checkpoints;
+- ``events.py``: events, checkpoints and rewinds;
 - ``_shared.py``: the errors and cost bounds every read checks, the blob readers.
 
 Callers import this package and use the names below (``queries.get_series``), not the modules.
@@ -29,7 +29,7 @@ from __future__ import annotations
 from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal
 from .alerts import AlertRecord, alert_record, early_warnings, get_alert, list_alerts
 from .by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank_matrix, rank_coverage, rank_meta
-from .events import CheckpointRecord, EventRecord, list_checkpoints, list_events
+from .events import CheckpointRecord, EventRecord, RewindRecord, list_checkpoints, list_events, list_rewinds
 from .layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
 from .runs import RunDetail, RunSummary, get_run, list_runs, run_project
 from .series import Series, SeriesPoint, get_series, get_series_multi, list_signals, raw_steps_from
@@ -42,5 +42,5 @@ __all__ = [
     "LayerMatrix", "layer_names_for", "list_layer_stats", "get_layer_matrix",
     "RankInfo", "RankCoverage", "RankMatrix", "rank_coverage", "rank_meta", "get_rank_matrix",
     "AlertRecord", "alert_record", "list_alerts", "get_alert", "early_warnings",
-    "EventRecord", "CheckpointRecord", "list_events", "list_checkpoints",
+    "EventRecord", "CheckpointRecord", "RewindRecord", "list_events", "list_checkpoints", "list_rewinds",
 ]

@@ -7,7 +7,8 @@ from typing import Any, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..models import RunEvent
+from ..models import Alert, RunEvent
+from ..rewind_text import rewind_text
 
 
 @dataclass
@@ -56,3 +57,70 @@ def list_checkpoints(session: Session, *, run_id: int, limit: int = 10_000) -> l
     return list(out.values())
 
 
+
+
+@dataclass
+class RewindRecord:
+    """One remediation of the agent's Rewind policy (a ``rewind`` event; docs/wire-format.md): at ``step``
+    (= ``from_step``) it went back to ``to_step`` (``action`` ``rewind``), only cooled the LR (``cool``), or
+    gave up (``gave_up``). ``trigger``: the alert it acted on, with the stored alert's rule, name and first
+    step when the server has that alert (``alert_id``), else as the agent sent it. ``text``: the sentence
+    every view shows (server/rewind_text.py)."""
+    step: int
+    action: str
+    from_step: int
+    to_step: Optional[int]
+    batches_skipped: Optional[int]
+    lr_factor: float
+    cool_steps: int
+    snapshot_age_steps: Optional[int]
+    rewind_number: Optional[int]
+    max_rewinds: Optional[int]
+    then: Optional[str]
+    trigger: Optional[dict[str, Any]]
+    ranks: list[int]              # the ranks that reported it (under DDP every rank rewinds at the same step)
+    time: float                   # when the server stored the first report
+    text: str
+
+
+def rewind_key(data: dict[str, Any], step: Optional[int]) -> tuple:
+    """What makes two reports one rewind: the same step, action, target and count (one per rank)."""
+    return (step if step is not None else data.get("from_step"), data.get("action"), data.get("to_step"),
+            data.get("rewind_number"))
+
+
+def stored_trigger(session: Session, run_id: int, sent: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The trigger as the server knows it: the run's alert ``sent["alert_id"]`` (rule, name, first step,
+    severity), else what the agent sent with ``alert_id`` null (no such alert on this run); None without one."""
+    if not isinstance(sent, dict):
+        return None
+    alert_id = sent.get("alert_id")
+    alert = session.get(Alert, alert_id) if isinstance(alert_id, int) and not isinstance(alert_id, bool) else None
+    if alert is None or alert.run_id != run_id:
+        return {k: sent.get(k) for k in ("rule", "name", "step", "alert_id")} | {"alert_id": None}
+    return {"rule": alert.rule, "name": alert.name, "step": int(alert.first_step), "alert_id": alert.id,
+            "severity": alert.severity}
+
+
+def list_rewinds(session: Session, *, run_id: int, limit: int = 10_000) -> list[RewindRecord]:
+    """A run's rewinds (``rewind`` events) in step order, each reported by several ranks listed once."""
+    q = (select(RunEvent.step, RunEvent.data, RunEvent.rank, RunEvent.time)
+         .where(RunEvent.run_id == run_id, RunEvent.kind == "rewind")
+         .order_by(RunEvent.step, RunEvent.id).limit(limit))
+    out: dict[tuple, RewindRecord] = {}
+    for step, data, rank, time in session.execute(q):
+        data = data or {}
+        key = rewind_key(data, step)
+        if key in out:
+            if rank not in out[key].ranks:
+                out[key].ranks.append(rank)
+            continue
+        trigger = stored_trigger(session, run_id, data.get("trigger"))
+        out[key] = RewindRecord(
+            step=int(step if step is not None else data.get("from_step", 0)), action=str(data.get("action")),
+            from_step=int(data.get("from_step", step or 0)), to_step=data.get("to_step"),
+            batches_skipped=data.get("batches_skipped"), lr_factor=float(data.get("lr_factor", 1.0)),
+            cool_steps=int(data.get("cool_steps") or 0), snapshot_age_steps=data.get("snapshot_age_steps"),
+            rewind_number=data.get("rewind_number"), max_rewinds=data.get("max_rewinds"), then=data.get("then"),
+            trigger=trigger, ranks=[rank], time=time, text=rewind_text(data, trigger=trigger or {}))
+    return sorted(out.values(), key=lambda r: (r.step, r.time))

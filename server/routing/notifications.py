@@ -20,7 +20,7 @@ from gradwatch.server.models import Alert, NotificationGroup, WebhookDelivery
 from gradwatch.server.routing.config import Receiver
 from gradwatch.server.rules.catalogue import SEVERITY_RANK
 from gradwatch.server.webhooks import outbox
-from gradwatch.server.webhooks.formats import alert_payload
+from gradwatch.server.webhooks.formats import alert_payload, notification_title, rewind_sentence
 
 EMAIL_SCHEME = "mailto:"
 
@@ -72,7 +72,18 @@ def header_text(text: str) -> str:
                    if unicodedata.category(c) in ("Cc", "Zl", "Zp") else c for c in text)
 
 
+def rewind_email_body(payload: dict[str, Any]) -> dict[str, Any]:
+    """A rewind notification (server/forensics/rewinds.py) as an email: its title, its sentence, the links."""
+    lines = [rewind_sentence(payload), ""]
+    if payload.get("incident_url"):
+        lines.append(f"Open the incident: {payload['incident_url']}")
+    lines.append(f"Open the run: {payload['dashboard_url']}")
+    return {"subject": header_text(f"[gradwatch] {notification_title(payload)}"), "text": "\n".join(lines)}
+
+
 def email_body(payload: dict[str, Any]) -> dict[str, Any]:
+    if payload.get("event") == "rewind":
+        return rewind_email_body(payload)
     g = payload.get("group") or {}
     subject = header_text(f"[gradwatch] {payload['severity'].upper()} {payload['rule']} {payload['name']}: "
                           f"{payload['project']}/{payload['run']}")
@@ -98,19 +109,21 @@ def email_body(payload: dict[str, Any]) -> dict[str, Any]:
 
 def enqueue_notification(session: Session, receiver: Receiver, payload: dict[str, Any], *, project_id: int,
                          settings: Any, now: float, alert_id: Optional[int]) -> int:
-    """The outbox rows for one notification to one receiver, in the caller's transaction."""
+    """The outbox rows for one notification to one receiver, in the caller's transaction (a group's, or
+    a rewind's: ``payload["event"] == "rewind"``, no group)."""
     count = 0
+    group_id = (payload.get("group") or {}).get("id")
     if receiver.webhooks:
         outbox.ensure_server_endpoints(session, settings)
         endpoints = outbox.matching_endpoints(session, project_id=project_id, severity=payload["severity"])
         if receiver.webhooks != "all":
             endpoints = [e for e in endpoints if e.url in receiver.webhooks]
         for ep in endpoints:
-            session.add(outbox.new_delivery(ep, payload, alert_id=alert_id, now=now, group_id=payload["group"]["id"]))
+            session.add(outbox.new_delivery(ep, payload, alert_id=alert_id, now=now, group_id=group_id))
             count += 1
     if receiver.email:
         body = json.dumps({"to": list(receiver.email), **email_body(payload)}, allow_nan=False, default=str)
-        session.add(WebhookDelivery(endpoint_id=None, alert_id=alert_id, group_id=payload["group"]["id"],
+        session.add(WebhookDelivery(endpoint_id=None, alert_id=alert_id, group_id=group_id,
                                     url=EMAIL_SCHEME + ",".join(receiver.email),
                                     body=body, status="pending", attempts=0, next_attempt_at=now,
                                     expires_at=now + outbox.TTL_S, created_at=now))

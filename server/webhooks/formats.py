@@ -49,8 +49,38 @@ def alert_payload(alert, *, run_name: str, project_name: str, dashboard_url: str
     }
 
 
+def rewind_payload(rewind: dict[str, Any], *, text: str, trigger: Optional[dict[str, Any]], severity: str,
+                   rank: int, run_id: int, run_name: str, project_name: str, dashboard_url: str,
+                   incident_url: Optional[str], created_at: float) -> dict[str, Any]:
+    """The generic JSON body of a rewind notification (docs/webhooks.md, "Rewinds"): ``event`` is
+    ``"rewind"``; ``alert_id`` / ``rule`` / ``name`` are the trigger alert's (null when the event named
+    none the server has), ``message`` the sentence (server/rewind_text.py), ``rewind`` the event's data."""
+    trigger = trigger or {}
+    return {
+        "event": "rewind",
+        "action": rewind.get("action"),
+        "alert_id": trigger.get("alert_id"),
+        "rule": trigger.get("rule") or "",
+        "name": trigger.get("name") or "",
+        "severity": severity,
+        "project": project_name,
+        "run": run_name,
+        "run_id": run_id,
+        "rank": rank,
+        "step": rewind.get("from_step"),
+        "message": text,
+        "rewind": rewind,
+        "dashboard_url": dashboard_url,
+        "incident_url": incident_url,
+        "created_at": created_at,
+    }
+
+
 def render(fmt: str, payload: dict[str, Any]) -> str:
     """The request body for an endpoint of format ``fmt``."""
+    if payload.get("event") == "rewind" and fmt in ("slack", "discord"):
+        body = _rewind_slack(payload) if fmt == "slack" else _rewind_discord(payload)
+        return json.dumps(body, separators=(",", ":"), allow_nan=False, default=str)
     if fmt == "slack":
         body = _slack(payload)
     elif fmt == "discord":
@@ -60,7 +90,11 @@ def render(fmt: str, payload: dict[str, Any]) -> str:
     return json.dumps(body, separators=(",", ":"), allow_nan=False, default=str)
 
 
-def _title(p: dict[str, Any]) -> str:
+def notification_title(p: dict[str, Any]) -> str:
+    if p.get("event") == "rewind":
+        what = {"rewind": "REWIND", "cool": "LR COOLED", "gave_up": "REWIND GAVE UP"}.get(p.get("action"), "REWIND")
+        who = " ".join(x for x in (p.get("rule"), p.get("name")) if x)
+        return f"{what}{' ' + who if who else ''}: {p['project']}/{p['run']} step {p['step']}"
     test = "[TEST] " if p.get("event") == "alert.test" else ""
     return f"{test}{p['severity'].upper()} {p['rule']} {p['name']}: {p['project']}/{p['run']} step {p['step']}"
 
@@ -95,7 +129,7 @@ def _links(p: dict[str, Any]) -> str:
 
 def _slack(p: dict[str, Any]) -> dict[str, Any]:
     actions = "\n".join(f"• {_slack_text(a)}" for a in p["actions"])
-    text = f"{_EMOJI.get(p['severity'], '')} {_slack_text(_title(p))}"
+    text = f"{_EMOJI.get(p['severity'], '')} {_slack_text(notification_title(p))}"
     summary = group_summary(p)
     grouped = [{"type": "section", "text": {"type": "mrkdwn", "text": _slack_text(summary)[:2900]}}] if summary else []
     return {
@@ -114,7 +148,7 @@ def _discord(p: dict[str, Any]) -> dict[str, Any]:
     return {
         # names come from the training script: `@everyone` or `<@id>` in one must not ping anyone
         "allowed_mentions": {"parse": []},
-        "content": _title(p)[:2000],
+        "content": notification_title(p)[:2000],
         "embeds": [{
             "title": f"{p['rule']} {p['name']}"[:256],
             "description": f"{p['message']}\n\n**Diagnosis:** {p['diagnosis']}"[:4000],
@@ -128,3 +162,27 @@ def _discord(p: dict[str, Any]) -> dict[str, Any]:
                        {"name": "Step", "value": str(p["step"]), "inline": True}],
         }],
     }
+
+
+def rewind_sentence(p: dict[str, Any]) -> str:
+    """``Rewound to step 300, skipped 112 batches, … (A1 loss_nonfinite at step 405; rewind 1 of 3).``"""
+    text = str(p.get("message") or "")
+    return (text[:1].upper() + text[1:] + ".") if text else ""
+
+
+def _rewind_slack(p: dict[str, Any]) -> dict[str, Any]:
+    title = _slack_text(notification_title(p))
+    return {"text": f":rewind: {title}",
+            "blocks": [{"type": "section", "text": {"type": "mrkdwn",
+                                                     "text": f"*:rewind: {title}*\n{_slack_text(rewind_sentence(p))}"}},
+                       {"type": "context", "elements": [{"type": "mrkdwn", "text": _links(p)}]}]}
+
+
+def _rewind_discord(p: dict[str, Any]) -> dict[str, Any]:
+    return {"allowed_mentions": {"parse": []}, "content": notification_title(p)[:2000],
+            "embeds": [{"title": notification_title(p)[:256], "description": rewind_sentence(p)[:4000],
+                        "url": p.get("incident_url") or p["dashboard_url"],
+                        "color": _COLOURS.get(p["severity"], 0),
+                        "fields": [{"name": "Run", "value": f"{p['project']}/{p['run']} rank {p['rank']}"[:1024],
+                                    "inline": True},
+                                   {"name": "Step", "value": str(p["step"]), "inline": True}]}]}
