@@ -363,6 +363,15 @@ def list_checkpoints(run_id: int) -> list[dict]:
         return _unwrap(queries.list_checkpoints(s, run_id=run_id), "checkpoints")
 
 
+def list_rewinds(run_id: int) -> list[dict]:
+    """The run's rewinds in step order (``queries.list_rewinds``: the agent's Rewind policy)."""
+    from gradwatch.server import queries
+    with _session() as s:
+        if not _run_visible(s, run_id):
+            return []
+        return _unwrap(queries.list_rewinds(s, run_id=run_id), "rewinds")
+
+
 # --------------------------------------------------------------------------- writes
 
 def acknowledge_alert(alert_id: int) -> None:

@@ -11,6 +11,7 @@ BORDER = "#30363d"
 TEXT = "#c9d1d9"
 MUTED = "#8b949e"
 CHECKPOINT_COLOUR = "#3fb950"   # checkpoint markers on the step axis: green, apart from the alerts' colours
+REWIND_COLOUR = "#db61a2"       # rewinds of the agent's Rewind policy: magenta, apart from alerts and checkpoints
 GRID = "#21262d"
 
 SEVERITY_COLOURS = {"critical": "#f85149", "warning": "#d29922", "info": "#58a6ff"}

@@ -59,14 +59,17 @@ def rewind_text(data: dict, *, trigger: Optional[dict] = None) -> str:
         if data.get("rewind_number") and data.get("max_rewinds"):
             of.append(f"rewind {data['rewind_number']} of {data['max_rewinds']}")
     elif action == "cool":
-        text = f"cooled the LR {_factor(data.get('lr_factor', 1.0))} for " \
-               f"{_count(data.get('cool_steps') or 0, 'step', 'steps')}, no rewind"
+        lr = _lr(data)
+        text = f"cooled the {lr}, no rewind" if lr != "LR unchanged" else "no rewind, LR unchanged"
     else:
         used = (f" after {data.get('rewind_number')} of {data['max_rewinds']} rewinds"
                 if data.get("max_rewinds") is not None and data.get("rewind_number") is not None else "")
         then = {"stop": ": the run stops", "continue": ": training goes on without remediation"}.get(
             data.get("then"), "")
-        text = f"gave up at step {int(data['from_step']):,}{used}{then}"
+        # giving up with then="stop" may first restore the last good snapshot (the state a checkpoint keeps)
+        back = (f", restored step {int(data['to_step']):,}" if data.get("to_step") is not None
+                and int(data["to_step"]) < int(data["from_step"]) else "")
+        text = f"gave up at step {int(data['from_step']):,}{used}{back}{then}"
     who = trigger_words(trigger)
     parts = [p for p in (who, *of) if p]
     return f"{text} ({'; '.join(parts)})" if parts else text

@@ -13,7 +13,7 @@ hold a non-finite value put a marker on the chart's NaN rug.
 
 - ``points.py``: values and buckets as plot points, smoothing, table-cell numbers;
 - ``panels.py``: the run page's panels, heatmaps and compare charts, from the signal table;
-- ``marks.py``: alert and checkpoint lines, the shared x axis;
+- ``marks.py``: alert, checkpoint and rewind lines, the shared x axis;
 - ``series.py``: a panel's step chart and its live appends;
 - ``heatmaps.py``: per-layer heatmaps, the update-ratio chart;
 - ``ranks.py``: a run's ranks side by side (overlays, rank × step heatmaps, the rank that stands out);
@@ -27,8 +27,9 @@ from .points import (NAN_RUG_Y, bucket_points, finite, flag_steps, format_number
                      plot_text, smooth, to_float)
 from .panels import (COMPARE_PANELS, HEADLINE, HEATMAPS, PANELS, PANELS_BY_KEY, SERIES_SIGNALS, ZERO_BASED, Flag,
                      Line, Panel, panel_signals)
-from .marks import (MAX_ALERT_MARKS, MAX_CHECKPOINT_MARKS, alert_shapes, alerts_signature, checkpoint_shapes,
-                    checkpoints_signature)
+from .marks import (MAX_ALERT_MARKS, MAX_CHECKPOINT_MARKS, MAX_REWIND_MARKS, alert_shapes, alerts_signature,
+                    checkpoint_shapes, checkpoints_signature, rewind_label, rewind_shapes, rewinds_signature,
+                    step_marks)
 from .series import last_step, series_append, series_figure
 from .heatmaps import HEATMAP_MAX_LABEL_PX, heatmap_figure, update_ratio_figure
 from .ranks import (ALL_RANKS, COMBINED_SIGNALS, COMBINED_STATS, HIGHLIGHT_COLOUR, MANY_RANKS, OTHER_RANKS_COLOUR,
@@ -41,6 +42,7 @@ __all__ = [
     "flag_steps", "smooth", "format_number", "Line", "Flag", "Panel", "PANELS", "PANELS_BY_KEY", "HEADLINE",
     "panel_signals", "SERIES_SIGNALS", "HEATMAPS", "COMPARE_PANELS", "ZERO_BASED", "MAX_ALERT_MARKS",
     "MAX_CHECKPOINT_MARKS", "alert_shapes", "checkpoint_shapes", "checkpoints_signature", "alerts_signature",
+    "MAX_REWIND_MARKS", "rewind_label", "rewind_shapes", "rewinds_signature", "step_marks",
     "series_figure", "series_append", "last_step", "HEATMAP_MAX_LABEL_PX", "heatmap_figure",
     "update_ratio_figure", "COMBINED_SIGNALS", "COMBINED_STATS", "RANK_CHARTS", "SHARDED_PER_RANK", "ALL_RANKS",
     "MANY_RANKS", "OVERLAY_POINTS", "HIGHLIGHT_COLOUR", "OTHER_RANKS_COLOUR", "rank_sources", "layer_rank",

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from gradwatch.dashboard import theme
-from gradwatch.dashboard.figures.marks import _x_axis, alert_shapes
+from gradwatch.dashboard.figures.marks import _x_axis, alert_shapes, rewind_shapes
 from gradwatch.dashboard.figures.points import finite, plot_text, to_float
 
 
@@ -71,7 +71,7 @@ def _cell_span(steps: Sequence[float], step: float) -> tuple[float, float]:
 
 def heatmap_figure(title: str, matrix: Optional[dict], *, alerts: Sequence[dict] = (),
                    x_range: Optional[Sequence[float]] = None, highlight: Optional[str] = None,
-                   highlight_step: Optional[float] = None) -> dict:
+                   highlight_step: Optional[float] = None, rewinds: Sequence[dict] = ()) -> dict:
     """Layer × step heatmap of log10(value); non-finite cells get a red ✕ on top.
 
     ``matrix`` is ``{"steps": [...], "names": [...], "values": [[one per step] per layer]}``. Rows without
@@ -94,7 +94,7 @@ def heatmap_figure(title: str, matrix: Optional[dict], *, alerts: Sequence[dict]
     longest = max((len(str(n)) for n in (matrix or {}).get("names") or []), default=0)
     layout["margin"]["l"] = min(HEATMAP_MAX_LABEL_PX, 16 + math.ceil(5.8 * longest)) if longest else 10
     layout["margin"]["r"] = 104
-    layout["shapes"] = alert_shapes(alerts)
+    layout["shapes"] = alert_shapes(alerts) + rewind_shapes(rewinds)
     steps = list((matrix or {}).get("steps") or [])
     names = list((matrix or {}).get("names") or [])
     rows = (matrix or {}).get("values") or []
@@ -138,7 +138,7 @@ def heatmap_figure(title: str, matrix: Optional[dict], *, alerts: Sequence[dict]
 
 
 def update_ratio_figure(matrix: Optional[dict], *, alerts: Sequence[dict] = (),
-                        x_range: Optional[Sequence[float]] = None) -> dict:
+                        x_range: Optional[Sequence[float]] = None, rewinds: Sequence[dict] = ()) -> dict:
     """Median and max over parameters of ‖Δθ‖/‖θ‖ per sampled step (healthy ≈ 1e-3)."""
     steps = list((matrix or {}).get("steps") or [])
     rows = (matrix or {}).get("values") or []
@@ -149,7 +149,7 @@ def update_ratio_figure(matrix: Optional[dict], *, alerts: Sequence[dict] = (),
         top.append(vals[-1] if vals else None)
     layout = theme.base_layout("Update ratio ‖Δθ‖/‖θ‖ (over parameters)", log_y=True)
     layout["xaxis"].update(_x_axis(x_range))
-    layout["shapes"] = alert_shapes(alerts) + [
+    layout["shapes"] = alert_shapes(alerts) + rewind_shapes(rewinds) + [
         {"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": 1e-3, "y1": 1e-3,
          "line": {"color": theme.MUTED, "width": 1, "dash": "dash"}}]
     if not steps:

@@ -1,5 +1,5 @@
-"""What every step chart shares: alerts and checkpoints as vertical lines, the signatures that tell a
-callback whether they changed, and the x axis (a range the user zoomed to, or autorange)."""
+"""What every step chart shares: alerts, checkpoints and rewinds as vertical lines, the signatures that
+tell a callback whether they changed, and the x axis (a range the user zoomed to, or autorange)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -8,6 +8,7 @@ from gradwatch.dashboard import theme
 
 MAX_ALERT_MARKS = 60  # vertical alert lines per chart; older ones are dropped
 MAX_CHECKPOINT_MARKS = 60  # vertical checkpoint lines per chart; the latest are kept (a rollback names a late one)
+MAX_REWIND_MARKS = 30  # rewinds per chart (max_rewinds is a handful); the latest are kept
 
 
 def alert_shapes(alerts: Sequence[dict]) -> list[dict]:
@@ -44,6 +45,48 @@ def checkpoint_shapes(checkpoints: Sequence[dict]) -> list[dict]:
                       "font": {"size": 9, "color": theme.CHECKPOINT_COLOUR}},
         })
     return shapes
+
+
+def rewind_label(rewind: dict) -> str:
+    """The mark's words: ``rewind → 300``, ``LR ×0.5`` (a cooled LR, no rewind) or ``gave up``."""
+    action = rewind.get("action")
+    if action == "rewind" and rewind.get("to_step") is not None:
+        return f"rewind → {rewind['to_step']:,}"
+    if action == "cool":
+        return f"LR ×{float(rewind.get('lr_factor') or 1.0):g}"
+    return "gave up" if action == "gave_up" else str(action or "rewind")
+
+
+def rewind_shapes(rewinds: Sequence[dict]) -> list[dict]:
+    """Each rewind (``GET /api/v1/runs/{id}/rewinds``) as a dash-dot vertical line at the step it was made,
+    labelled ``rewind → <to_step>`` mid-height (apart from the alerts' labels at the top and the
+    checkpoints' at the foot), and a faint band from ``to_step`` to it: the stretch whose updates the
+    rewind threw away (the step axis goes on from where it was; the steps are not re-numbered)."""
+    marks = sorted((r for r in rewinds if r.get("step") is not None), key=lambda r: r["step"])
+    shapes = []
+    for r in marks[-MAX_REWIND_MARKS:]:
+        step = r["step"]
+        if r.get("action") == "rewind" and r.get("to_step") is not None and r["to_step"] < step:
+            shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": r["to_step"], "x1": step,
+                           "y0": 0, "y1": 1, "fillcolor": theme.REWIND_COLOUR, "opacity": 0.08,
+                           "line": {"width": 0}, "layer": "below", "name": f"rewound-away {r['to_step']}-{step}"})
+        shapes.append({
+            "type": "line", "xref": "x", "yref": "paper", "x0": step, "x1": step, "y0": 0, "y1": 1,
+            "line": {"color": theme.REWIND_COLOUR, "width": 1.5, "dash": "dashdot"}, "layer": "above",
+            "name": f"rewind {step}",
+            "label": {"text": rewind_label(r), "textposition": "middle", "yanchor": "bottom",
+                      "font": {"size": 9, "color": theme.REWIND_COLOUR}},
+        })
+    return shapes
+
+
+def rewinds_signature(rewinds: Sequence[dict]) -> list:
+    return [[r.get("step"), r.get("action"), r.get("to_step")] for r in rewinds]
+
+
+def step_marks(alerts: Sequence[dict] = (), checkpoints: Sequence[dict] = (), rewinds: Sequence[dict] = ()) -> list:
+    """Every vertical mark of a step chart: alerts, checkpoints, rewinds."""
+    return alert_shapes(alerts) + checkpoint_shapes(checkpoints) + rewind_shapes(rewinds)
 
 
 def checkpoints_signature(checkpoints: Sequence[dict]) -> list:

@@ -10,7 +10,7 @@ import numpy as np
 from gradwatch.agent import signals as table
 from gradwatch.dashboard import theme
 from gradwatch.dashboard.figures.heatmaps import _float_grid
-from gradwatch.dashboard.figures.marks import _x_axis, alert_shapes
+from gradwatch.dashboard.figures.marks import _x_axis, alert_shapes, rewind_shapes
 from gradwatch.dashboard.figures.points import NAN_RUG_Y
 
 
@@ -174,7 +174,7 @@ def _rank_lines(matrix: dict, factor: int) -> list[tuple[list, list, list]]:
 
 def rank_overlay_figure(title: str, matrix: Optional[dict], *, highlight: Optional[int] = None, why: str = "",
                         log_y: bool = False, alerts: Sequence[dict] = (),
-                        x_range: Optional[Sequence[float]] = None) -> dict:
+                        x_range: Optional[Sequence[float]] = None, rewinds: Sequence[dict] = ()) -> dict:
     """Every rank's line on one chart; ``highlight`` drawn thick, on top. Up to ``MANY_RANKS`` ranks, one
     coloured trace and legend entry per rank; above, the others are thin grey lines, all in one trace
     ("other ranks", the lines apart at gaps, each point's rank in its ``customdata`` for the hover): plotly's cost is per trace,
@@ -227,7 +227,7 @@ def rank_overlay_figure(title: str, matrix: Optional[dict], *, highlight: Option
     shown = title if highlight is None else f"{title} · rank {highlight} highlighted{f' ({why})' if why else ''}"
     layout = theme.base_layout(shown, log_y=log_y)
     layout["xaxis"].update(_x_axis(x_range))
-    layout["shapes"] = alert_shapes(alerts)
+    layout["shapes"] = alert_shapes(alerts) + rewind_shapes(rewinds)
     layout["hovermode"] = "closest"   # "x unified" would list every one of 64 ranks
     if not has_data:
         layout["annotations"] = [{"text": "no data for this run", "xref": "paper", "yref": "paper", "x": 0.5,
@@ -236,7 +236,7 @@ def rank_overlay_figure(title: str, matrix: Optional[dict], *, highlight: Option
 
 
 def rank_heatmap_figure(title: str, matrix: Optional[dict], *, log: bool = False, highlight: Optional[int] = None,
-                        x_range: Optional[Sequence[float]] = None) -> dict:
+                        x_range: Optional[Sequence[float]] = None, rewinds: Sequence[dict] = ()) -> dict:
     """Rank × step: rank on y (rank 0 on top), a bucket's max as the colour (log10 for log signals), NaN / Inf
     cells a red ✕."""
     m = matrix or {}
@@ -248,6 +248,7 @@ def rank_heatmap_figure(title: str, matrix: Optional[dict], *, log: bool = False
     if len(ranks) <= 16:
         layout["yaxis"]["dtick"] = 1
     layout["showlegend"] = False
+    layout["shapes"] = rewind_shapes(rewinds)
     if not steps or not ranks:
         layout["annotations"] = [{"text": "no data for this run", "xref": "paper", "yref": "paper", "x": 0.5,
                                   "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]
@@ -269,6 +270,7 @@ def rank_heatmap_figure(title: str, matrix: Optional[dict], *, log: bool = False
                "marker": {"symbol": "x", "size": 7, "color": theme.NAN_COLOUR},
                "hovertemplate": "non-finite: rank %{y} at step %{x}<extra></extra>"}]
     if highlight in ranks:
-        layout["shapes"] = [{"type": "rect", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": highlight - 0.5,
-                             "y1": highlight + 0.5, "line": {"color": HIGHLIGHT_COLOUR, "width": 1.5}}]
+        layout["shapes"].append({"type": "rect", "xref": "paper", "yref": "y", "x0": 0, "x1": 1,
+                                 "y0": highlight - 0.5, "y1": highlight + 0.5,
+                                 "line": {"color": HIGHLIGHT_COLOUR, "width": 1.5}})
     return {"data": traces, "layout": layout}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from gradwatch.dashboard import theme
-from gradwatch.dashboard.figures.marks import _x_axis, alert_shapes, checkpoint_shapes
+from gradwatch.dashboard.figures.marks import _x_axis, step_marks
 from gradwatch.dashboard.figures.panels import Panel
 from gradwatch.dashboard.figures.points import (NAN_RUG_Y, _host_lookup, bucket_points, flag_steps, nonfinite_steps,
                                                 smooth)
@@ -12,7 +12,7 @@ from gradwatch.dashboard.figures.points import (NAN_RUG_Y, _host_lookup, bucket_
 
 def series_figure(panel: Panel, series: dict, *, alerts: Sequence[dict] = (), smoothing: float = 0.0,
                   x_range: Optional[Sequence[float]] = None,
-                  checkpoints: Sequence[dict] = ()) -> tuple[dict, dict]:
+                  checkpoints: Sequence[dict] = (), rewinds: Sequence[dict] = ()) -> tuple[dict, dict]:
     """A run-page chart from ``{signal: {"bucket_size", "steps"}}``; returns (figure, live state).
 
     The live state carries the smoothing EMA so that :func:`series_append`
@@ -54,7 +54,7 @@ def series_figure(panel: Panel, series: dict, *, alerts: Sequence[dict] = (), sm
     if panel.include_zero:
         layout["yaxis"]["rangemode"] = "tozero"
     layout["xaxis"].update(_x_axis(x_range))
-    layout["shapes"] = alert_shapes(alerts) + checkpoint_shapes(checkpoints)
+    layout["shapes"] = step_marks(alerts, checkpoints, rewinds)
     if not has_data:
         layout["annotations"] = [{"text": "no data for this run", "xref": "paper", "yref": "paper", "x": 0.5,
                                   "y": 0.5, "showarrow": False, "font": {"color": theme.MUTED}}]

@@ -21,11 +21,12 @@ from dash import ALL, Input, Output, callback, ctx, dcc, html, no_update
 from gradwatch.dashboard import figures, gateway, theme
 from gradwatch.dashboard.alert_cards import alert_list, severity_badge, status_badge
 from gradwatch.dashboard.figures import HEADLINE, PANELS_BY_KEY
+from gradwatch.dashboard.rewind_cards import rewind_list
 
 GRAPH_CONFIG = {"displayModeBar": False, "responsive": True}
 MAX_POINTS = 400
 KIND_LABELS = {"precursor": "precursor", "loss_scale": "loss scale", "checkpoint": "checkpoint",
-               "nan_origin": "NaN origin", "alert": "alert"}
+               "nan_origin": "NaN origin", "alert": "alert", "rewind": "rewind"}
 
 
 def _parse(alert_id) -> Optional[int]:
@@ -61,7 +62,8 @@ def _charts(incident: dict) -> list:
     marks = _marks(incident)
     graphs = []
     for panel in panels:
-        fig, _ = figures.series_figure(panel, series, alerts=alerts, x_range=[lo, hi])
+        fig, _ = figures.series_figure(panel, series, alerts=alerts, x_range=[lo, hi],
+                                       rewinds=incident.get("rewinds") or ())
         fig["layout"]["shapes"] = list(fig["layout"].get("shapes") or []) + marks
         graphs.append(html.Div(dcc.Graph(id=f"incident-graph-{panel.key}", figure=fig, config=GRAPH_CONFIG),
                                className="gw-chart"))
@@ -70,7 +72,7 @@ def _charts(incident: dict) -> list:
         layer = next((p.get("layer") for p in (alert.get("evidence") or {}).get("precursors") or ()
                       if isinstance(p, dict) and p.get("layer")), None)
         fig = figures.heatmap_figure("Per-parameter grad norm", matrix, alerts=alerts, x_range=[lo, hi],
-                                     highlight=layer)
+                                     highlight=layer, rewinds=incident.get("rewinds") or ())
         fig["layout"]["shapes"] = list(fig["layout"].get("shapes") or []) + marks
         graphs.append(html.Div(dcc.Graph(id="incident-heatmap-grad_norm", figure=fig, config=GRAPH_CONFIG),
                                className="gw-chart gw-chart-wide"))
@@ -144,6 +146,8 @@ def layout(alert_id=None, **_query):
         html.Div(alert["message"], className="gw-alert-message", id="incident-message"),
         _rollback(incident),
         _timeline(incident),
+        html.Div(rewind_list(incident.get("rewinds") or (), id_prefix="incident-rewind",
+                             title="What the Rewind policy did"), id="incident-rewinds"),
         html.H2("Around the incident", className="gw-subtitle"),
         html.Div(_charts(incident), className="gw-chart-grid", id="incident-charts"),
         html.H2(f"Alerts of this incident ({1 + len(incident['alerts'])})", className="gw-subtitle"),

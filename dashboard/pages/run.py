@@ -18,8 +18,8 @@ Data flow (all ids start with ``run-``):
   cursor only and appends them with ``Patch`` (the
   history is never fetched again). After many appended points it redraws once
   from a downsampled query so the browser never holds an unbounded tail.
-- :func:`refresh_summary` keeps the header, the NaN origin and the alerts
-  panel current; :func:`load_layers` redraws the per-layer heatmaps every few
+- :func:`refresh_summary` keeps the header, the NaN origin, the rewind cards
+  (the agent's Rewind policy) and the alerts panel current; :func:`load_layers` redraws the per-layer heatmaps every few
   seconds while the run is live.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gradwatch.dashboard.alert_cards import (alert_list, format_ago, format_time
                                              severity_badge, status_badge)
 from gradwatch.dashboard.figures import ALL_RANKS, HEADLINE, HEATMAPS, PANELS, RANK_CHARTS, SERIES_SIGNALS, \
     format_number
+from gradwatch.dashboard.rewind_cards import rewind_list
 from gradwatch.dashboard.ticks import pause_while_running
 
 # The live tick: wait_news parks up to about a second on the server while nothing is new
@@ -132,7 +133,8 @@ def layout(run_id=None, **_query):
                 html.H2("Per-layer statistics", className="gw-subtitle"),
                 html.Div([_graph(gid, wide=True) for gid in HEATMAP_IDS], className="gw-chart-grid"),
             ], className="gw-run-charts"),
-            html.Aside([html.H2("Alerts", className="gw-subtitle"), html.Div(id="run-alerts")],
+            html.Aside([html.Div(id="run-rewinds"), html.H2("Alerts", className="gw-subtitle"),
+                        html.Div(id="run-alerts")],
                        className="gw-run-alerts"),
         ], className="gw-run-body"),
     ])
@@ -158,11 +160,11 @@ def _first_step(series: dict) -> Optional[int]:
 
 
 def _panel_figures(panels, series: dict, alerts: list, smoothing: float, shown,
-                   checkpoints: list = ()) -> tuple[list, dict]:
+                   checkpoints: list = (), rewinds: list = ()) -> tuple[list, dict]:
     figs, smooth_states = [], {}
     for panel in panels:
         fig, state = figures.series_figure(panel, series, alerts=alerts, smoothing=smoothing or 0.0, x_range=shown,
-                                           checkpoints=checkpoints)
+                                           checkpoints=checkpoints, rewinds=rewinds)
         figs.append(fig)
         smooth_states[panel.key] = state
     return figs, smooth_states
@@ -182,15 +184,16 @@ def _chart_figures(run_id: int, x_range, smoothing: float, alerts: list, panels=
         cursor = max(cursor, last)
     first = _first_step(series)
     checkpoints = gateway.list_checkpoints(run_id)
+    rewinds = gateway.list_rewinds(run_id)
     # The whole run: every chart gets the same explicit step range (autorange
     # would pad charts with markers differently and break the shared axis).
     shown = x_range if x_range is not None else ([first, max(cursor, first + 1)] if cursor is not None else None)
-    figs, smooth_states = _panel_figures(panels, series, alerts, smoothing, shown, checkpoints)
+    figs, smooth_states = _panel_figures(panels, series, alerts, smoothing, shown, checkpoints, rewinds)
     if x_range is not None and last is not None:
         cursor = last  # a zoomed view ends inside the run; live appends continue from the run's end
     live = {"cursor": cursor, "first": first, "states": smooth_states, "appended": 0,
             "alerts": figures.alerts_signature(alerts), "range": x_range, "shown": shown, "source": source,
-            "checkpoints": figures.checkpoints_signature(checkpoints)}
+            "checkpoints": figures.checkpoints_signature(checkpoints), "rewinds": figures.rewinds_signature(rewinds)}
     return figs, live
 
 
@@ -244,7 +247,7 @@ def load_charts(head, run_id, smoothing):
     series = gateway.get_series(run_id, figures.panel_signals(REST_PANELS), start=start, end=end, max_points=MAX_POINTS,
                                 rank=source["rank"], sources=source["sources"])
     figs, states = _panel_figures(REST_PANELS, series, alerts, smoothing, head.get("shown"),
-                                  gateway.list_checkpoints(run_id))
+                                  gateway.list_checkpoints(run_id), gateway.list_rewinds(run_id))
     live = dict(head, states={**(head.get("states") or {}), **states})
     return *figs, live
 
@@ -293,8 +296,11 @@ def append_live(_news, run_id, live, smoothing):
     sig = figures.alerts_signature(alerts)
     checkpoints = gateway.list_checkpoints(run_id)
     ckpt_sig = figures.checkpoints_signature(checkpoints)
-    # a new checkpoint redraws the step-axis marks as a new or changed alert does
-    alerts_changed = sig != live.get("alerts") or ckpt_sig != live.get("checkpoints")
+    rewinds = gateway.list_rewinds(run_id)
+    rewind_sig = figures.rewinds_signature(rewinds)
+    # a new checkpoint or rewind redraws the step-axis marks as a new or changed alert does
+    alerts_changed = sig != live.get("alerts") or ckpt_sig != live.get("checkpoints") or \
+        rewind_sig != live.get("rewinds", [])
     # The headline charts are patched with every batch; the others at most every REST_EVERY_S (and at
     # once when the alert / checkpoint marks change): patching a dozen charts made each live round
     # in the browser ~2x longer, and a round in progress is what a new step waits for
@@ -329,7 +335,7 @@ def append_live(_news, run_id, live, smoothing):
     new_cursor = figures.last_step(new)
     appended = live.get("appended", 0) + max((len(s.get("steps", [])) for s in new.values() if s), default=0)
     live = dict(live, states=dict(live.get("states") or {}), alerts=sig, appended=appended, checkpoints=ckpt_sig,
-                cursors=cursors, base=base)
+                rewinds=rewind_sig, cursors=cursors, base=base)
     if everything:
         live["rest_at"] = now
         live["rest_cursor"] = last if last is not None else rest_cursor   # read before the tails: all stored
@@ -337,7 +343,7 @@ def append_live(_news, run_id, live, smoothing):
         live["cursor"] = new_cursor if cursor is None else max(new_cursor, cursor)
         if live.get("first") is None:
             live["first"] = _first_step(new)
-    shapes = figures.alert_shapes(alerts) + figures.checkpoint_shapes(checkpoints) if alerts_changed else None
+    shapes = figures.step_marks(alerts, checkpoints, rewinds) if alerts_changed else None
     # Viewing the whole run: the shared step range grows with the run.
     grow = ([live["first"], max(live["cursor"], live["first"] + 1)]
             if live.get("range") is None and new_cursor is not None and live.get("first") is not None else None)
@@ -407,6 +413,7 @@ def load_layers(layers_range, _tick, run_id, previous_sig):
                                                rank=figures.layer_rank(stat, source["layer_rank"], source["picked"]))
                 for stat in [s for s, _ in HEATMAPS] + ["update_ratio"]}
     alerts = gateway.list_alerts(run_id=run_id)
+    rewinds = gateway.list_rewinds(run_id)
     origin = _nan_origin(run_id)
     shown = x_range
     if x_range is None:
@@ -416,14 +423,15 @@ def load_layers(layers_range, _tick, run_id, previous_sig):
         if firsts and last is not None:
             shown = [min(firsts), max(last, min(firsts) + 1)]
     sig = [x_range, shown, source["picked"], figures.alerts_signature(alerts), origin and origin.get("step"),
+           figures.rewinds_signature(rewinds),
            {k: [len(m.get("steps") or []), (m.get("steps") or [None])[-1]] for k, m in matrices.items()}]
     if ctx.triggered_id == "run-layers-interval" and sig == previous_sig:
         return [no_update] * (len(HEATMAP_IDS) + 2)
     highlight = (origin or {}).get("data", {}).get("module") or (origin or {}).get("data", {}).get("param")
     heatmaps = [figures.heatmap_figure(title, matrices[stat], alerts=alerts, x_range=shown, highlight=highlight,
-                                       highlight_step=(origin or {}).get("step"))
+                                       highlight_step=(origin or {}).get("step"), rewinds=rewinds)
                 for stat, title in HEATMAPS]
-    ratio = figures.update_ratio_figure(matrices["update_ratio"], alerts=alerts, x_range=shown)
+    ratio = figures.update_ratio_figure(matrices["update_ratio"], alerts=alerts, x_range=shown, rewinds=rewinds)
     return *heatmaps, ratio, sig
 
 
@@ -454,13 +462,14 @@ def load_ranks(layers_range, _tick, run_id, rank_info, previous_sig):
     got = gateway.get_rank_matrix(run_id, list(read.values()), start=start, end=end, max_steps=RANK_STEPS)
     matrices = {sig: got.get(src) or {} for sig, src in read.items()}
     alerts = gateway.list_alerts(run_id=run_id)
+    rewinds = gateway.list_rewinds(run_id)
     shown = x_range
     if x_range is None:
         firsts = [m["steps"][0] for m in matrices.values() if m.get("steps")]
         last = (gateway.get_run(run_id) or {}).get("last_step")
         if firsts and last is not None:
             shown = [min(firsts), max(last, min(firsts) + 1)]
-    sig = [x_range, shown, source["picked"], figures.alerts_signature(alerts),
+    sig = [x_range, shown, source["picked"], figures.alerts_signature(alerts), figures.rewinds_signature(rewinds),
            {k: [len(m.get("steps") or []), (m.get("steps") or [None])[-1]] for k, m in matrices.items()}]
     if ctx.triggered_id == "run-ranks-interval" and sig == previous_sig:
         return nothing
@@ -479,8 +488,9 @@ def load_ranks(layers_range, _tick, run_id, rank_info, previous_sig):
         else:
             highlight, why = figures.odd_rank(m), "furthest from the median"
         overlays.append(figures.rank_overlay_figure(title, m, highlight=highlight, why=why, log_y=log_y,
-                                                    alerts=alerts, x_range=shown))
-        heatmaps.append(figures.rank_heatmap_figure(title, m, log=log_y, highlight=highlight, x_range=shown))
+                                                    alerts=alerts, x_range=shown, rewinds=rewinds))
+        heatmaps.append(figures.rank_heatmap_figure(title, m, log=log_y, highlight=highlight, x_range=shown,
+                                                    rewinds=rewinds))
     return *overlays, *heatmaps, sig
 
 
@@ -591,6 +601,7 @@ def _notices(run_id: int, origin: Optional[dict], alerts: Sequence[dict] = ()) -
     Output("run-header", "children"),
     Output("run-notices", "children"),
     Output("run-alerts", "children"),
+    Output("run-rewinds", "children"),
     Output("run-summary-sig", "data"),
     Input("run-summary-interval", "n_intervals"),
     Input("run-ack-done", "data"),
@@ -601,8 +612,9 @@ def _notices(run_id: int, origin: Optional[dict], alerts: Sequence[dict] = ()) -
 def refresh_summary(_tick, _acked, run_id, previous):
     run = gateway.get_run(run_id)
     if run is None:
-        return no_update, no_update, no_update, no_update
+        return no_update, no_update, no_update, no_update, no_update
     alerts = gateway.list_alerts(run_id=run_id)
+    rewinds = gateway.list_rewinds(run_id)
     origin = _nan_origin(run_id)
     # Each part is redrawn only when what it shows changed, so an open "evidence"
     # or a button under the pointer is not replaced every tick.
@@ -610,7 +622,7 @@ def refresh_summary(_tick, _acked, run_id, previous):
                       int(time.time() // 5), figures.alerts_signature(alerts)],
            "notices": [origin and origin.get("step"), run.get("last_step") if run.get("status") == "running" else 0,
                        [[a.get("id"), a.get("status"), a.get("severity")] for a in setup_notes(alerts)]],
-           "alerts": figures.alerts_signature(alerts)}
+           "alerts": figures.alerts_signature(alerts), "rewinds": figures.rewinds_signature(rewinds)}
     previous = previous or {}
     ranks = (gateway.get_rank_meta(run_id) or {}).get("ranks") or [] if (run.get("world_size") or 1) > 1 else []
     sig["header"].append([[r.get("host"), r.get("device"), r.get("local_rank")] for r in ranks])
@@ -618,9 +630,11 @@ def refresh_summary(_tick, _acked, run_id, previous):
     notices = _notices(run_id, origin, alerts) if sig["notices"] != previous.get("notices") else no_update
     panel = (alert_list(alerts, ack_type="run-ack", empty="No alerts for this run.")
              if sig["alerts"] != previous.get("alerts") else no_update)
-    if header is no_update and notices is no_update and panel is no_update:
-        return no_update, no_update, no_update, no_update
-    return header, notices, panel, sig
+    cards = (rewind_list(rewinds, id_prefix="run-rewind")
+             if sig["rewinds"] != previous.get("rewinds", []) else no_update)
+    if header is no_update and notices is no_update and panel is no_update and cards is no_update:
+        return no_update, no_update, no_update, no_update, no_update
+    return header, notices, panel, cards, sig
 
 
 @callback(
