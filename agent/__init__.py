@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from gradwatch.agent.config import AgentConfig
 
-__all__ = ["attach", "AgentConfig", "Monitor", "close_all"]
+__all__ = ["attach", "AgentConfig", "Monitor", "close_all", "Rewind"]
 
 
 def __getattr__(name: str) -> Any:
@@ -58,6 +58,10 @@ def __getattr__(name: str) -> Any:
         from gradwatch.agent.monitor import Monitor
 
         return Monitor
+    if name == "Rewind":
+        from gradwatch.agent.remediation import Rewind
+
+        return Rewind
     if name == "close_all":
         from gradwatch.agent.registry import close_all
 
@@ -68,7 +72,7 @@ def __getattr__(name: str) -> Any:
 def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[str] = None,
            run: Optional[str] = None, server: Optional[str] = None, transport: Any = None,
            step: Optional[int] = None, on_alert: Any = None, scheduler: Any = None,
-           **config: Any) -> "Monitor":
+           remediate: Any = None, **config: Any) -> "Monitor":
     """Start monitoring ``model`` (and ``scaler`` / ``optimizer`` / ``ema`` when given).
 
     Returns a :class:`Monitor`; ``monitor.close()`` (alias ``detach()``) flushes
@@ -93,7 +97,21 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
     severity); ``monitor.alerts()`` lists them (docs/alerts-in-the-loop.md).
 
     ``scheduler``: the LR scheduler, read once at attach for the configuration advice (rule H8:
-    a cosine schedule that ends below base_lr / 10; docs/early-warning-advice.md).
+    a cosine schedule that ends below base_lr / 10; docs/early-warning-advice.md); with ``remediate``
+    it is snapshotted and restored too.
+
+    ``remediate``: opt-in self-healing, a :class:`~agent.remediation.Rewind` policy: snapshots of the
+    training state every ``every`` steps; when an alert in ``on`` arrives, the newest snapshot from
+    before its onset is restored, the LR cooled, and training goes on with the next batches; a
+    ``rewind`` event marks it on the run's charts (docs/remediation.md)::
+
+        from gradwatch.agent import Rewind
+        monitor = agent.attach(model, scaler, optimizer=opt, scheduler=sched,
+                               remediate=Rewind(every=100, keep=2, on=("A1", "A2", "C3"), lr_factor=0.5))
+        for x, y in loader:
+            ...
+            if monitor.should_stop:      # Rewind(then="stop") gave up after max_rewinds
+                break
 
     >>> import torch
     >>> from gradwatch import agent
@@ -124,14 +142,14 @@ def attach(model, scaler=None, *, optimizer=None, ema=None, project: Optional[st
             "gradwatch: %s; the rest is monitored as usual (docs/integrations.md)", "; ".join(notes))
     previous = existing(model)
     if previous is not None:
-        if (previous.scaler is scaler and previous.ema is ema
+        if (previous.scaler is scaler and previous.ema is ema and remediate is None
                 and (optimizer is None or previous.optimizer is optimizer)):
             if on_alert is not None:
                 previous.add_alert_callback(on_alert)
             return previous
         previous.close()
     monitor = Monitor(model, scaler, optimizer=optimizer, ema=ema, config=cfg, transport=transport, step=step,
-                      on_alert=on_alert, scheduler=scheduler)
+                      on_alert=on_alert, scheduler=scheduler, remediate=remediate)
     remember(model, monitor)
     _install_exit_handlers()
     return monitor

@@ -141,8 +141,8 @@ class HookAdapters:
                 result = original(optimizer, *args, **kwargs)
             finally:
                 builder.in_scaler_step = False
-                if builder.skip is not None:
-                    builder.update_done()   # right after the update: the skip guard undoes a spike
+                if builder.skip is not None or builder.remedy is not None:
+                    builder.update_done()   # right after the update: a cooled LR put back, a spike undone
             if guards.on("scaler"):
                 with guard:
                     builder.scaler_step_done(optimizer)

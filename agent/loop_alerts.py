@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional, Union
 
 __all__ = ["LoopAlert", "AlertInbox", "StopOn", "SEVERITIES", "run_callbacks"]
@@ -43,7 +43,9 @@ class LoopAlert:
     the latest step it covers; ``status`` is ``"firing"`` or ``"resolved"``.
     ``silenced``: a silence covers it (a person said "I know"), so :class:`StopOn`
     does not act on it; ``suppressed_by``: the id of an alert inhibiting its
-    notification (routing), or None.
+    notification (routing), or None. ``remediation``: what ``remediate=Rewind(...)`` did
+    about it (the ``rewind`` event's data: ``action``, ``to_step``, ``batches_skipped`` …),
+    or None (docs/remediation.md).
     """
 
     id: int
@@ -62,6 +64,7 @@ class LoopAlert:
     updated_at: float = 0.0
     silenced: bool = False
     suppressed_by: Optional[int] = None
+    remediation: Optional[dict] = None
 
     @classmethod
     def from_wire(cls, a: dict) -> "LoopAlert":
@@ -78,7 +81,12 @@ class LoopAlert:
         return self.status == "firing"
 
     def __str__(self) -> str:
-        return f"{self.rule} {self.name} ({self.severity}, {self.status}) at step {self.step}: {self.message}"
+        text = f"{self.rule} {self.name} ({self.severity}, {self.status}) at step {self.step}: {self.message}"
+        r = self.remediation
+        if r:
+            text += (f" [rewound to step {r.get('to_step')}, skipped {r.get('batches_skipped')} batches]"
+                     if r.get("action") == "rewind" else f" [remediation: {r.get('action')}]")
+        return text
 
 
 class AlertInbox:
@@ -126,6 +134,8 @@ class AlertInbox:
                 known = self._by_id.get(alert.id)
                 if known is not None and known.updated_at >= alert.updated_at:
                     continue                       # seen already (the look-back repeats recent alerts)
+                if known is not None and known.remediation is not None:   # what was done about it stays said
+                    alert = replace(alert, remediation=known.remediation)
                 self._by_id[alert.id] = alert
                 if known is None or known.status != alert.status or known.severity != alert.severity:
                     news.append(alert)
@@ -142,6 +152,14 @@ class AlertInbox:
             self._news.clear()
             self.has_news = False
         return news
+
+    def annotate(self, alert: LoopAlert) -> None:
+        """Keep ``alert``'s ``remediation`` on the stored version of it (training thread), so
+        :meth:`alerts` says what was done about it."""
+        with self._lock:
+            known = self._by_id.get(alert.id)
+            if known is not None and alert.remediation is not None:
+                self._by_id[alert.id] = replace(known, remediation=alert.remediation)
 
     def alerts(self) -> list[LoopAlert]:
         """Every alert of the run heard of since attach, newest first (latest version of each)."""

@@ -42,6 +42,7 @@ from gradwatch.agent.guard import Guards
 from gradwatch.agent.hooks import HookAdapters
 from gradwatch.agent.loop_alerts import AlertInbox, LoopAlert, run_callbacks
 from gradwatch.agent.registry import close_all, forget
+from gradwatch.agent.remediation import Rewind
 from gradwatch.agent.resume import ResumeState
 from gradwatch.agent.sealer import Sealer
 from gradwatch.agent.sender import OnceLogger, Sender
@@ -88,14 +89,18 @@ class Monitor:
     alert news of the run (docs/alerts-in-the-loop.md); ``monitor.alerts()`` lists them.
 
     ``scheduler``: the LR scheduler, read once for the configuration advice (a cosine schedule's
-    final LR, rule H8; docs/early-warning-advice.md).
+    final LR, rule H8; docs/early-warning-advice.md), and snapshotted with ``remediate``.
+
+    ``remediate``: a :class:`~agent.remediation.Rewind` policy (opt-in): snapshots of the training
+    state every ``every`` steps, a rewind to the newest one before an alert's onset, the LR cooled
+    for a while (docs/remediation.md).
     """
 
     def __init__(self, model: torch.nn.Module, scaler=None, *, optimizer=None, ema=None,
                  config: Optional[AgentConfig] = None, transport=None, step: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time,
                  collectors=collector_kinds.DEFAULT, on_alert: Optional[Callable[[LoopAlert], None]] = None,
-                 scheduler=None):
+                 scheduler=None, remediate: Optional[Rewind] = None):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model={type(model).__name__}: pass the torch.nn.Module you train")
         if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
@@ -104,6 +109,9 @@ class Monitor:
             raise ValueError(f"optimizer={type(optimizer).__name__}: pass a torch.optim.Optimizer (or None)")
         if ema is not None:
             check_ema(ema)
+        if remediate is not None and not isinstance(remediate, Rewind):
+            raise ValueError(f"remediate={remediate!r}: pass gradwatch.agent.Rewind(...) (or None), e.g. "
+                             f"remediate=Rewind(every=100, keep=2, on=('A1', 'A2', 'C3'))")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step={step!r}: pass the number of the first step to record (an int >= 0), or None")
         check_emits(collectors)   # the names each collector writes are the signal table's (agent/signals.py)
@@ -174,6 +182,10 @@ class Monitor:
             guard = SkipSpikes(w, self._guards, sigma=cfg.skip_sigma, window=cfg.skip_window)
             if guard.usable():
                 self._skip = self._builder.skip = guard
+        self._remedy = None
+        if remediate is not None:
+            self._remedy = self._remediation(remediate, scheduler)
+            self._builder.remedy = self._remedy
         # the run's setup, once, for the checklist's configuration advice (agent/setup.py, rules H5-H9);
         # before the hooks: its clip_grad_norm_ observer must see a call before the grad-norm collector takes it
         self._setup: Optional[SetupWatch] = None
@@ -442,6 +454,21 @@ class Monitor:
             return 0
 
     @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of host memory the ``remediate`` snapshots hold now (0 without remediation)."""
+        return self._remedy.snapshot_bytes if self._remedy is not None else 0
+
+    @property
+    def rewinds(self) -> list[dict]:
+        """The ``rewind`` events' data of this run so far (rewinds, cools, giving up), oldest first."""
+        return self._remedy.policy.rewinds if self._remedy is not None else []
+
+    @property
+    def should_stop(self) -> bool:
+        """True once ``remediate=Rewind(then="stop")`` gave up: end the training loop at this step."""
+        return self._remedy is not None and self._remedy.policy.should_stop
+
+    @property
     def dropped_steps(self) -> int:
         """Steps lost so far (queue full, spool full or unwritable, batches rejected)."""
         if self.sender is None:
@@ -497,11 +524,37 @@ class Monitor:
                   f"{alert.message}  {base}/runs/{alert.run_id}", file=sys.stderr, flush=True)
         self._alert_callbacks.append(echo)
 
+    def _remediation(self, policy: Rewind, scheduler):
+        """The runtime of ``remediate=`` (agent/rewinder.py), or None where it cannot act (said once)."""
+        from gradwatch.agent.rewinder import Remedy
+
+        why = None
+        if self._inbox is None:
+            why = "it acts on the run's alerts, which the agent hears only with mode='online' and loop_alerts=True"
+        elif self.world_size > 1:
+            why = ("under torch.distributed every rank must restore the same snapshot at the same step, which "
+                   "this version does not agree on yet")
+        if why:
+            self._warn.warning("remediate:off", "gradwatch: remediate=Rewind(...) is off: %s (docs/remediation.md)",
+                               why)
+            return None
+        return Remedy(policy, self._watched, scheduler=scheduler, submit=self.sender.submit,
+                      barrier=self._sealer.barrier,
+                      record_checkpoint=lambda path, step: self.checkpoint(path, step=step, source="gradwatch.rewind"))
+
     def _deliver_alerts(self) -> None:
-        """At a step boundary, in the training thread: the inbox's news to the callbacks."""
+        """At a step boundary, in the training thread: the inbox's news to remediation, then the callbacks."""
         if self._guards.closed or os.getpid() != self._pid:
             return
         news = self._inbox.take_news()
+        remedy = self._remedy
+        if news and remedy is not None and self._guards.on("remediate"):
+            with self._guards.guard("remediate"):
+                acted = remedy.on_news(news, self._builder.step)
+                for alert in acted:
+                    if alert.remediation is not None:
+                        self._inbox.annotate(alert)
+                news = acted
         if news and self._alert_callbacks:
             run_callbacks(self._alert_callbacks, news, self._warn)
 

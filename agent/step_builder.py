@@ -45,6 +45,8 @@ class StepBuilder:
         self.deliver_alerts: Optional[Callable[[], None]] = None
         # The opt-in skip-spikes guard (agent/skip_guard.py), or None.
         self.skip: Any = None
+        # The opt-in remediation (agent/rewinder.py: snapshots, LR cooling around the update), or None.
+        self.remedy: Any = None
         self._reset()
 
     def _reset(self) -> None:
@@ -114,6 +116,8 @@ class StepBuilder:
         self.in_scaler_step = True
         if self.skip is not None:
             self._skip_before()
+        if self.remedy is not None:
+            self._remedy_before()
         if self.replay is not None and scaler_enabled(w.scaler) and self.guards.on("nan_replay"):
             with self.guards.guard("nan_replay"):
                 self.replay.optimizer_seen(optimizer)
@@ -145,6 +149,13 @@ class StepBuilder:
                     self.pending["nan_replay"] = found
         if self.skip is not None:
             self._skip_before()
+        if self.remedy is not None:
+            self._remedy_before()
+
+    def _remedy_before(self) -> None:
+        if self.guards.on("remediate"):
+            with self.guards.guard("remediate"):
+                self.remedy.before_update()
 
     def _skip_before(self) -> None:
         if self.guards.on("skip_spikes"):
@@ -152,8 +163,12 @@ class StepBuilder:
                 self.skip.before_update()
 
     def update_done(self) -> None:
-        """The optimizer's update is over (``scaler.step()`` returned, or the step post-hook): the skip
-        guard decides on this step's grad norm and undoes a spike. Idempotent within a step."""
+        """The optimizer's update is over (``scaler.step()`` returned, or the step post-hook): a cooled LR
+        is put back, the skip guard decides on this step's grad norm and undoes a spike. Idempotent within
+        a step."""
+        if self.remedy is not None and self.guards.on("remediate"):
+            with self.guards.guard("remediate"):
+                self.remedy.after_update()
         if self.skip is None or not self.guards.on("skip_spikes"):
             return
         with self.guards.guard("skip_spikes"):
@@ -284,8 +299,9 @@ class StepBuilder:
         now = self.clock()
         step = self.step
         rec = StepRecord(step)
-        if self.skip is not None:
+        if self.skip is not None or self.remedy is not None:
             self.update_done()      # no scaler: the optimizer's post-hook is the end of the step
+        if self.skip is not None:
             decision = self.skip.take_decision()
             if decision is not None:
                 rec.add("skipped_update", decision)
@@ -302,8 +318,13 @@ class StepBuilder:
             host["samples_per_s"] = samples / step_time if samples else None
             host["tokens_per_s"] = tokens / step_time if tokens else None
         host["scaler_active"] = scaler_enabled(self.watched.scaler)
+        measured = self.grads.grads          # the collectors hand it to the record (and forget it) below
         for contribute in self._at_end:
             contribute(step, rec)
+        if self.remedy is not None:
+            factor = self.remedy.take_step_factor()
+            if factor is not None and isinstance(host.get("lr"), float):
+                host["lr"] *= factor     # the LR this update really used (cooled around it, agent/rewinder.py)
         for key, pending_key, fill in _REPORTED:   # monitor.log(grad_norm=..., ...) during the step
             reported = host.pop(pending_key, None)
             if reported is not None and not fill(rec, key, reported):
@@ -319,6 +340,9 @@ class StepBuilder:
         inbox = self.inbox
         if inbox is not None and inbox.has_news:   # the healthy step's whole cost: one attribute read
             self.deliver_alerts()
+        if self.remedy is not None and self.guards.on("remediate"):
+            with self.guards.guard("remediate"):
+                self.remedy.at_step_end(self.step, measured[2] if measured else None, host.get("scaled_loss"))
 
 
 def fill_grad_norm(rec: StepRecord, value) -> bool:

@@ -1,0 +1,212 @@
+"""The runtime of ``remediate=Rewind(...)``: snapshots at a cadence, and the rewind when an alert says so.
+
+Everything here runs in the training thread, at step boundaries the
+:class:`~agent.step_builder.StepBuilder` already has:
+
+* around each optimizer update (:meth:`Remedy.before_update` / :meth:`Remedy.after_update`):
+  while cooled, every param group's LR is multiplied by ``lr_factor`` right before
+  the update and put back right after it. A scheduler that writes the LR each step
+  (``LambdaLR``) or multiplies it (``ExponentialLR``) runs outside the update, so it
+  never sees the cooled value: nothing to undo, nothing compounded;
+* at a step's end (:meth:`Remedy.at_step_end`): a snapshot when one is due;
+* with the alert news of that step's end (:meth:`Remedy.on_news`, before the ``on_alert``
+  callbacks): the rewind, the cool, or giving up, each one ``rewind`` event
+  (:func:`agent.remediation.rewind_event`) and one warning line.
+
+Imports torch, :mod:`agent.remediation` and :mod:`agent.snapshots`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from gradwatch.agent.remediation import Rewind, rewind_event, rewind_line
+from gradwatch.agent.snapshots import SnapshotStore
+
+log = logging.getLogger("gradwatch.agent")
+
+
+class Remedy:
+    """One monitor's remediation: the policy's settings, its snapshots, its cooling and its count."""
+
+    def __init__(self, policy: Rewind, watched: Any, *, scheduler: Any, submit: Callable[[dict], None],
+                 barrier: Callable[[], None], record_checkpoint: Callable[[str, int], Any]):
+        self.policy, self.watched = policy, watched
+        self.store = SnapshotStore(watched, scheduler, keep=policy.keep)
+        self.submit, self.barrier, self.record_checkpoint = submit, barrier, record_checkpoint
+        self.active = True
+        self._due = False                  # a snapshot is due and not taken yet (a non-finite step defers it)
+        self._cool_left = 0                # updates still to cool
+        self._saved_lrs: Optional[list] = None   # the groups' LRs while an update runs cooled
+        self._step_factor: Optional[float] = None
+        self._last_from = -1               # from_step of the latest rewind: older episodes are undone history
+        self._rewind_steps: list[int] = []
+        self._state = policy._state
+
+    # ------------------------------------------------------------------ around each update
+
+    def before_update(self) -> None:
+        if self._cool_left <= 0 or self._saved_lrs is not None:
+            return
+        opt = self.watched.optimizer
+        if opt is None:
+            return
+        factor = self.policy.lr_factor
+        self._saved_lrs = [g.get("lr") for g in opt.param_groups]
+        for g, lr in zip(opt.param_groups, self._saved_lrs):
+            if isinstance(lr, torch.Tensor):
+                g["lr"] = lr * factor        # a new tensor: the user's stays as it was
+            elif isinstance(lr, (int, float)):
+                g["lr"] = lr * factor
+
+    def after_update(self) -> None:
+        saved, self._saved_lrs = self._saved_lrs, None
+        if saved is None:
+            return
+        opt = self.watched.optimizer
+        for g, lr in zip(opt.param_groups, saved):
+            g["lr"] = lr
+        self._cool_left -= 1
+        self._step_factor = self.policy.lr_factor
+
+    def take_step_factor(self) -> Optional[float]:
+        """The LR factor the step that just ended was updated with (None: not cooled), for its ``lr`` signal."""
+        f, self._step_factor = self._step_factor, None
+        return f
+
+    # ------------------------------------------------------------------ step end
+
+    def at_step_end(self, next_step: int, grad_norm: Any, loss: Any) -> None:
+        """A snapshot when ``next_step`` is on the cadence (or one was deferred by a non-finite step)."""
+        if not self.active:
+            return
+        if next_step % self.policy.every == 0:
+            self._due = True
+        if self._due and self.store.take(next_step, grad_norm, loss):
+            self._due = False
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.store.nbytes
+
+    # ------------------------------------------------------------------ alerts
+
+    def on_news(self, news: list, next_step: int) -> list:
+        """Act on the alerts of this step's news; returns them, each acted-on one carrying its action's data
+        in ``remediation`` (so ``on_alert`` and ``monitor.alerts()`` say what was done)."""
+        out = []
+        for alert in news:
+            data = None
+            if self.active and alert.last_step >= self._last_from:
+                if self.policy.matches(alert, "on"):
+                    data = self._rewind(alert, next_step)
+                elif self.policy.matches(alert, "cool_on"):
+                    data = self._cool(alert, next_step)
+            out.append(dataclasses.replace(alert, remediation=data) if data is not None else alert)
+        return out
+
+    def _trigger(self, alert: Any) -> dict:
+        return {"rule": alert.rule, "alert_id": alert.id, "step": alert.step, "name": alert.name}
+
+    def _send(self, data_step: int, **fields: Any) -> dict:
+        event = rewind_event(from_step=data_step, max_rewinds=self.policy.max_rewinds,
+                             snapshot_bytes=self.store.nbytes, **fields)
+        data = event["data"]
+        self._state["rewinds"].append(data)
+        self.submit(event)
+        return data
+
+    def _start_cooling(self) -> tuple[float, int]:
+        p = self.policy
+        if not p.cools:
+            return 1.0, 0
+        self._cool_left = p.cool_steps       # a new trigger restarts the countdown, never compounds
+        return float(p.lr_factor), int(p.cool_steps)
+
+    def _cool(self, alert: Any, next_step: int, why: str = "") -> Optional[dict]:
+        if self._cool_left > 0 and not why:
+            return None   # already cooled (an early warning that flaps fires again and again): once is enough
+        factor, steps = self._start_cooling()
+        if steps == 0 and not why:
+            return None
+        data = self._send(next_step, to_step=next_step, lr_factor=factor, cool_steps=steps,
+                          trigger=self._trigger(alert), rewind_number=len(self._rewind_steps), action="cool")
+        log.warning("%s%s", rewind_line(data), why)
+        return data
+
+    def _rewind(self, alert: Any, next_step: int) -> Optional[dict]:
+        p = self.policy
+        recent = [s for s in self._rewind_steps if p.window is None or s > next_step - p.window]
+        onset = max(alert.step, self._last_from)
+        if len(recent) >= p.max_rewinds:
+            return self._give_up(alert, next_step, onset)
+        snap = self.store.newest_before(onset)
+        if snap is None:
+            have = self.store.steps()
+            return self._cool(alert, next_step, why=(
+                f"; no snapshot at or before step {onset} to rewind to (snapshots: {have or 'none yet'}; "
+                f"every={p.every}, keep={p.keep})"))
+        self.barrier()                       # an EMA divergence job off the training thread reads the weights
+        missing = self.store.restore(snap)
+        self.store.forget_after(snap.step)   # the newer ones hold the stretch just abandoned
+        self._due = False
+        factor, steps = self._start_cooling()
+        self._rewind_steps.append(next_step)
+        self._last_from = next_step
+        data = self._send(next_step, to_step=snap.step, lr_factor=factor, cool_steps=steps,
+                          trigger=self._trigger(alert), rewind_number=len(self._rewind_steps), action="rewind")
+        log.warning("%s", rewind_line(data))
+        if missing:
+            log.warning("gradwatch: the rewind could not restore %d tensor(s) that appeared or changed shape since "
+                        "the snapshot (e.g. %s); they keep their current values", len(missing), missing[0])
+        return data
+
+    def _give_up(self, alert: Any, next_step: int, onset: int) -> dict:
+        p = self.policy
+        to_step = next_step
+        saved = None
+        if p.then == "stop":
+            snap = self.store.newest_before(onset)
+            if snap is not None and p.checkpoint:
+                # the run stops on its last good state, which is what the checkpoint holds
+                self.barrier()
+                self.store.restore(snap)
+                to_step = snap.step
+                saved = self._save_checkpoint(p.checkpoint, snap.step)
+            self._state["should_stop"] = True
+        self.active = False
+        self._cool_left = 0
+        data = self._send(next_step, to_step=to_step, lr_factor=1.0, cool_steps=0, trigger=self._trigger(alert),
+                          rewind_number=len(self._rewind_steps), action="gave_up")
+        self._state["gave_up"] = data
+        if p.then == "stop":
+            log.error("%s: stopping the run%s", rewind_line(data),
+                      f"; the state of step {to_step} is saved in {saved}" if saved else "")
+        else:
+            log.error("%s: REMEDIATION IS OFF for the rest of this run (then='continue'); the run goes on with "
+                      "whatever state it has", rewind_line(data))
+        return data
+
+    def _save_checkpoint(self, path: str, step: int) -> Optional[str]:
+        w = self.watched
+        state: dict = {"step": step, "model": w.model.state_dict()}
+        if w.optimizer is not None:
+            state["optimizer"] = w.optimizer.state_dict()
+        if w.scaler is not None and hasattr(w.scaler, "state_dict"):
+            state["scaler"] = w.scaler.state_dict()
+        if self.store.scheduler is not None and hasattr(self.store.scheduler, "state_dict"):
+            state["scheduler"] = self.store.scheduler.state_dict()
+        try:
+            folder = os.path.dirname(path)
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            torch.save(state, path)
+        except Exception as e:  # noqa: BLE001 - never hurt the host: the stop still happens
+            log.error("gradwatch: could not save the checkpoint %s: %r", path, e)
+            return None
+        self.record_checkpoint(path, step)
+        return path
