@@ -33,6 +33,7 @@ Example (tests inject the transport, STYLE point 7)::
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import collections
@@ -69,6 +70,19 @@ LIVE_HOLD_S = 2.0
 # The longest pause between batches a server's ``pace`` can get from this agent: what server/pacing.py
 # asks at most (agent/pacing.py's MAX_PACE_S, 10 s); a bad reply no more than this.
 MAX_OBEYED_PACE_S = MAX_PACE_S
+# When the spool cannot take a batch (disabled with spool_max_mb=0, unwritable) and the server did not
+# answer, the batch waits in memory, up to this many bytes, and is sent again with the same batch_id:
+# a post that timed out after the server stored it is then a duplicate the server ignores, not steps
+# counted as dropped, and its ``dropped`` event is reported once. Beyond this, batches are dropped and
+# counted, as before.
+HELD_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _steps_in(body: bytes) -> int:
+    try:
+        return len(json.loads(body)["steps"])
+    except Exception:  # noqa: BLE001 - a body we wrote ourselves; 0 rather than a crash
+        return 0
 
 
 class _Marker:
@@ -76,6 +90,7 @@ class _Marker:
         self.kind = kind
         self.status = status
         self.done = threading.Event()
+        self.deadline = math.inf     # time.monotonic() by which the caller stops waiting
 
 
 class OnceLogger:
@@ -159,6 +174,9 @@ class Sender:
         self._journaled = (0, 0)              # steps and events of it already in the journal
         self._backoff = 0.0
         self._retry_at = 0.0
+        # batches the spool could not take and the server did not answer: (body, steps), oldest first
+        self._held: collections.deque = collections.deque()
+        self._held_bytes = 0
         # Counters for users and tests.
         self.delivered_batches = 0
         self.spooled_batches = 0
@@ -219,6 +237,7 @@ class Sender:
         if self._thread is None:
             self._start()
         deadline = time.monotonic() + timeout
+        marker.deadline = deadline
         self._queue.append(marker)   # markers are never dropped
         self._wake.set()
         try:
@@ -312,6 +331,8 @@ class Sender:
             elif isinstance(item, _Marker):
                 try:
                     self._ship(status=item.status if item.kind == "stop" else None, final=item.kind == "stop")
+                    if item.kind == "stop":
+                        self._give_up_held(item.deadline)
                     if item.kind == "stop" and self.journal is not None:
                         self.journal.close()   # the last batch is stored: nothing left to recover
                 finally:
@@ -421,6 +442,14 @@ class Sender:
                 self.spooled_batches += 1
                 self._replay(force=True)
                 return True
+        if self._held:
+            if self._held_bytes + len(body) > HELD_MAX_BYTES:
+                self._replay(force=True)
+            if self._held_bytes + len(body) > HELD_MAX_BYTES:
+                return False   # the server is still silent and memory holds enough: drop, counted
+            self._hold(body)
+            self._replay(force=final)   # after the held ones, in order
+            return True
         delivery = self.transport.post(body)
         if delivery.accepted:
             self.delivered_batches += 1
@@ -428,7 +457,19 @@ class Sender:
             return True
         self.warn.warning("post:%d" % delivery.status, "gradwatch: server did not take a batch (%s %s)",
                           delivery.status, delivery.body[:300])
+        if delivery.retryable and len(body) <= HELD_MAX_BYTES:
+            self._hold(body)
+            self._back_off()
+            return True
         return False
+
+    def _hold(self, body: bytes) -> None:
+        self._held.append(body)
+        self._held_bytes += len(body)
+
+    def _back_off(self) -> None:
+        self._backoff = min(max(self._backoff * 2, 0.25), 5.0)
+        self._retry_at = self.clock() + self._backoff
 
     def _read_reply(self, text: str) -> None:
         """A reply, parsed once: the run's alerts for the inbox, and what the server did with this
@@ -475,8 +516,12 @@ class Sender:
                               self.header.get("run"), stored)
 
     def _replay(self, force: bool = False) -> None:
-        """Send spooled batches oldest first; stop at the first failure and back off."""
+        """Send spooled batches oldest first, then the ones held in memory; stop at the first failure and
+        back off."""
         if not force and self._retry_at and self.clock() < self._retry_at:
+            return
+        if self._held and not self.spool.has_backlog():
+            self._send_held()
             return
         for path in self.spool.pending():
             body = self.spool.read(path)
@@ -493,10 +538,7 @@ class Sender:
                 self.warn.warning("rejected:%d" % delivery.status,
                                   "gradwatch: server rejected a batch (%s): %s", delivery.status, delivery.body[:500])
                 self.spool.remove(path)
-                try:
-                    self._count_drop(f"rejected by server ({delivery.status})", len(json.loads(body)["steps"]))
-                except Exception:  # noqa: BLE001
-                    pass
+                self._count_drop(f"rejected by server ({delivery.status})", _steps_in(body))
                 continue
             # what happens and what to run, not a raw URLError (issue 42); said once per process
             self.warn.warning("unreachable", "gradwatch: server %s not reachable (%s). Training goes on: the steps "
@@ -504,10 +546,44 @@ class Sender:
                               "(`gradwatch serve`), or upload this spool later: `gradwatch sync %s --server URL`.",
                               self.config.server, _why(delivery.status, delivery.body), self.spool.directory,
                               self.spool.directory)
-            self._backoff = min(max(self._backoff * 2, 0.25), 5.0)
-            self._retry_at = self.clock() + self._backoff
+            self._back_off()
             return
         self._backoff, self._retry_at = 0.0, 0.0
+
+    def _send_held(self) -> None:
+        """The batches held in memory (the spool could not take them), oldest first, with their own
+        batch_id: one the server already stored is acknowledged again and not stored twice."""
+        while self._held:
+            body = self._held[0]
+            delivery = self.transport.post(body)
+            if not delivery.accepted and delivery.retryable:
+                self._back_off()
+                return
+            self._held.popleft()
+            self._held_bytes -= len(body)
+            if delivery.accepted:
+                self.delivered_batches += 1
+                self._read_reply(delivery.body)
+            else:
+                self.warn.warning("rejected:%d" % delivery.status, "gradwatch: server rejected a batch (%s): %s",
+                                  delivery.status, delivery.body[:500])
+                self._count_drop(f"rejected by server ({delivery.status})", _steps_in(body))
+        self._backoff, self._retry_at = 0.0, 0.0
+
+    def _give_up_held(self, deadline: float) -> None:
+        """At the stop: the held batches are tried again until shortly before close()'s caller stops
+        waiting; those the server never answered are lost with the process, and counted."""
+        while self._held and time.monotonic() + max(self._backoff, 0.05) < deadline - 0.2:
+            time.sleep(max(self._backoff, 0.05))
+            self._send_held()
+        if not self._held:
+            return
+        lost = sum(_steps_in(b) for b in self._held)
+        self._held.clear()
+        self._held_bytes = 0
+        self.dropped_steps += lost
+        self.warn.warning("held_lost", "gradwatch: %d step(s) were not sent: the server did not answer and the "
+                          "spool could not hold them (%s)", lost, self.spool.last_error or "spool disabled")
 
     def _heard(self, answer: dict) -> None:
         """A reply's alerts into the inbox (this thread; the training thread takes them at a step boundary)."""

@@ -133,27 +133,131 @@ def test_hanging_server_does_not_block_training(tmp_path):
           f"max {1000 * max(times):.2f} ms; close took {close_s:.2f} s")
 
 
-def test_unwritable_spool_counts_drops_and_reports_them_when_the_server_returns(server_factory, sqlite_url,
-                                                                                 tmp_path):
+def test_unwritable_spool_holds_batches_in_memory_until_the_server_returns(server_factory, sqlite_url, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the spool directory should be")
     port = free_port()
-    # http_timeout is a hang bound: nothing listens at first (refused at once), then the server must be
-    # given its time to answer. A post that times out after the server stored it leaves the drops to be
-    # reported again (agent/sender.py: "not reported after all"): at 0.5 s, with two CPU hogs beside the
-    # test, the 40 dropped steps were reported twice (80 == 40)
+    # Nothing listens at first (refused at once): the spool cannot take the batches, so they wait in
+    # memory (agent/sender.py HELD_MAX_BYTES) and go, in order, once the server answers. http_timeout is
+    # a hang bound only.
     monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
                                           "run": "nospool", "spool_dir": str(blocker / "spool"),
                                           "flush_interval": 0.05, "http_timeout": 30.0}, 40)
-    assert monitor.flush(timeout=5)
-    assert monitor.dropped_steps == 40
+    assert monitor.dropped_steps == 0
     srv = server_factory(sqlite_url, port=port)
     for x, y in batches(10, seed=3):
         checklist_step(model, opt, scaler, x, y)
-    monitor.close(timeout=10)
-    assert set(stored_counts(srv, "deliv", "nospool")) == set(range(40, 50))
-    dropped = stored_events(srv, "deliv", "nospool", kind="dropped")
-    assert sum(e["data"]["steps"] for e in dropped) == 40
+    monitor.close(timeout=30)
+    assert stored_counts(srv, "deliv", "nospool") == {i: 1 for i in range(50)}
+    assert stored_events(srv, "deliv", "nospool", kind="dropped") == []
+    assert monitor.dropped_steps == 0
+
+
+def test_unwritable_spool_drops_beyond_the_memory_bound_are_counted_and_reported_once(server_factory, sqlite_url,
+                                                                                      tmp_path, monkeypatch):
+    import gradwatch.agent.sender as sender_module
+    # a bound of a few batches, so that a short outage outgrows it
+    monkeypatch.setattr(sender_module, "HELD_MAX_BYTES", 6000)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the spool directory should be")
+    port = free_port()
+    monitor, model, opt, scaler = _train({"server": f"http://127.0.0.1:{port}", "project": "deliv",
+                                          "run": "nospool-bound", "spool_dir": str(blocker / "spool"),
+                                          "flush_interval": 0.02, "max_batch_steps": 5,
+                                          "http_timeout": 30.0}, 60)   # a hang bound
+    assert monitor.flush(timeout=5) is not None
+    dropped = monitor.dropped_steps
+    assert 0 < dropped < 60
+    srv = server_factory(sqlite_url, port=port)
+    for x, y in batches(5, seed=4):
+        checklist_step(model, opt, scaler, x, y)
+    monitor.close(timeout=30)
+    counts = stored_counts(srv, "deliv", "nospool-bound")
+    assert set(counts.values()) == {1}
+    assert len(counts) + dropped == 65
+    assert set(range(60, 65)) <= set(counts)
+    events = stored_events(srv, "deliv", "nospool-bound", kind="dropped")
+    assert sum(e["data"]["steps"] for e in events) == dropped    # each drop reported once
+
+
+class ReplyDroppingProxy:
+    """A real TCP proxy on loopback in front of a real server: it forwards each request and relays the
+    answer, except that the first ``drop`` answers are thrown away and the connection closed, as when a
+    post times out after the server has stored its batch."""
+
+    def __init__(self, target_port: int, drop: int):
+        import socket
+        import threading
+        self.target_port, self.drop, self.forwarded = target_port, drop, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+        import threading
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn) -> None:
+        import http.client
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, body = data.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+            length = int(headers.get("Content-Length", 0))
+            while len(body) < length:
+                body += conn.recv(65536)
+            up = http.client.HTTPConnection("127.0.0.1", self.target_port, timeout=60)
+            headers.pop("Connection", None)
+            up.request(method, path, body=body, headers=headers)
+            reply = up.getresponse()
+            payload = reply.read()
+            up.close()
+            self.forwarded += 1
+            if self.forwarded <= self.drop:
+                return     # stored by the server; the agent never hears so
+            out = [f"HTTP/1.1 {reply.status} {reply.reason}"]
+            out += [f"{k}: {v}" for k, v in reply.getheaders() if k.lower() not in ("transfer-encoding", "connection")]
+            out += ["Connection: close", "", ""]
+            conn.sendall("\r\n".join(out).encode("latin-1") + payload)
+
+    def close(self) -> None:
+        self._closed = True
+        self.sock.close()
+
+
+def test_a_lost_reply_without_a_spool_is_sent_again_and_stored_once_nothing_counted_as_dropped(server_factory,
+                                                                                                sqlite_url, tmp_path):
+    srv = server_factory(sqlite_url)
+    proxy = ReplyDroppingProxy(int(srv.url.rsplit(":", 1)[1]), drop=3)
+    try:
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("a file where the spool directory should be")
+        monitor, *_ = _train({"server": f"http://127.0.0.1:{proxy.port}", "project": "deliv", "run": "lost-reply",
+                              "spool_dir": str(blocker / "spool"), "flush_interval": 0.05,
+                              "http_timeout": 30.0}, 40)   # a hang bound
+        monitor.close(timeout=30)
+    finally:
+        proxy.close()
+    assert proxy.forwarded > 3
+    assert stored_counts(srv, "deliv", "lost-reply") == {i: 1 for i in range(40)}
+    assert stored_events(srv, "deliv", "lost-reply", kind="dropped") == []
+    assert monitor.dropped_steps == 0
 
 
 def test_full_spool_drops_are_counted_and_reported_to_the_server(server_factory, sqlite_url, tmp_path):
