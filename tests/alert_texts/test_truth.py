@@ -111,11 +111,13 @@ def test_every_alert_of_the_scenario_suite_and_a_users_fp16_loop_tells_the_truth
 class _Fake:
     """Stored facts for the texts below, in the shape RunData reads (the real data the issue's run had)."""
 
-    def __init__(self, series: dict, setup: dict, timeline=()):
-        self.series, self.timeline = series, list(timeline)
+    def __init__(self, series: dict, setup: dict, timeline=(), rewinds=()):
+        self.series, self.timeline, self.rewinds = series, list(timeline), list(rewinds)
         self.setup = setup
 
     def __call__(self, path: str):
+        if path.endswith("/rewinds"):
+            return {"rewinds": self.rewinds}
         if path.endswith("/events"):
             return {"events": [{"kind": "run_setup", "data": self.setup}]}
         if "/incident" in path:
@@ -162,3 +164,27 @@ def test_the_check_catches_each_lie_issue_42_reported():
         assert found, f"the truth check missed: {what}"
     true = _alert(rule="B3", first_step=403, last_step=599, message="Loss scale 8192 at step 403")
     assert check_alert(run, true, [true]) == []
+
+
+def test_the_check_catches_a_rewind_told_wrong():
+    """Issue 44: what the alert says the Rewind policy did is the stored rewind (``/rewinds``)."""
+    stored = {"step": 412, "action": "rewind", "from_step": 412, "to_step": 300, "batches_skipped": 112,
+              "lr_factor": 0.5, "cool_steps": 200, "trigger": {"alert_id": 9}}
+    run = RunData(_Fake({}, setup={}, rewinds=[stored]), 1)
+    acted = "Acted on at step 412 by the Rewind policy: rewound to step {to}, skipped {k} batches, LR ×{f} for " \
+            "{c} steps (rewind 1 of 3)."
+    cases = {
+        "wrong target": _alert(actions=[acted.format(to=250, k=112, f=0.5, c=200)]),
+        "wrong count": _alert(actions=[acted.format(to=300, k=100, f=0.5, c=200)]),
+        "wrong LR": _alert(actions=[acted.format(to=300, k=112, f=0.25, c=200)]),
+        "no such rewind": _alert(actions=[acted.format(to=300, k=112, f=0.5, c=200).replace("412", "500")]),
+        "not said": _alert(actions=["Lower the LR."]),
+    }
+    for what, alert in cases.items():
+        assert check_alert(run, alert, [alert]), f"the truth check missed: {what}"
+    true = _alert(actions=[acted.format(to=300, k=112, f=0.5, c=200), "Lower the LR."])
+    assert check_alert(run, true, [true]) == []
+    # a rewind whose own numbers disagree (skipped 100 of a 112-step rewind) is a lie even if the alert copies it
+    bad = dict(stored, batches_skipped=100)
+    run = RunData(_Fake({}, setup={}, rewinds=[bad]), 1)
+    assert check_alert(run, _alert(actions=[acted.format(to=300, k=100, f=0.5, c=200)]), [])

@@ -19,6 +19,10 @@ sentence each. It checks, for every alert:
    normal band in the N steps before … nothing drifted" while another warning or critical alert of the
    run started in those N steps is a lie; a precursor the sentence names "from step S" is on the
    timeline at S.
+5. **What the Rewind policy did** (issue 44): an "Acted on at step S by the Rewind policy: …" line is a
+   stored rewind of the run (``/rewinds``) made at S on this alert, and its numbers are that rewind's
+   ("rewound to step N, skipped K batches, LR ×F for C steps"; K is S − N); the latest rewind that acted
+   on an alert is said on it.
 
 Decided here: a number is compared after formatting the stored value the way the texts do
 (``server.rules.stats.fmt``), so "157.4" matches 157.356; counts and thresholds that are settings
@@ -50,6 +54,9 @@ EMA_ADVICE = re.compile(r"\b(?:[Aa]dd|[Uu]se|[Kk]eep) an EMA\b")
 NOTHING_DRIFTED = re.compile(r"no signal left its normal band in the ([\d,]+) steps before")
 FROM_STEP = re.compile(r" from step ([\d,]+), ")
 DEVIATED = "What deviated first: "
+ACTED_ON = re.compile(r"^Acted on at step ([\d,]+) by the Rewind policy: (.*)$", re.S)
+REWOUND = re.compile(r"rewound to step ([\d,]+), skipped ([\d,]+) batch(?:es)?")
+COOLED = re.compile(r"LR ×([\d.e+-]+) for ([\d,]+) steps?")
 CONTRADICTIONS = [
     (re.compile(r"grad(?:ient)? norm was normal", re.I), re.compile(r"grad(?:ient)? norm exploded first", re.I)),
 ]
@@ -82,6 +89,13 @@ class RunData:
         setups = [e["data"] for e in self.events if e["kind"] == "run_setup"]
         self.setup = setups[-1] if setups else {}
         self._cache: dict[tuple[str, int, int], list] = {}
+        self._rewinds: Optional[list[dict]] = None
+
+    def rewinds(self) -> list[dict]:
+        """The run's rewinds as ``/rewinds`` lists them (the agent's Rewind policy)."""
+        if self._rewinds is None:
+            self._rewinds = self.get(f"/api/v1/runs/{self.run_id}/rewinds")["rewinds"]
+        return self._rewinds
 
     def points(self, signal: str, start: int, end: int, rank: int = 0) -> list[dict]:
         key = (signal, start, end, rank)
@@ -208,6 +222,38 @@ def check_alert(run: RunData, alert: dict, others: list[dict]) -> list[str]:
                 if s not in onsets:
                     out.append(f"{who}: 'what deviated first' names step {s}; the incident timeline has no "
                                f"precursor there ({sorted(onsets)})")
+    out += _check_rewinds(run, alert, who)
+    return out
+
+
+def _int(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _check_rewinds(run: RunData, alert: dict, who: str) -> list[str]:
+    out = []
+    mine = [r for r in run.rewinds() if (r.get("trigger") or {}).get("alert_id") == alert["id"]]
+    said = [(_int(m.group(1)), m.group(2)) for a in alert.get("actions") or ()
+            if isinstance(a, str) and (m := ACTED_ON.match(a))]
+    for step, words in said:
+        match = [r for r in mine if r["step"] == step]
+        if not match:
+            out.append(f"{who}: says the Rewind policy acted on it at step {step}; no rewind of this alert is "
+                       f"stored there ({[r['step'] for r in mine]})")
+            continue
+        r = match[0]
+        m = REWOUND.search(words)
+        if m and (r["action"] != "rewind" or _int(m.group(1)) != r["to_step"] or _int(m.group(2)) !=
+                  r["batches_skipped"] or r["batches_skipped"] != r["from_step"] - r["to_step"]):
+            out.append(f"{who}: says '{m.group(0)}' at step {step}; stored: {r['action']} to step {r['to_step']}, "
+                       f"{r['batches_skipped']} batches skipped, from step {r['from_step']}")
+        m = COOLED.search(words)
+        if m and (float(m.group(1)) != r["lr_factor"] or _int(m.group(2)) != r["cool_steps"]):
+            out.append(f"{who}: says '{m.group(0)}' at step {step}; stored: LR ×{r['lr_factor']:g} for "
+                       f"{r['cool_steps']} steps")
+    if mine and max(r["step"] for r in mine) not in {s for s, _ in said}:
+        out.append(f"{who}: the Rewind policy acted on it at step {max(r['step'] for r in mine)}; the alert does "
+                   f"not say so")
     return out
 
 

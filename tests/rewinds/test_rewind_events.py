@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from tests.alert_texts.truth import api_getter, check_run
 from tests.conftest import wait_until
 
 PROJECT = "heal"
@@ -115,6 +116,9 @@ def test_a_rewind_is_stored_listed_told_and_acted_on(server_factory, db_url, web
     rewind_bodies = [b for b in webhook_receiver.bodies() if b.get("event") == "rewind" or
                      "REWIND" in str(b.get("text", ""))]
     assert len(rewind_bodies) == 2, rewind_bodies   # one JSON, one Slack
+    # every alert text of the run is true, the "Acted on" line included (tests/alert_texts/truth.py)
+    problems = check_run(api_getter(srv.url), run_id)
+    assert not problems, "\n".join(problems)
 
 
 def test_cool_and_gave_up_say_what_they_did(server_factory, db_url, webhook_receiver):
@@ -144,6 +148,8 @@ def test_cool_and_gave_up_say_what_they_did(server_factory, db_url, webhook_rece
     a1_now = srv.get(f"/api/v1/alerts?run={run_id}&rule=A1")[1]["alerts"][0]
     assert a1_now["actions"][0] == "Acted on at step 412 by the Rewind policy: gave up at step 412 after 3 of 3 " \
                                    "rewinds: the run stops."
+    problems = check_run(api_getter(srv.url), run_id)
+    assert not problems, "\n".join(problems)
 
 
 MALFORMED = [
