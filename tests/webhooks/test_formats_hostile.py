@@ -31,3 +31,33 @@ def test_discord_messages_allow_no_mentions():
     body = json.loads(render("discord", _payload()))
     assert body["allowed_mentions"] == {"parse": []}
     assert HOSTILE in body["content"]      # shown as text; Discord pings nobody with parse: []
+
+
+def _rewind_payload():
+    from gradwatch.server.webhooks.formats import rewind_payload
+
+    return rewind_payload({"action": "rewind", "from_step": 412, "to_step": 300}, text=f"rewound to step 300 ({HOSTILE})",
+                          trigger={"rule": "A1", "name": HOSTILE, "alert_id": 1}, severity="critical", rank=0,
+                          run_id=1, run_name=HOSTILE, project_name=HOSTILE,
+                          dashboard_url="http://127.0.0.1:8470/runs/1",
+                          incident_url="http://127.0.0.1:8470/incidents/1", created_at=0.0)
+
+
+def test_rewind_notifications_escape_names_too():
+    """Issue 44: a rewind's Slack / Discord / email message carries the same names (server/forensics/rewinds.py)."""
+    from gradwatch.server.routing.notifications import email_body
+
+    body = json.loads(render("slack", _rewind_payload()))
+    every = "\n".join([body["text"]] + [b["text"]["text"] for b in body["blocks"] if "text" in b] +
+                      [e["text"] for b in body["blocks"] for e in b.get("elements", [])])
+    assert "<!channel>" not in every and "<@U123>" not in every and "<http://evil" not in every
+    assert "<http://127.0.0.1:8470/incidents/1|Open the incident>" in every
+    assert body["text"].startswith(":rewind: REWIND A1 &lt;!channel&gt;")
+    discord = json.loads(render("discord", _rewind_payload()))
+    assert discord["allowed_mentions"] == {"parse": []}
+    assert discord["embeds"][0]["description"].startswith("Rewound to step 300 (")
+    generic = json.loads(render("json", _rewind_payload()))
+    assert generic["event"] == "rewind" and generic["message"] == f"rewound to step 300 ({HOSTILE})"
+    mail = email_body(_rewind_payload())
+    assert mail["subject"].startswith("[gradwatch] REWIND A1 ") and "\n" not in mail["subject"]
+    assert "Open the incident: http://127.0.0.1:8470/incidents/1" in mail["text"]
