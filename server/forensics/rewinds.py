@@ -17,7 +17,8 @@ action, target and count are the same rewind):
   an episode that goes on. It goes to the receivers of the routes that take the trigger alert (the
   routing file, server/routing/; without one, every webhook endpoint whose ``min_severity`` the alert's
   severity reaches, as alerts do), with the trigger alert's severity; ``gave_up`` is sent as critical
-  (the run stops, or goes on unprotected). A silence covering the trigger alert covers its rewinds too.
+  (the run stops, or goes on unprotected). A silence covering the trigger alert's labels now covers its
+  rewinds too.
   A rewind naming no alert the server has is routed by the rule it names, as a warning.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gradwatch.server.routing.config import Receiver, routing_of
 from gradwatch.server.routing.labels import alert_labels
 from gradwatch.server.routing.notifications import enqueue_notification
 from gradwatch.server.routing.routes import routes_for
+from gradwatch.server.routing.silences import active_silences, silence_covering
 from gradwatch.server.webhooks import outbox
 from gradwatch.server.webhooks.formats import rewind_payload
 
@@ -91,14 +93,15 @@ def _acted_on(alert: Alert, data: dict, text: str, *, now: float) -> None:
 
 def _notify(session: Session, *, run: Run, project: Project, rank: int, alert: Optional[Alert],
             trigger: Optional[dict], data: dict, text: str, settings: Any, now: float) -> int:
-    if alert is not None and alert.silenced_by is not None:
-        return 0
     severity = "critical" if data.get("action") == "gave_up" else (alert.severity if alert else "warning")
     who = alert if alert is not None else SimpleNamespace(
         id="", rule=(trigger or {}).get("rule") or "", name=(trigger or {}).get("name") or "", rank=rank,
         severity=severity)
-    cfg = routing_of(settings)
     labels = alert_labels(who, project=project.name, run=run.name)
+    # the silences in force now (one made after the alert was notified has not been written on it yet)
+    if silence_covering(active_silences(session, project_id=project.id, now=now), labels) is not None:
+        return 0
+    cfg = routing_of(settings)
     payload = rewind_payload(data, text=text, trigger=trigger, severity=severity, rank=rank, run_id=run.id,
                              run_name=run.name, project_name=project.name,
                              dashboard_url=outbox.dashboard_url(settings, run.id),
