@@ -161,7 +161,8 @@ class Rewind:
 
 
 def rewind_event(*, from_step: int, to_step: int, lr_factor: float, cool_steps: int, trigger: dict,
-                 rewind_number: int, max_rewinds: int, action: str, snapshot_bytes: Optional[int] = None) -> dict:
+                 rewind_number: int, max_rewinds: int, action: str, snapshot_bytes: Optional[int] = None,
+                 then: Optional[str] = None) -> dict:
     """The wire event of one action (docs/remediation.md, "The event"); ``step`` is ``from_step``.
 
     >>> e = rewind_event(from_step=412, to_step=300, lr_factor=0.5, cool_steps=200, rewind_number=1,
@@ -176,7 +177,9 @@ def rewind_event(*, from_step: int, to_step: int, lr_factor: float, cool_steps: 
             "lr_factor": float(lr_factor), "cool_steps": int(cool_steps), "trigger": dict(trigger),
             "snapshot_age_steps": int(from_step - to_step), "rewind_number": int(rewind_number),
             "max_rewinds": int(max_rewinds), "action": action}
-    if snapshot_bytes is not None:
+    if then is not None:                 # gave_up: what the run does next
+        data["then"] = then
+    if snapshot_bytes is not None:       # the RAM the snapshots hold (not in the contract: stored as sent)
         data["snapshot_bytes"] = int(snapshot_bytes)
     return {"step": int(from_step), "kind": KIND, "data": data}
 

@@ -181,7 +181,7 @@ class Remedy:
         self.active = False
         self._cool_left = 0
         data = self._send(next_step, to_step=to_step, lr_factor=1.0, cool_steps=0, trigger=self._trigger(alert),
-                          rewind_number=len(self._rewind_steps), action="gave_up")
+                          rewind_number=len(self._rewind_steps), action="gave_up", then=p.then)
         self._state["gave_up"] = data
         if p.then == "stop":
             log.error("%s: stopping the run%s", rewind_line(data),

@@ -12,6 +12,8 @@ Modes:
   agent           agent with default telemetry (sender thread, spool; offline unless --server)
   agent-full      agent with every collector every step
   agent-skip      agent with the opt-in skip_spikes guard (--interleaved-mode agent-skip only)
+  agent-rewind    agent with the opt-in remediate=Rewind(every=100, keep=2) snapshots (--interleaved-mode
+                  agent-rewind only; needs --server: remediation acts on the server's alerts)
   tensorboard     the same per-step scalars through torch.utils.tensorboard.SummaryWriter
   wandb           the same per-step scalars through wandb in offline mode
 (tensorboard / wandb are skipped when the package is not installed: `.venv/bin/pip install -e ".[bench]"`.)
@@ -186,6 +188,10 @@ def agent_settings(mode: str, run: str, spool_dir: str, ema, server: str | None)
         settings.update(EVERY_STEP)
     if mode == "agent-skip":   # the opt-in skip_spikes guard on top of the defaults (docs/alerts-in-the-loop.md)
         settings.update(skip_spikes=True)
+    if mode == "agent-rewind":  # snapshots every 100 steps, two kept (docs/remediation.md)
+        from gradwatch.agent import Rewind
+
+        settings.update(remediate=Rewind(every=100, keep=2))
     return settings
 
 
@@ -637,7 +643,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-steps", type=int, default=6)
     p.add_argument("--interleaved-steps", type=int, default=0,
                    help="steps per copy in the interleaved (two copies, one process) measurement; 0: skip it")
-    p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture", "agent-skip"])
+    p.add_argument("--interleaved-mode", default="agent", choices=["agent", "agent-capture", "agent-skip",
+                                                                      "agent-rewind"])
     p.add_argument("--interleaved-baseline", default=None,
                    help='JSON agent settings for the second copy instead of bare, e.g. \'{"nan_replay": false}\'')
     p.add_argument("--interleaved-settings", default=None,

@@ -56,7 +56,8 @@ class GradwatchCallbackBase:
             each one all-reduce of one integer (the only collective gradwatch issues, and only
             when ``stop_on`` is set); a run stops at most this many steps after an alert.
         **config: any other ``agent.attach`` setting (``token=``,
-            ``activations_every=``, ``on_alert=``, …).
+            ``activations_every=``, ``on_alert=``, ``remediate=Rewind(...)`` — whose
+            ``then="stop"`` stops the run like ``stop_on``, docs/remediation.md — …).
     """
 
     def __init__(self, *, ema: Any = None, project: Optional[str] = None, run: Optional[str] = None,
@@ -117,6 +118,14 @@ class GradwatchCallbackBase:
         Several ranks: every ``stop_agree_every``-th call, on every rank alike (the framework calls this
         at every step's end on every rank, whether or not its monitor attached: the ranks must make the
         same collectives), one all-reduce (MAX) of "this rank heard one"; all ranks stop when any did."""
+        # remediate=Rewind(then="stop") gave up after max_rewinds (docs/remediation.md). Remediation is off
+        # under torch.distributed, so this never returns early on one rank alone (no collective skipped).
+        if self.monitor is not None and getattr(self.monitor, "should_stop", False):
+            if not self._stop_logged:
+                self._stop_logged = True
+                log.warning("gradwatch: stopping training after this step: remediation gave up (%s)",
+                            (self.monitor.rewinds or [{}])[-1].get("trigger"))
+            return True
         stop = self.stop_on
         if stop is None:
             return False

@@ -73,3 +73,55 @@ def test_a_broken_run_heals_itself(server_factory, sqlite_url, name):
     _, body = server.get(f"/api/v1/alerts?run={rid}")
     alert = next(a for a in body["alerts"] if a["id"] == data["trigger"]["alert_id"])
     assert alert["rule"] == data["trigger"]["rule"] and alert["first_step"] == data["trigger"]["step"]
+
+
+def _poisoned_again_and_again():
+    """The poisoned-batch run whose bad record comes back every 60 steps from step 250 on: a rewind
+    cannot outrun it."""
+    loop = BUILDERS["poisoned_batch"]()
+
+    def fault(step, xy, _):
+        x, y = xy
+        if step >= 250 and step % 60 == 10:
+            x = x.clone()
+            x[5, 3] = math.inf
+        return x, y
+    loop.fault = fault
+    return loop
+
+
+def test_after_max_rewinds_the_run_stops_on_its_last_good_state(server_factory, sqlite_url, tmp_path):
+    import torch
+
+    server = server_factory(sqlite_url)
+    path = tmp_path / "ckpt" / "last-good.pt"
+    rewind = Rewind(every=50, keep=2, max_rewinds=1, then="stop", checkpoint=str(path))
+    loop = _poisoned_again_and_again()
+    out = loop.run(server=server.url, project="remediation", run="gives-up", remediate=rewind)
+    assert rewind.should_stop and out["stopped_at"] is not None and out["stopped_at"] < loop.steps - 1
+    actions = [d["action"] for d in rewind.rewinds]
+    assert actions == ["rewind", "gave_up"], actions
+    gave_up = rewind.gave_up
+    assert gave_up["then"] == "stop" and gave_up["rewind_number"] == 1 and gave_up["max_rewinds"] == 1
+    saved = torch.load(path, weights_only=False)
+    assert saved["step"] == gave_up["to_step"] <= gave_up["trigger"]["step"]
+    assert all(torch.isfinite(t).all() for t in saved["model"].values())
+    # the model the loop holds now is that state too: the run stopped on good weights
+    for k, t in loop.model.state_dict().items():
+        assert torch.equal(t, saved["model"][k]), k
+    rid = _run_id(server, "remediation", "gives-up")
+    _, body = server.get(f"/api/v1/runs/{rid}/checkpoints")
+    assert [c["path"] for c in body["checkpoints"]] == [str(path)]
+    _, body = server.get(f"/api/v1/runs/{rid}/events?kind=rewind")
+    assert [e["data"]["action"] for e in body["events"]] == ["rewind", "gave_up"]
+
+
+def test_then_continue_turns_remediation_off_and_goes_on(server_factory, sqlite_url):
+    server = server_factory(sqlite_url)
+    rewind = Rewind(every=50, keep=2, max_rewinds=1, then="continue")
+    loop = _poisoned_again_and_again()
+    out = loop.run(server=server.url, project="remediation", run="goes-on", remediate=rewind)
+    assert len(out["losses"]) == loop.steps and not rewind.should_stop
+    assert [d["action"] for d in rewind.rewinds] == ["rewind", "gave_up"]
+    assert rewind.gave_up["then"] == "continue"
+    assert not math.isfinite(out["losses"][-1])      # nobody healed it after that: the run ends broken
