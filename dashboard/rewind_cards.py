@@ -32,14 +32,15 @@ def _facts(rewind: dict) -> list[tuple[str, str]]:
     return out
 
 
-def rewind_card(rewind: dict, *, id_prefix: str) -> html.Div:
-    """One rewind; ``id_prefix`` is the page's (``run-rewind``: ids ``run-rewind-<step>``)."""
+def rewind_card(rewind: dict, *, id_prefix: str, link_incident: bool = True) -> html.Div:
+    """One rewind; ``id_prefix`` is the page's (``run-rewind``: ids ``run-rewind-<step>-<action>``);
+    ``link_incident``: link the incident of the alert it acted on (not on that incident's own page)."""
     action = rewind.get("action") or "rewind"
     text = rewind.get("text") or ""
     head = [html.Span(ACTION_BADGES.get(action, action), className=f"gw-badge gw-rewind-{action}"),
             html.Span(f"step {rewind.get('step'):,}", className="gw-muted")]
     alert_id = (rewind.get("trigger") or {}).get("alert_id")
-    if alert_id is not None:
+    if alert_id is not None and link_incident:
         head.append(dcc.Link("incident", href=f"/incidents/{alert_id}", className="gw-alert-incident"))
     body = [html.Div(head, className="gw-alert-head"),
             html.Div(text[:1].upper() + text[1:], className="gw-rewind-text gw-alert-message")]
@@ -52,10 +53,11 @@ def rewind_card(rewind: dict, *, id_prefix: str) -> html.Div:
                     **{"data-action": action, "data-step": str(rewind.get("step"))})
 
 
-def rewind_list(rewinds: Sequence[dict], *, id_prefix: str, title: Optional[str] = "Rewinds") -> list:
+def rewind_list(rewinds: Sequence[dict], *, id_prefix: str, title: Optional[str] = "Rewinds",
+                link_incident: bool = True) -> list:
     """The rewinds newest first, under ``title``; nothing at all for a run without any."""
     if not rewinds:
         return []
     ordered = sorted(rewinds, key=lambda r: -(r.get("step") or 0))
     return ([html.H2(title, className="gw-subtitle")] if title else []) + \
-        [rewind_card(r, id_prefix=id_prefix) for r in ordered]
+        [rewind_card(r, id_prefix=id_prefix, link_incident=link_incident) for r in ordered]

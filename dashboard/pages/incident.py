@@ -147,7 +147,7 @@ def layout(alert_id=None, **_query):
         _rollback(incident),
         _timeline(incident),
         html.Div(rewind_list(incident.get("rewinds") or (), id_prefix="incident-rewind",
-                             title="What the Rewind policy did"), id="incident-rewinds"),
+                             title="What the Rewind policy did", link_incident=False), id="incident-rewinds"),
         html.H2("Around the incident", className="gw-subtitle"),
         html.Div(_charts(incident), className="gw-chart-grid", id="incident-charts"),
         html.H2(f"Alerts of this incident ({1 + len(incident['alerts'])})", className="gw-subtitle"),
