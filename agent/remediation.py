@@ -65,10 +65,11 @@ class Rewind:
     * ``cool_steps`` [200]: updates the LR stays cooled (0: not cooled).
     * ``max_rewinds`` [3]: rewinds allowed (within ``window`` steps when set); the next trigger gives up.
     * ``window`` [None]: count only the rewinds of the last ``window`` steps; None: the whole run.
-    * ``then`` ["stop"]: after ``max_rewinds``: ``"stop"`` (the run stops at that step's end, as
-      ``stop_on`` does: ``policy.should_stop`` in a plain loop, the HF / Lightning callbacks stop by
-      themselves) or ``"continue"`` (remediation turns off; an error line says so).
-    * ``checkpoint`` [None]: with ``then="stop"``, a path where the newest good snapshot is saved
+    * ``then`` ["stop"]: after ``max_rewinds``: ``"stop"`` (the newest good snapshot before the trigger's
+      onset is restored and the run stops at that step's end, as ``stop_on`` does: ``monitor.should_stop``
+      in a plain loop, the HF / Lightning callbacks stop by themselves) or ``"continue"`` (remediation
+      turns off, nothing is restored; an error line says so).
+    * ``checkpoint`` [None]: with ``then="stop"``, a path where that restored state is saved
       (``torch.save``) before stopping, and recorded as the run's checkpoint.
 
     One ``Rewind`` object serves one monitor: it also holds what happened

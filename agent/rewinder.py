@@ -171,12 +171,14 @@ class Remedy:
         saved = None
         if p.then == "stop":
             snap = self.store.newest_before(onset)
-            if snap is not None and p.checkpoint:
-                # the run stops on its last good state, which is what the checkpoint holds
+            if snap is not None:
+                # the run stops on its last good state: whatever the loop saves at its end holds that, and
+                # so does the checkpoint
                 self.barrier()
                 self.store.restore(snap)
                 to_step = snap.step
-                saved = self._save_checkpoint(p.checkpoint, snap.step)
+                if p.checkpoint:
+                    saved = self._save_checkpoint(p.checkpoint, snap.step)
             self._state["should_stop"] = True
         self.active = False
         self._cool_left = 0
@@ -184,8 +186,9 @@ class Remedy:
                           rewind_number=len(self._rewind_steps), action="gave_up", then=p.then)
         self._state["gave_up"] = data
         if p.then == "stop":
-            log.error("%s: stopping the run%s", rewind_line(data),
-                      f"; the state of step {to_step} is saved in {saved}" if saved else "")
+            log.error("%s: stopping the run%s%s", rewind_line(data),
+                      f" on the state of step {to_step}" if to_step != next_step else "",
+                      f", saved in {saved}" if saved else "")
         else:
             log.error("%s: REMEDIATION IS OFF for the rest of this run (then='continue'); the run goes on with "
                       "whatever state it has", rewind_line(data))

@@ -129,3 +129,32 @@ def test_a_nonfinite_state_is_never_snapshotted():
         model[0].weight[0, 0] = float("nan")
     assert not store.take(2)
     assert store.steps() == [] and store.skipped_nonfinite == 3
+
+
+def test_the_gradscaler_state_comes_back_with_the_rest():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+
+    def step(nan: bool = False):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        if nan:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    for _ in range(4):
+        step()
+    store = SnapshotStore(Watched(model, scaler, opt, None, AgentConfig(mode="disabled"), None), keep=1)
+    assert store.take(4)
+    kept = (scaler.get_scale(), int(scaler._growth_tracker), {k: v.clone() for k, v in model.state_dict().items()})
+    step(nan=True)                                    # the scaler halves its scale and skips the step
+    step()
+    assert scaler.get_scale() != kept[0]
+    assert store.restore(store.newest_before(4)) == []
+    assert scaler.get_scale() == kept[0] and int(scaler._growth_tracker) == kept[1]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, kept[2][k]), k
