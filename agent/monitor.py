@@ -529,17 +529,23 @@ class Monitor:
         from gradwatch.agent.rewinder import Remedy
 
         why = None
+        agreement = None
         if self._inbox is None:
             why = "it acts on the run's alerts, which the agent hears only with mode='online' and loop_alerts=True"
         elif self.world_size > 1:
-            why = ("under torch.distributed every rank must restore the same snapshot at the same step, which "
-                   "this version does not agree on yet")
+            # every rank must restore the same snapshot at the same step: DDP's ranks agree in its own
+            # gradient all-reduce (agent/rewind_agreement.py); other parallelisms are not supported yet
+            from gradwatch.agent.rewind_agreement import DdpAgreement
+
+            why = DdpAgreement.usable(self._watched.model)
+            if why is None:
+                agreement = DdpAgreement(self._watched.model, self.world_size)
         if why:
             self._warn.warning("remediate:off", "gradwatch: remediate=Rewind(...) is off: %s (docs/remediation.md)",
                                why)
             return None
         return Remedy(policy, self._watched, scheduler=scheduler, submit=self.sender.submit,
-                      barrier=self._sealer.barrier,
+                      barrier=self._sealer.barrier, agreement=agreement,
                       record_checkpoint=lambda path, step: self.checkpoint(path, step=step, source="gradwatch.rewind"))
 
     def _deliver_alerts(self) -> None:

@@ -11,7 +11,9 @@ Everything here runs in the training thread, at step boundaries the
 * at a step's end (:meth:`Remedy.at_step_end`): a snapshot when one is due;
 * with the alert news of that step's end (:meth:`Remedy.on_news`, before the ``on_alert``
   callbacks): the rewind, the cool, or giving up, each one ``rewind`` event
-  (:func:`agent.remediation.rewind_event`) and one warning line.
+  (:func:`agent.remediation.rewind_event`) and one warning line. Under DDP the news is
+  only proposed, and every rank acts at the first step end where all have heard
+  (:mod:`agent.rewind_agreement`).
 
 Imports torch, :mod:`agent.remediation` and :mod:`agent.snapshots`.
 """
@@ -34,7 +36,7 @@ class Remedy:
     """One monitor's remediation: the policy's settings, its snapshots, its cooling and its count."""
 
     def __init__(self, policy: Rewind, watched: Any, *, scheduler: Any, submit: Callable[[dict], None],
-                 barrier: Callable[[], None], record_checkpoint: Callable[[str, int], Any]):
+                 barrier: Callable[[], None], record_checkpoint: Callable[[str, int], Any], agreement: Any = None):
         self.policy, self.watched = policy, watched
         self.store = SnapshotStore(watched, scheduler, keep=policy.keep)
         self.submit, self.barrier, self.record_checkpoint = submit, barrier, record_checkpoint
@@ -46,6 +48,10 @@ class Remedy:
         self._last_from = -1               # from_step of the latest rewind: older episodes are undone history
         self._rewind_steps: list[int] = []
         self._state = policy._state
+        # DDP: the ranks act together, when all have heard (agent/rewind_agreement.py); None: act at once
+        self.agreement = agreement
+        self._pending: list = []           # (alert, "on" | "cool_on", step heard) not acted on yet (DDP)
+        self._extra: Optional[dict] = None
 
     # ------------------------------------------------------------------ around each update
 
@@ -84,6 +90,11 @@ class Remedy:
         """A snapshot when ``next_step`` is on the cadence (or one was deferred by a non-finite step)."""
         if not self.active:
             return
+        if self.agreement is not None:
+            self._agreed(next_step)
+            loss = None                      # a rank's own loss: the ranks must agree on every snapshot
+            if not self.active:
+                return
         if next_step % self.policy.every == 0:
             self._due = True
         if self._due and self.store.take(next_step, grad_norm, loss):
@@ -102,12 +113,34 @@ class Remedy:
         for alert in news:
             data = None
             if self.active and alert.last_step >= self._last_from:
-                if self.policy.matches(alert, "on"):
+                which = ("on" if self.policy.matches(alert, "on") else
+                         "cool_on" if self.policy.matches(alert, "cool_on") else None)
+                if which is not None and self.agreement is not None:
+                    self._pending.append((alert, which, next_step))   # acted on when every rank has heard one
+                    self.agreement.propose(max(alert.step, self._last_from), which == "on")
+                elif which == "on":
                     data = self._rewind(alert, next_step)
-                elif self.policy.matches(alert, "cool_on"):
+                elif which == "cool_on":
                     data = self._cool(alert, next_step)
             out.append(dataclasses.replace(alert, remediation=data) if data is not None else alert)
         return out
+
+    def _agreed(self, next_step: int) -> None:
+        """DDP: every rank has heard a trigger by this step's all-reduce: all act now, with the same onset."""
+        decided = self.agreement.decided()
+        if decided is None:
+            return
+        onset, rewind = decided
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        alert, _, heard = min(pending, key=lambda p: p[0].step)
+        # this rank's own: the ranks heard at different steps and acted at one (an extra key of the event)
+        self._extra = {"heard_at_step": heard}
+        try:
+            self._rewind(alert, next_step, onset=onset) if rewind else self._cool(alert, next_step)
+        finally:
+            self._extra = None
 
     def _trigger(self, alert: Any) -> dict:
         return {"rule": alert.rule, "alert_id": alert.id, "step": alert.step, "name": alert.name}
@@ -116,6 +149,8 @@ class Remedy:
         event = rewind_event(from_step=data_step, max_rewinds=self.policy.max_rewinds,
                              snapshot_bytes=self.store.nbytes, **fields)
         data = event["data"]
+        if self._extra:
+            data.update(self._extra)
         self._state["rewinds"].append(data)
         self.submit(event)
         return data
@@ -138,10 +173,10 @@ class Remedy:
         log.warning("%s%s", rewind_line(data), why)
         return data
 
-    def _rewind(self, alert: Any, next_step: int) -> Optional[dict]:
+    def _rewind(self, alert: Any, next_step: int, onset: Optional[int] = None) -> Optional[dict]:
         p = self.policy
         recent = [s for s in self._rewind_steps if p.window is None or s > next_step - p.window]
-        onset = max(alert.step, self._last_from)
+        onset = max(alert.step if onset is None else onset, self._last_from)
         if len(recent) >= p.max_rewinds:
             return self._give_up(alert, next_step, onset)
         snap = self.store.newest_before(onset)

@@ -27,7 +27,8 @@ Reading never changes the training state: a healthy run with snapshots on
 computes bitwise the same losses as without (tests/remediation/).
 
 Sharded parameters (FSDP2 DTensors): the local shards are what is copied
-(each rank its own), never a gather.
+(each rank its own), never a gather; remediation is off there for now (the
+ranks' agreement is built for DDP only, :mod:`agent.rewind_agreement`).
 
 Imports torch and :mod:`agent.capture` (EMA tensors, local shards) only.
 """

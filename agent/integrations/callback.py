@@ -118,8 +118,9 @@ class GradwatchCallbackBase:
         Several ranks: every ``stop_agree_every``-th call, on every rank alike (the framework calls this
         at every step's end on every rank, whether or not its monitor attached: the ranks must make the
         same collectives), one all-reduce (MAX) of "this rank heard one"; all ranks stop when any did."""
-        # remediate=Rewind(then="stop") gave up after max_rewinds (docs/remediation.md). Remediation is off
-        # under torch.distributed, so this never returns early on one rank alone (no collective skipped).
+        # remediate=Rewind(then="stop") gave up after max_rewinds (docs/remediation.md). Under DDP the ranks
+        # decide that together, at the same step (agent/rewind_agreement.py), so no rank returns early alone
+        # (no stop_on collective skipped by one rank only); elsewhere under torch.distributed remediation is off.
         if self.monitor is not None and getattr(self.monitor, "should_stop", False):
             if not self._stop_logged:
                 self._stop_logged = True

@@ -1,0 +1,131 @@
+"""One rank of a DDP job with ``remediate=Rewind(...)``, for tests/remediation/test_remediation_ddp.py.
+
+``python -m torch.distributed.run --standalone --nproc_per_node=2 ddp_worker.py OUT_DIR --server URL [options]``
+
+Every rank trains the same tiny MLP (DDP, gloo, CPU, Adam, no GradScaler) on its own batches; with
+``--poison-at N`` rank 0's batch N holds an Inf, so the all-reduced gradients and every rank's weights go
+NaN. ``--late-rank K --late-s S``: rank K's agent delivers every batch S seconds late, so it hears the
+run's alerts long after the other ranks. ``--off``: no remediation. ``--count``: count the collectives
+the training loop issues (tests/distributed/worker.py's counter). Each rank writes ``OUT_DIR/rank<k>.json``:
+its losses, its rewinds, a hash of its parameters right after each rewind and at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root: tests.* imports
+
+
+def params_hash(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class LateTransport:
+    """The agent's HTTP transport, every POST held ``delay`` seconds first: this rank hears its replies late."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def post(self, body: bytes):
+        time.sleep(self.delay)
+        return self.inner.post(body)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--run-name", default="ddp-rewind")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--poison-at", type=int, default=-1)
+    ap.add_argument("--late-rank", type=int, default=-1)
+    ap.add_argument("--late-s", type=float, default=0.0)
+    ap.add_argument("--off", action="store_true")
+    ap.add_argument("--count", action="store_true")
+    ap.add_argument("--pace", type=float, default=0.003)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from gradwatch import agent
+    from gradwatch.agent import Rewind
+    from gradwatch.agent.transport import HttpTransport
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    w_true = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(32, 8, generator=g)
+        y = torch.tanh(x @ w_true)
+        if step == args.poison_at and rank == 0:
+            x[3, 2] = math.inf
+        return x, y
+
+    transport = HttpTransport(args.server, None, 5.0)
+    if rank == args.late_rank:
+        transport = LateTransport(transport, args.late_s)
+    rewind = None if args.off else Rewind(every=50, keep=2, lr_factor=0.5, cool_steps=50)
+    monitor = agent.attach(model, optimizer=opt, project="remediation-ddp", run=args.run_name, server=args.server,
+                           transport=transport, remediate=rewind, flush_interval=0.1, announce=False)
+    counter = None
+    if args.count:
+        from tests.distributed.worker import CollectiveCounter
+        counter = CollectiveCounter()
+        counter.wrap()
+        counter.__enter__()
+    losses, after_rewind = [], []
+    seen = 0
+    try:
+        for step in range(args.steps):
+            x, y = batch(step)
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            monitor.log(loss=loss)
+            losses.append(float(loss.detach()))
+            if rewind is not None and len(rewind.rewinds) > seen:
+                seen = len(rewind.rewinds)
+                after_rewind.append({"loop_step": step, "data": rewind.rewinds[-1], "hash": params_hash(model)})
+            if args.pace:
+                time.sleep(args.pace)
+    finally:
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            counter.unwrap()
+        monitor.close()
+    out = {"rank": rank, "world": world, "losses": losses, "after_rewind": after_rewind,
+           "rewinds": rewind.rewinds if rewind is not None else [], "final_hash": params_hash(model),
+           "agent_steps": monitor.step}
+    if counter is not None:
+        out["collective_calls"] = counter.calls
+        out["collective_ops"] = counter.ops
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
