@@ -1,9 +1,9 @@
 """Admission control for heavy reads: one memory budget per server process, a short queue, then a refusal.
 
-Leaf module (standard library only). A per-layer heatmap within every per-request bound still holds a
-few hundred MB while it is built (the layer values it reads, the partial arrays, the cells as Python
-floats, the JSON); twenty of them at once took a server to 2 GB. Each heavy read therefore declares
-what it will hold (``heatmap_cost``) and takes that much of the process's budget
+Leaf module (standard library only). A per-layer heatmap within every per-request bound still holds
+up to a few hundred MB while it is built (the layer values it reads, their masks and partial arrays,
+the pages SQLite caches, the cells); twenty of them at once took a server to 2 GB. Each heavy read
+therefore declares what it will hold (``heatmap_cost``) and takes that much of the process's budget
 (``GRADWATCH_HEAVY_READ_BUDGET_MB``, 384 by default) before it reads anything:
 
 - the budget has room: it runs;
@@ -12,8 +12,9 @@ what it will hold (``heatmap_cost``) and takes that much of the process's budget
 - more than ``max_waiting`` reads already wait: ``HeavyReadBusy`` at once (429 with ``Retry-After``).
 
 A read larger than the whole budget runs alone. When the last heavy read of a burst is done, the C
-allocator is asked to give the freed memory back (glibc ``malloc_trim``), so RSS returns near its
-baseline instead of staying at the burst's peak. docs/deployment.md, "Hostile input", has the figures.
+allocator is asked to give the freed memory back (glibc ``malloc_trim``, with its trim threshold fixed:
+``_malloc_trim``), so RSS returns near its baseline instead of staying at the burst's peak.
+docs/deployment.md, "Hostile input", has the figures.
 
 >>> gate = HeavyReadGate(budget_bytes=100, max_waiting=0)
 >>> with gate.admit(60, wait_s=0):
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 import time
 from collections import deque
@@ -35,16 +37,21 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Iterator, Optional
 
-# bytes a heatmap holds per layer value it reads (the blob, the (rows, 6, width) float32 partials, the
-# sort's copies) and per cell it answers (a Python float in a list, its encoded copy, the JSON text):
-# bench/abuse.py --case heatmap, one 6,666-step × 150-layer heatmap (8 M values read, 1 M cells) took
-# the server ~630 MB above its baseline; 48 × 8 M + 256 × 1 M = 640 MB
-BYTES_PER_VALUE_READ = 48
-BYTES_PER_CELL = 256
+# bytes a heatmap holds per layer value it reads and per cell it answers (the cells are float64 arrays,
+# encoded a block of rows at a time: server/api/layer_matrix_json.py). Raw rows: the blob, its bit
+# matrix, three masks, the values reduced, SQLite's cached pages; partials of a rollup level: the
+# (rows, 6, width) float32 partials besides. Peak RSS above the baseline of one read, this checkout
+# (2026-12-06): 53,000 raw steps × 150 layers (8 M values read) into 6,666 columns (1 M cells)
+# 173 MB (agg max) / 230 MB (mean); 6,666 raw steps × 150 into 1 M cells 41 / 52 MB; 3,313 level-16
+# partials × 150 (0.5 M values) into 0.25 M cells 49 / 51 MB. 28 × 8 M + 32 × 1 M = 256 MB.
+BYTES_PER_VALUE_READ = 28
+BYTES_PER_PARTIAL_VALUE_READ = 80
+BYTES_PER_CELL = 32
 
 
-def heatmap_cost(values_read: int, cells: int) -> int:
-    return int(values_read) * BYTES_PER_VALUE_READ + int(cells) * BYTES_PER_CELL
+def heatmap_cost(values_read: int, cells: int, *, from_partials: bool = False) -> int:
+    per_value = BYTES_PER_PARTIAL_VALUE_READ if from_partials else BYTES_PER_VALUE_READ
+    return int(values_read) * per_value + int(cells) * BYTES_PER_CELL
 
 
 class HeavyReadBusy(RuntimeError):
@@ -133,8 +140,8 @@ class HeavyReadGate:
 
 
 # Inside an API request (HoldUntilSent), a read's budget is given back when the answer has been sent,
-# not when the read returns: the route still turns up to a million cells into JSON, which the budget
-# (BYTES_PER_CELL) covers too
+# not when the read returns: the route still streams up to a million cells as JSON from the read's
+# arrays, which the budget (BYTES_PER_CELL) covers too
 _held_until_sent: ContextVar[Optional[list]] = ContextVar("gradwatch_heavy_read_held", default=None)
 
 
@@ -162,13 +169,29 @@ class HoldUntilSent:
                 release()
 
 
+# glibc's M_TRIM_THRESHOLD: a thread's heap whose free top grows past this is shrunk when memory is freed
+M_TRIM_THRESHOLD = -1
+TRIM_THRESHOLD_BYTES = 4 * 2**20
+
+
 def _malloc_trim():
-    """glibc's ``malloc_trim(0)``: freed heap pages back to the OS (elsewhere: nothing to do)."""
+    """glibc's ``malloc_trim(0)``: freed heap pages back to the OS (elsewhere: nothing to do).
+
+    Also fixes glibc's trim threshold at ``TRIM_THRESHOLD_BYTES`` (unless ``MALLOC_TRIM_THRESHOLD_`` is
+    set). By default glibc raises it (and the size above which it maps memory of its own) each time a large
+    block is freed, up to 64 MB; each worker thread's heap then kept its free top, which
+    ``malloc_trim`` leaves alone in any heap but the main one: after twenty heatmaps, nine worker
+    heaps held 34 MB each, free but resident (``malloc_info``), and RSS stayed 230–330 MB above its
+    baseline. With the threshold fixed, a heap gives its free top back as it is freed, and large
+    blocks (numpy arrays) are mapped and unmapped on their own. bench/ingest.py showed no cost.
+    """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim
     except (OSError, AttributeError):
         return lambda: None
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ and hasattr(libc, "mallopt"):
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)
 

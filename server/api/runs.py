@@ -5,7 +5,7 @@ from contextlib import contextmanager
 from typing import Annotated, Iterator, Optional
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
-from fastapi.responses import JSONResponse as _StdJSONResponse
+from fastapi.responses import JSONResponse as _StdJSONResponse, StreamingResponse
 
 from .. import queries
 from ..lifecycle import delete as lifecycle_delete, sizes
@@ -16,6 +16,7 @@ from ..schemas import (
 )
 from ..scope import in_scope
 from .deps import ReadScopeDep, SessionDep, SettingsDep
+from .layer_matrix_json import layer_matrix_json
 
 router = APIRouter(tags=["runs"])
 
@@ -174,17 +175,17 @@ def get_layer_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                      max_steps: Annotated[int, Query(ge=1, le=10_000)] = 500,
                      max_layers: Annotated[int, Query(ge=1, le=10_000)] = 200,
                      rank: RankParam = 0,
-                     agg: Annotated[str, Query(pattern="^(max|min|mean|last)$")] = "max") -> JSONResponse:
-    """Layer × step matrix of one per-layer statistic, downsampled on both axes."""
+                     agg: Annotated[str, Query(pattern="^(max|min|mean|last)$")] = "max") -> StreamingResponse:
+    """Layer × step matrix of one per-layer statistic, downsampled on both axes. Streamed: encoded from the
+    cells' arrays a block of rows at a time (server/api/layer_matrix_json.py)."""
     _check_run(session, scope, run_id)
     with _refusals_as_422("stat"):
         m = queries.get_layer_matrix(session, run_id=run_id, stat=stat, start=start, end=end, max_steps=max_steps,
                                      max_layers=max_layers, rank=rank, agg=agg)
     if m is None:
         raise HTTPException(404, f"run {run_id} not found")
-    return JSONResponse({"run_id": m.run_id, "stat": m.stat, "rank": m.rank, "agg": m.agg,
-                         "bucket_size": m.bucket_size, "layer_group_size": m.layer_group_size, "steps": m.steps,
-                         "layers": m.layers, "values": [[encode_float(v) for v in row] for row in m.values]})
+    session.close()     # the cells are read: the connection goes back to the pool while the answer is sent
+    return StreamingResponse(layer_matrix_json(m), media_type="application/json")
 
 
 @router.get("/api/v1/runs/{run_id}/events", response_model=EventListOut,

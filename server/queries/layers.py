@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import layer_stat
@@ -16,13 +16,17 @@ from ..admission import heatmap_cost, heavy_reads
 from ..lifecycle.retention_config import CompactionRecord
 from ..models import ROLLUP_LEVELS, LayerRollup, LayerStat, Run
 from ..numbers import NULL_F32_BITS
-from ..rollups import choose_level, layer_partial_arrays, raw_layer_partials
+from ..rollups import _layer_bits as layer_bits, choose_level, layer_partial_arrays
 from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, RequestTooLarge, _bounds, _compaction, _fetch_blobs
 from .runs import RunDetail
 
 
 @dataclass
 class LayerMatrix:
+    """A heatmap: ``cells[row][column]`` float64, NaN where the cell holds a NaN *or* nothing was measured
+    (``measured`` tells the two apart). The cells stay numpy arrays: a 1,000,000-cell answer as Python
+    floats held the GIL for ~50 ms while it was built, and the API encodes the arrays row block by row
+    block (server/api/layer_matrix_json.py); ``values`` gives the lists for callers that want them."""
     run_id: int
     stat: str
     rank: int
@@ -31,7 +35,14 @@ class LayerMatrix:
     layer_group_size: int
     steps: list[int]                          # first step of each column
     layers: list[str]                         # name of each row (first layer of a group)
-    values: list[list[Optional[float]]]       # values[row][column]; None: nothing measured
+    cells: np.ndarray                         # (rows, columns) float64
+    measured: np.ndarray                      # (rows, columns) bool: False where nothing was measured
+
+    @property
+    def values(self) -> list[list[Optional[float]]]:
+        """``values[row][column]``: a float (``nan`` / ``inf`` kept), None where nothing was measured."""
+        return [[(x if m else None) for x, m in zip(row_v, row_m)]
+                for row_v, row_m in zip(self.cells.tolist(), self.measured.tolist())]
 
 
 def layer_names_for(run: Run | RunDetail, stat: str) -> list[str]:
@@ -85,7 +96,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     if rec is not None:
         lo, hi = rec.bounds(rank, lo, hi)
     empty = LayerMatrix(run_id=run_id, stat=stat, rank=rank, agg=agg, bucket_size=1, layer_group_size=1,
-                        steps=[], layers=names[:max_layers], values=[])
+                        steps=[], layers=names[:max_layers], cells=np.empty((0, 0)), measured=np.empty((0, 0), bool))
     if lo is None:
         return empty
     start = lo if start is None else max(start, lo)
@@ -124,9 +135,22 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     # the memory this read holds is admitted against the process's budget for heavy reads first: a
     # queue, then HeavyReadBusy (429/503 with Retry-After) when the budget stays taken (server/admission.py)
     cells = min(max_steps, math.ceil((end - start + 1) / bucket)) * min(max_layers, width)
-    with heavy_reads().admit(heatmap_cost(read * width, cells), wait_s=admission_wait_s, release=session.rollback):
-        return _read_matrix(session, run_id=run_id, stat=stat, rank=rank, agg=agg, names=names, base=base,
-                            start=start, end=end, level=level, bucket=bucket, max_layers=max_layers, empty=empty)
+    with heavy_reads().admit(heatmap_cost(read * width, cells, from_partials=bool(level)), wait_s=admission_wait_s,
+                             release=session.rollback):
+        try:
+            return _read_matrix(session, run_id=run_id, stat=stat, rank=rank, agg=agg, names=names, base=base,
+                                start=start, end=end, level=level, bucket=bucket, max_layers=max_layers, empty=empty)
+        finally:
+            _drop_page_cache(session)
+
+
+def _drop_page_cache(session: Session) -> None:
+    """SQLite: the connection's page cache given back (``PRAGMA shrink_memory``). Each pooled connection
+    keeps up to ``cache_size`` (64 MB, server/db.py) of the pages it read, so after twenty heatmaps of one
+    53,000-step run read through as many connections, ~300 MB of cached pages stayed in the server's
+    RSS; what the next read needs again comes back from the OS's file cache."""
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(text("PRAGMA shrink_memory"))
 
 
 def _read_matrix(session: Session, *, run_id, stat, rank, agg, names, base, start, end, level, bucket, max_layers,
@@ -140,12 +164,17 @@ def _read_matrix(session: Session, *, run_id, stat, rank, agg, names, base, star
         buckets, last_step, arr = layer_partial_arrays(rows, len(names))   # widened to the widest partial
         cols = (buckets * level - start0) // bucket
     else:
-        start0 = start
         rows = _fetch_blobs(session, select(LayerStat.step, LayerStat.values).where(
             *base, LayerStat.step >= start, LayerStat.step <= end).order_by(LayerStat.step))
+        if len(rows) == 0:
+            return empty
         width = max([len(names)] + [len(v) // 4 for _, v in rows])
-        last_step, arr = raw_layer_partials([st for st, _ in rows], [v for _, v in rows], width)
-        cols = (last_step.astype(np.int64) - start0) // bucket
+        steps = np.fromiter((st for st, _ in rows), dtype=np.int64, count=len(rows))
+        bits = layer_bits([v for _, v in rows], width)
+        del rows
+        cols = (steps - start) // bucket
+        cells = _raw_cells(bits, steps, cols, agg)
+        return _matrix(run_id, stat, rank, agg, names, cols, cells, start, bucket, max_layers)
     if len(rows) == 0:
         return empty
     return _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0, bucket, max_layers)
@@ -176,59 +205,132 @@ def _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0,
     """Merge partials (r, 6, W), sorted by column, into cells (rows: layer groups, columns: buckets)."""
     # rows come ordered by step (or bucket), so usually already in (column, last step) order: the sort's
     # copy of ``arr`` (190 MB for a 53,000-step × 150-layer read) only when they are not
-    in_order = len(cols) < 2 or bool(np.all((cols[1:] > cols[:-1])
-                                            | ((cols[1:] == cols[:-1]) & (last_step[1:] >= last_step[:-1]))))
-    if not in_order:
+    if not _in_order(cols, last_step):
         order = np.lexsort((last_step, cols))
         cols, last_step, arr = cols[order], last_step[order], arr[order]
     r, _, width = arr.shape
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(cols)) + 1))
-    cnt = np.add.reduceat(arr[:, 3], starts, axis=0)
-    nan = np.add.reduceat(arr[:, 4], starts, axis=0)
+    starts = _column_starts(cols)
+    cnt = _reduce_columns(np.add, arr[:, 3], starts)
+    nan = _reduce_columns(np.add, arr[:, 4], starts)
     if agg == "last":
         # per layer: the latest partial in the column where the layer was measured
         meas = arr[:, 5].view("<u4") != NULL_F32_BITS
-        idx = np.where(meas, np.arange(r)[:, None], -1)
-        best = np.maximum.reduceat(idx, starts, axis=0)  # rows are sorted by last_step within a column
-        has = best >= 0
-        val = np.where(has, arr[np.where(has, best, 0), 5, np.arange(width)[None, :]], np.nan).astype(np.float64)
-        measured_cell = has
-        nan_cell = has & np.isnan(val)
-        val = np.where(nan_cell, np.nan, val)
+        val, has = _latest_measured(meas, starts, lambda best, col: arr[best, 5, col])
+        return _matrix(run_id, stat, rank, agg, names, cols, (val, has, has & np.isnan(val)), start0, bucket,
+                       max_layers)
+    if agg == "max":
+        val = _reduce_columns(np.fmax, arr[:, 1], starts)
+    elif agg == "min":
+        val = _reduce_columns(np.fmin, arr[:, 0], starts)
     else:
-        if agg == "max":
-            val = np.fmax.reduceat(arr[:, 1], starts, axis=0)
-        elif agg == "min":
-            val = np.fmin.reduceat(arr[:, 0], starts, axis=0)
-        else:
-            sm = np.add.reduceat(arr[:, 2].astype(np.float64), starts, axis=0)
-            val = np.where(cnt > 0, sm / np.maximum(cnt, 1), np.nan)
-        val = val.astype(np.float64)
-        measured_cell = (cnt + nan) > 0
-        nan_cell = nan > 0
-    # layer groups
+        sm = _reduce_columns(np.add, arr[:, 2].astype(np.float64), starts)
+        val = np.where(cnt > 0, sm / np.maximum(cnt, 1), np.nan)
+    return _matrix(run_id, stat, rank, agg, names, cols, (val.astype(np.float64), (cnt + nan) > 0, nan > 0),
+                   start0, bucket, max_layers)
+
+
+def _raw_cells(bits: np.ndarray, steps: np.ndarray, cols: np.ndarray, agg: str):
+    """Raw per-step arrays ``bits`` (r, W) uint32, rows in step order, straight into per-column cells
+    ``(values, measured, nan)``, (columns, W) each: the same numbers ``_finish_matrix`` gets from their
+    one-step partials (``raw_layer_partials``), without the (r, 6, W) float32 partials (190 MB for a
+    53,000-step × 150-layer read) or their sort."""
+    if not _in_order(cols, steps):
+        order = np.argsort(steps, kind="stable")
+        bits, cols, steps = bits[order], cols[order], steps[order]
+    starts = _column_starts(cols)
+    measured = bits != NULL_F32_BITS
+    vals = bits.view("<f4")
+    isnan = np.isnan(vals) & measured
+    ok = measured & ~isnan
+    nan = _reduce_columns(np.add, isnan, starts, dtype=np.int32)
+    if agg == "last":
+        del ok, isnan
+        val, has = _latest_measured(measured, starts, lambda best, col: vals[best, col])
+        return val, has, has & np.isnan(val)
+    cnt = _reduce_columns(np.add, ok, starts, dtype=np.int32)
+    if agg == "mean":
+        sm = _reduce_columns(np.add, np.where(ok, vals, np.float32(0)).astype(np.float64), starts)
+        val = np.where(cnt > 0, sm / np.maximum(cnt, 1), np.nan)
+    else:
+        reduce = np.fmax if agg == "max" else np.fmin
+        val = _reduce_columns(reduce, np.where(ok, vals, np.float32(np.nan)), starts).astype(np.float64)
+    return val, (cnt + nan) > 0, nan > 0
+
+
+def _in_order(cols: np.ndarray, last_step: np.ndarray) -> bool:
+    """Rows already in (column, last step) order (the usual case: read ordered by step or bucket)."""
+    return len(cols) < 2 or bool(np.all((cols[1:] > cols[:-1])
+                                        | ((cols[1:] == cols[:-1]) & (last_step[1:] >= last_step[:-1]))))
+
+
+def _column_starts(cols: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0], np.flatnonzero(np.diff(cols)) + 1))
+
+
+# rows of (r, W) arrays one ``reduceat`` call reduces: numpy holds the GIL through a ``reduceat``, and one
+# over a 53,000-step × 150-layer read held it for 100–170 ms, while ``/api/health`` waited
+REDUCE_BLOCK_VALUES = 250_000
+
+
+def _reduce_columns(ufunc, a: np.ndarray, starts: np.ndarray, dtype=None) -> np.ndarray:
+    """``ufunc.reduceat(a, starts, axis=0)`` a block of whole columns (about ``REDUCE_BLOCK_VALUES``
+    values) at a time: the same result, the GIL let go between blocks."""
+    n = len(a)
+    rows = max(1, REDUCE_BLOCK_VALUES // max(1, a[0].size if n else 1))
+    if n <= rows:
+        return ufunc.reduceat(a, starts, axis=0, dtype=dtype)
+    out, i = [], 0
+    while i < len(starts):
+        j = max(i + 1, int(np.searchsorted(starts, starts[i] + rows, side="left")))
+        lo, hi = int(starts[i]), (int(starts[j]) if j < len(starts) else n)
+        out.append(ufunc.reduceat(a[lo:hi], starts[i:j] - lo, axis=0, dtype=dtype))
+        i = j
+    return np.concatenate(out)
+
+
+def _reduce_groups(ufunc, a: np.ndarray, gstarts: np.ndarray) -> np.ndarray:
+    """``ufunc.reduceat(a, gstarts, axis=1)`` (layer groups), a block of rows at a time (as above)."""
+    rows = max(1, REDUCE_BLOCK_VALUES // max(1, a.shape[1]))
+    return np.concatenate([ufunc.reduceat(a[i:i + rows], gstarts, axis=1) for i in range(0, len(a), rows)])
+
+
+def _latest_measured(meas: np.ndarray, starts: np.ndarray, value_at):
+    """Per column and layer: the value of the latest row (rows sorted by last step within a column) where
+    the layer was measured, ``value_at(row_index, layer_index)``; NaN and False where none was."""
+    r, width = meas.shape
+    idx = np.where(meas, np.arange(r, dtype=np.int64 if r >= 2**31 else np.int32)[:, None], -1)
+    best = _reduce_columns(np.maximum, idx, starts)
+    has = best >= 0
+    val = np.where(has, value_at(np.where(has, best, 0), np.arange(width)[None, :]), np.nan).astype(np.float64)
+    return np.where(has & np.isnan(val), np.nan, val), has
+
+
+def _matrix(run_id, stat, rank, agg, names, cols, cells, start0, bucket, max_layers) -> LayerMatrix:
+    """Per-column cells ``(values, measured, nan)`` (columns, W) into the answer: consecutive layers
+    grouped into at most ``max_layers`` rows, rows × columns."""
+    val, measured_cell, nan_cell = cells
+    width = val.shape[1]
     group = max(1, math.ceil(width / max_layers))
     gstarts = np.arange(0, width, group)
     if group > 1:
-        meas_g = np.logical_or.reduceat(measured_cell, gstarts, axis=1)
-        nan_g = np.logical_or.reduceat(nan_cell, gstarts, axis=1)
+        meas_g = _reduce_groups(np.logical_or, measured_cell, gstarts)
+        nan_g = _reduce_groups(np.logical_or, nan_cell, gstarts)
         if agg == "min":
-            val_g = np.fmin.reduceat(val, gstarts, axis=1)
+            val_g = _reduce_groups(np.fmin, val, gstarts)
         elif agg == "mean":
             ok = ~np.isnan(val)
-            n_g = np.add.reduceat(ok.astype(np.float64), gstarts, axis=1)
-            s_g = np.add.reduceat(np.where(ok, val, 0.0), gstarts, axis=1)
+            n_g = _reduce_groups(np.add, ok.astype(np.float64), gstarts)
+            s_g = _reduce_groups(np.add, np.where(ok, val, 0.0), gstarts)
             val_g = np.where(n_g > 0, s_g / np.maximum(n_g, 1), np.nan)
         else:  # max, and last (the largest of the group's latest values)
-            val_g = np.fmax.reduceat(val, gstarts, axis=1)
+            val_g = _reduce_groups(np.fmax, val, gstarts)
     else:
         meas_g, nan_g, val_g = measured_cell, nan_cell, val
-    val_g = np.where(nan_g, np.nan, val_g)
-    values = [[(x if m else None) for x, m in zip(row_v, row_m)]
-              for row_v, row_m in zip(val_g.T.tolist(), meas_g.T.tolist())]
+    # NaN where the cell holds a NaN or nothing was measured; ``measured`` tells which
+    val_g = np.where(nan_g | ~meas_g, np.nan, val_g)
     layers = [names[g] if g < len(names) else f"#{g}" for g in gstarts.tolist()]
+    starts = _column_starts(cols)
     steps_out = [int(start0 + c * bucket) for c in cols[starts].tolist()]
     return LayerMatrix(run_id=run_id, stat=stat, rank=rank, agg=agg, bucket_size=bucket, layer_group_size=group,
-                       steps=steps_out, layers=layers, values=values)
-
-
+                       steps=steps_out, layers=layers, cells=np.ascontiguousarray(val_g.T),
+                       measured=np.ascontiguousarray(meas_g.T))
