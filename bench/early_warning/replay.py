@@ -62,7 +62,7 @@ def main() -> None:
     base = {k: p.default for k, p in AttentionLogitForecast.params.items()}
     print("default", base, *evaluate(tuning, base))
     rows = []
-    # docs/early-warning.md quotes this grid (4,320 settings): its least number of controls warned
+    # docs/early-warning.md quotes this grid (2,160 settings): its least number of controls warned
     for ml, dg, hz, lv, cons, span in itertools.product((40, 60, 100, 150), (1000, 3000, 10000), (100, 200, 300, 600),
                                                         (250, 500, 1000, 3000, 1e9), (2, 3, 5), (10, 25, 50)):
         cfg = dict(base, min_logit=ml, danger=dg, horizon=hz, level=lv, consecutive=cons, span=span)
