@@ -81,8 +81,9 @@ def attacks(run_id: int) -> list[tuple[str, str, str, bytes, dict]]:
 #   python bench/abuse.py --case heatmap [--parallel 20]     # 20 worst-case heatmaps at once
 #
 # Each starts its own server (--server-root: another checkout's, for before/after figures) and reports the
-# slowest /api/health answer while the case runs (polled every 20 ms from a thread of its own), and for the
-# heatmap case the server's RSS (baseline, peak, after) and the answers' status codes.
+# slowest /api/health answer while the case runs (polled every 20 ms from a thread of its own; the heatmap
+# case polls 5 s of an idle server first, the machine's own floor), and for the heatmap case the server's
+# RSS (baseline, peak, after) and the answers' status codes.
 
 def _request(port: int, method: str, path: str, body=None, timeout: float = 600.0):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -126,8 +127,9 @@ class HealthProbe:
         if not self.times:
             return "health: no answers"
         ts = sorted(self.times)
-        return (f"/api/health: {len(ts)} answers, max {ts[-1] * 1000:.0f} ms, p99 {percentile(ts, 99) * 1000:.0f} ms, "
-                f"median {statistics.median(ts) * 1000:.1f} ms, failures {self.failures}")
+        slow = sum(t > 0.1 for t in ts)
+        return (f"/api/health: {len(ts)} answers, max {ts[-1] * 1000:.0f} ms, p99 {percentile(ts, 0.99) * 1000:.0f} ms, "
+                f"median {statistics.median(ts) * 1000:.1f} ms, {slow} over 100 ms, failures {self.failures}")
 
 
 def case_redos(port: int, name_length: int) -> None:
@@ -186,6 +188,9 @@ def case_heatmap(port: int, pid: int, parallel: int, steps: int, layers: int, ma
     status, body, _ = _request(port, "GET", path)
     print(f"one heatmap: {status}, {len(body) / 2**20:.1f} MB of JSON")
     time.sleep(2)
+    with HealthProbe(port) as idle:     # the machine's own floor: the same polls with nothing else asked
+        time.sleep(5)
+    print(f"idle server, {idle.summary()}")
     baseline = _rss_mb(pid)
     peak = [baseline]
     done = threading.Event()
