@@ -107,6 +107,10 @@ class AlertInbox:
         self._by_id: dict[int, LoopAlert] = {}
         self._news: collections.deque = collections.deque(maxlen=max_news)
         self.has_news = False
+        # Alerts changed without being news (a firing episode extended to later steps), for remediation
+        # (agent/rewinder.py: an anomaly that goes on after a rewind); read only when someone asks.
+        self._updates: dict[int, LoopAlert] = {}
+        self.has_updates = False
         # The server's clock at this process's first answered batch: anything older is an earlier
         # process's history (a resumed run), which the server's look-back may repeat but is not news.
         self._start: Optional[float] = None
@@ -139,6 +143,9 @@ class AlertInbox:
                 self._by_id[alert.id] = alert
                 if known is None or known.status != alert.status or known.severity != alert.severity:
                     news.append(alert)
+                else:
+                    self._updates[alert.id] = alert
+                    self.has_updates = True
             if news:
                 self._news.extend(news)
                 self.has_news = True
@@ -152,6 +159,15 @@ class AlertInbox:
             self._news.clear()
             self.has_news = False
         return news
+
+    def take_updates(self) -> list[LoopAlert]:
+        """The alerts changed since the last call without being news (e.g. extended to later steps),
+        the latest version of each (empties it)."""
+        with self._lock:
+            updates = list(self._updates.values())
+            self._updates.clear()
+            self.has_updates = False
+        return updates
 
     def annotate(self, alert: LoopAlert) -> None:
         """Keep ``alert``'s ``remediation`` on the stored version of it (training thread), so

@@ -554,13 +554,15 @@ class Monitor:
             return
         news = self._inbox.take_news()
         remedy = self._remedy
-        if news and remedy is not None and self._guards.on("remediate"):
-            with self._guards.guard("remediate"):
-                acted = remedy.on_news(news, self._builder.step)
-                for alert in acted:
-                    if alert.remediation is not None:
-                        self._inbox.annotate(alert)
-                news = acted
+        if remedy is not None and self._guards.on("remediate"):
+            updates = self._inbox.take_updates()   # an episode still firing after a rewind: acted on too
+            if news or updates:
+                with self._guards.guard("remediate"):
+                    acted = remedy.on_news(news, self._builder.step, updates=updates)
+                    for alert in acted:
+                        if alert.remediation is not None:
+                            self._inbox.annotate(alert)
+                    news = acted[:len(news)]
         if news and self._alert_callbacks:
             run_callbacks(self._alert_callbacks, news, self._warn)
 

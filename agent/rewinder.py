@@ -106,11 +106,13 @@ class Remedy:
 
     # ------------------------------------------------------------------ alerts
 
-    def on_news(self, news: list, next_step: int) -> list:
-        """Act on the alerts of this step's news; returns them, each acted-on one carrying its action's data
-        in ``remediation`` (so ``on_alert`` and ``monitor.alerts()`` say what was done)."""
+    def on_news(self, news: list, next_step: int, updates: list = ()) -> list:
+        """Act on the alerts of this step's news, then on ``updates`` (alerts changed without being news:
+        an episode that stayed firing and reached steps after the last rewind, i.e. the anomaly came back
+        after it); returns them (news first), each acted-on one carrying its action's data in
+        ``remediation`` (so ``on_alert`` and ``monitor.alerts()`` say what was done)."""
         out = []
-        for alert in news:
+        for alert in [*news, *updates]:
             data = None
             if self.active and alert.last_step >= self._last_from:
                 which = ("on" if self.policy.matches(alert, "on") else

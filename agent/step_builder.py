@@ -338,8 +338,8 @@ class StepBuilder:
         if self.sender is not None and self.sender._thread is None:
             self.sender.ensure_started()   # it seals this step if the loop stops right here
         inbox = self.inbox
-        if inbox is not None and inbox.has_news:   # the healthy step's whole cost: one attribute read
-            self.deliver_alerts()
+        if inbox is not None and (inbox.has_news or (self.remedy is not None and inbox.has_updates)):
+            self.deliver_alerts()   # the healthy step's whole cost: one attribute read (two with remediation)
         if self.remedy is not None and self.guards.on("remediate"):
             with self.guards.guard("remediate"):
                 self.remedy.at_step_end(self.step, measured[2] if measured else None, host.get("scaled_loss"))

@@ -108,3 +108,32 @@ def test_window_counts_only_recent_rewinds_and_max_rewinds_gives_up():
     assert not run.remedy.active and not run.remedy.policy.should_stop
     run.train(20)
     assert run.hear(alert(4, "A1", 85))[0].remediation is None                 # remediation is off now
+
+
+def test_an_episode_still_firing_after_the_rewind_rewinds_again():
+    """The server extends a firing episode without making it news again (a bad stretch longer than the alert's
+    round trip: after the rewind its last batches spike again): such an update reaching a step after the
+    rewind is acted on; one that stays before it is the undone history."""
+    run = Run(Rewind(every=10, keep=2, max_rewinds=5))
+    run.train(27)
+    assert run.hear(alert(1, "A2", 21))[0].remediation["to_step"] == 20
+    assert run.remedy.on_news([], run.step, updates=[alert(1, "A2", 21, last=26)])[0].remediation is None
+    run.train(3)
+    again = run.remedy.on_news([], run.step, updates=[alert(1, "A2", 21, last=28)])[0].remediation
+    assert again["action"] == "rewind" and again["to_step"] == 20 and again["from_step"] == 30
+
+
+def test_the_inbox_keeps_an_extended_firing_alert_as_an_update_not_news():
+    from gradwatch.agent.loop_alerts import AlertInbox
+
+    def wire(last: int, updated: float, status: str = "firing") -> dict:
+        return {"id": 7, "run_id": 1, "rule": "A2", "name": "grad_explosion", "severity": "critical",
+                "status": status, "first_step": 21, "last_step": last, "updated_at": updated}
+    inbox = AlertInbox()
+    inbox.receive([wire(21, 100.0)], cursor=100.0)
+    assert [a.id for a in inbox.take_news()] == [7] and not inbox.has_updates
+    inbox.receive([wire(28, 101.0)], cursor=101.0)
+    assert not inbox.has_news and inbox.has_updates
+    assert [(a.id, a.last_step) for a in inbox.take_updates()] == [(7, 28)] and not inbox.has_updates
+    inbox.receive([wire(28, 102.0, status="resolved")], cursor=102.0)
+    assert inbox.has_news and not inbox.has_updates
