@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse
 from gradwatch.server.api.layer_matrix_json import BLOCK_CELLS, layer_matrix_json
 from gradwatch.server.numbers import NULL_F32_BITS, encode_float
 from gradwatch.server.queries import LayerMatrix
-from gradwatch.server.queries.layers import _finish_matrix, _matrix, _raw_cells, _reduce_columns
-from gradwatch.server.rollups import raw_layer_partials
+from gradwatch.server.queries.layers import _bits_of, _finish_matrix, _matrix, _raw_cells, _reduce_columns
+from gradwatch.server.rollups import _layer_bits, raw_layer_partials
 
 AGGS = ("max", "min", "mean", "last")
 
@@ -78,6 +78,16 @@ def test_reduceat_a_block_of_columns_at_a_time_equals_one_call(ufunc, dtype):
     one_call = ufunc.reduceat(a, starts, axis=0, dtype=dtype)
     blocked = _reduce_columns(ufunc, a, starts, dtype=dtype)             # 250,000 values a block: 2 blocks
     assert blocked.shape == one_call.shape and np.array_equal(blocked, one_call, equal_nan=dtype is None)
+
+
+def test_layer_arrays_copied_a_block_at_a_time_equal_one_join():
+    rng = np.random.default_rng(9)
+    bits = _bits(rng, 9000, 12)                                      # three blocks of 4,096 rows
+    blobs = [row.tobytes() for row in bits]
+    assert np.array_equal(_bits_of(blobs, 12), _layer_bits(blobs, 12))
+    assert np.array_equal(_bits_of(blobs, 12), bits)
+    ragged = blobs[:100] + [blobs[100][:20]] + blobs[101:200]        # a step that sent 5 of the 12 layers
+    assert np.array_equal(_bits_of(ragged, 12), _layer_bits(ragged, 12))
 
 
 def _matrix_of(rng, rows: int, columns: int) -> LayerMatrix:
