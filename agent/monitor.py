@@ -534,12 +534,21 @@ class Monitor:
             why = "it acts on the run's alerts, which the agent hears only with mode='online' and loop_alerts=True"
         elif self.world_size > 1:
             # every rank must restore the same snapshot at the same step: DDP's ranks agree in its own
-            # gradient all-reduce (agent/rewind_agreement.py); other parallelisms are not supported yet
-            from gradwatch.agent.rewind_agreement import DdpAgreement
+            # gradient all-reduce (agent/rewind_agreement.py), FSDP2's in its gradient reduce-scatter
+            # (agent/rewind_agreement_fsdp.py); other parallelisms are not supported yet
+            from gradwatch.agent.rewind_agreement_fsdp import FsdpAgreement, is_fsdp2
 
-            why = DdpAgreement.usable(self._watched.model)
-            if why is None:
-                agreement = DdpAgreement(self._watched.model, self.world_size)
+            model = self._watched.model
+            if is_fsdp2(model):
+                why = FsdpAgreement.usable(model, self.world_size)
+                if why is None:
+                    agreement = FsdpAgreement(model, self.world_size)
+            else:
+                from gradwatch.agent.rewind_agreement import DdpAgreement
+
+                why = DdpAgreement.usable(model)
+                if why is None:
+                    agreement = DdpAgreement(model, self.world_size)
         if why:
             self._warn.warning("remediate:off", "gradwatch: remediate=Rewind(...) is off: %s (docs/remediation.md)",
                                why)

@@ -11,9 +11,9 @@ Everything here runs in the training thread, at step boundaries the
 * at a step's end (:meth:`Remedy.at_step_end`): a snapshot when one is due;
 * with the alert news of that step's end (:meth:`Remedy.on_news`, before the ``on_alert``
   callbacks): the rewind, the cool, or giving up, each one ``rewind`` event
-  (:func:`agent.remediation.rewind_event`) and one warning line. Under DDP the news is
-  only proposed, and every rank acts at the first step end where all have heard
-  (:mod:`agent.rewind_agreement`).
+  (:func:`agent.remediation.rewind_event`) and one warning line. Under DDP and FSDP2 the
+  news is only proposed, and every rank acts at the first step end where all have heard
+  (:mod:`agent.rewind_agreement`, :mod:`agent.rewind_agreement_fsdp`).
 
 Imports torch, :mod:`agent.remediation` and :mod:`agent.snapshots`.
 """
@@ -52,6 +52,7 @@ class Remedy:
         self.agreement = agreement
         self._pending: list = []           # (alert, "on" | "cool_on", step heard) not acted on yet (DDP)
         self._extra: Optional[dict] = None
+        self._unvouched: Optional[int] = None   # FSDP2: the step of the copy awaiting the ranks' verdict
 
     # ------------------------------------------------------------------ around each update
 
@@ -92,12 +93,23 @@ class Remedy:
             return
         if self.agreement is not None:
             self._agreed(next_step)
-            loss = None                      # a rank's own loss: the ranks must agree on every snapshot
+            if not getattr(self.agreement, "shards", False):
+                loss = None                  # DDP: a rank's own loss; the ranks must agree on every snapshot
             if not self.active:
                 return
         if next_step % self.policy.every == 0:
             self._due = True
-        if self._due and self.store.take(next_step, grad_norm, loss):
+        if not self._due:
+            return
+        if getattr(self.agreement, "shards", False):
+            # FSDP2: each rank holds other shards; the ranks vouch for the copy together in the next
+            # reduce-scatter (agent/rewind_agreement_fsdp.py); one copy awaits its verdict at a time
+            if self._unvouched is None:
+                finite = self.store.take_unvouched(next_step, grad_norm, loss)
+                if finite is not None:
+                    self._unvouched, self._due = next_step, False
+                    self.agreement.vouch(finite)
+        elif self.store.take(next_step, grad_norm, loss):
             self._due = False
 
     @property
@@ -130,6 +142,13 @@ class Remedy:
     def _agreed(self, next_step: int) -> None:
         """DDP: every rank has heard a trigger by this step's all-reduce: all act now, with the same onset."""
         decided = self.agreement.decided()
+        if getattr(self.agreement, "shards", False):
+            verdict = self.agreement.verdict()       # the same on every rank: settled before any rewind
+            if verdict is not None and self._unvouched is not None:
+                self.store.settle(self._unvouched, verdict)
+                if not verdict:
+                    self._due = True                 # every rank snapshots again, now
+                self._unvouched = None
         if decided is None:
             return
         onset, rewind = decided

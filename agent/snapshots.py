@@ -27,8 +27,10 @@ Reading never changes the training state: a healthy run with snapshots on
 computes bitwise the same losses as without (tests/remediation/).
 
 Sharded parameters (FSDP2 DTensors): the local shards are what is copied
-(each rank its own), never a gather; remediation is off there for now (the
-ranks' agreement is built for DDP only, :mod:`agent.rewind_agreement`).
+(each rank its own: the parameters' and the optimizer state's
+``_local_tensor``), never a gather, and restored with an in-place copy into
+those same local shards. The ranks vouch for each copy together
+(:meth:`SnapshotStore.take_unvouched`, :mod:`agent.rewind_agreement_fsdp`).
 
 Imports torch and :mod:`agent.capture` (EMA tensors, local shards) only.
 """
@@ -148,6 +150,35 @@ class SnapshotStore:
         if not cuda and not self._finite(live, grad_norm, loss):
             self.skipped_nonfinite += 1
             return False
+        self._copy(step, names, live, grad_norm, loss)
+        return True
+
+    def take_unvouched(self, step: int, grad_norm: Any = None, loss: Any = None) -> Optional[bool]:
+        """Sharded ranks (FSDP2, CPU): copy this rank's shards at ``step`` whatever they hold, unusable until
+        :meth:`settle` says every rank's copy is finite; returns whether this rank's is (None: nothing to
+        copy). Every rank copies at the same steps, so a shard finite here and not on another rank never
+        makes the ranks keep different snapshots (agent/rewind_agreement_fsdp.py)."""
+        names, live = self.live_tensors()
+        if not live:
+            return None
+        finite = self._finite(live, grad_norm, loss)
+        slot = self._copy(step, names, live, None, None)
+        slot.valid = None                    # not usable until settled (no CUDA event: usable() says None)
+        return finite
+
+    def settle(self, step: int, ok: bool) -> None:
+        """Every rank's copy at ``step`` is finite (``ok``): usable; else dropped (on every rank alike)."""
+        for s in self.slots:
+            if s.step == step and s.valid is None and s.event is None:
+                if ok:
+                    s.valid = True
+                else:
+                    s.step = None
+                    self.taken -= 1
+                    self.skipped_nonfinite += 1
+
+    def _copy(self, step: int, names: tuple, live: list, grad_norm: Any, loss: Any) -> Snapshot:
+        cuda = live[0].device.type == "cuda"
         slot = self._slot_to_write()
         if slot.names != names or len(slot.buffers) != len(live) or any(
                 b.shape != t.shape or b.dtype != t.dtype for b, t in zip(slot.buffers, live)):
@@ -163,7 +194,7 @@ class SnapshotStore:
                 torch._foreach_copy_(slot.buffers, live)
                 slot.valid, slot.event, slot.flag = True, None, None
         self.taken += 1
-        return True
+        return slot
 
     def _finite(self, live: list, grad_norm: Any, loss: Any) -> bool:
         for v in (grad_norm, loss):
