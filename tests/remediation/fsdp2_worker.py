@@ -6,7 +6,8 @@ Every rank trains the same tiny MLP (``fully_shard`` on each Linear and on the r
 own batches; with ``--poison-at N`` rank 0's batch N holds an Inf, so the reduce-scattered gradients and every
 rank's shards go NaN. ``--late-rank K --late-s S``: rank K's agent delivers every batch S seconds late, so it
 hears the run's alerts long after the other rank. ``--off``: no remediation. ``--count``: count the
-collectives the training loop issues (tests/distributed/worker.py's counter).
+collectives the training loop issues (tests/distributed/worker.py's counter). ``--refuse-at N``: rank
+``--refuse-rank``'s snapshot copy at step N counts as non-finite.
 
 Each rank writes ``OUT_DIR/rank<k>.json``: its losses, its rewinds, a hash of its local shards (parameters
 and optimizer state, ``to_local()``: no gather) after every step keyed by the step the run continues with,
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--off", action="store_true")
     ap.add_argument("--count", action="store_true")
     ap.add_argument("--pace", type=float, default=0.003)
+    ap.add_argument("--refuse-at", type=int, default=-1)
+    ap.add_argument("--refuse-rank", type=int, default=1)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -107,6 +110,12 @@ def main() -> None:
     rewind = None if args.off else Rewind(every=50, keep=2, lr_factor=0.5, cool_steps=50)
     monitor = agent.attach(model, optimizer=opt, project="remediation-fsdp2", run=args.run_name, server=args.server,
                            transport=transport, remediate=rewind, flush_interval=0.1, announce=False)
+    if args.refuse_at >= 0 and rank == args.refuse_rank:
+        # this rank's copy at that step counts as non-finite (as a shard holding an Inf would): every rank
+        # must drop its own copy of that step too, and snapshot again at the next one
+        store = monitor._remedy.store
+        take = store.take_unvouched
+        store.take_unvouched = lambda step, *a: False if step == args.refuse_at else take(step, *a)
     counter = None
     if args.count:
         import tests.distributed.worker as counting
@@ -145,7 +154,9 @@ def main() -> None:
         monitor.close()
     out = {"rank": rank, "world": world, "losses": losses, "after_rewind": after_rewind, "history": history,
            "rewinds": rewind.rewinds if rewind is not None else [], "final_hash": shards_hash(model, opt),
-           "agent_steps": monitor.step}
+           "agent_steps": monitor.step,
+           "snapshots": ([s.step for s in monitor._remedy.store.slots if s.step is not None and s.valid]
+                         if rewind is not None else [])}
     if counter is not None:
         out["collective_calls"] = counter.calls
         out["collective_ops"] = counter.ops
