@@ -540,9 +540,12 @@ class Monitor:
 
             model = self._watched.model
             if is_fsdp2(model):
-                why = FsdpAgreement.usable(model, self.world_size)
-                if why is None:
-                    agreement = FsdpAgreement(model, self.world_size)
+                try:   # reads FSDP2's internals (its param groups, mesh, reduce-scatter): never hurt the host
+                    why = FsdpAgreement.usable(model, self.world_size)
+                    if why is None:
+                        agreement = FsdpAgreement(model, self.world_size)
+                except Exception as e:  # noqa: BLE001
+                    why = f"this torch's FSDP2 internals are not the ones the agreement reads ({e!r})"
             else:
                 from gradwatch.agent.rewind_agreement import DdpAgreement
 
