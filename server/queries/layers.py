@@ -135,13 +135,17 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
     # the memory this read holds is admitted against the process's budget for heavy reads first: a
     # queue, then HeavyReadBusy (429/503 with Retry-After) when the budget stays taken (server/admission.py)
     cells = min(max_steps, math.ceil((end - start + 1) / bucket)) * min(max_layers, width)
-    with heavy_reads().admit(heatmap_cost(read * width, cells, from_partials=bool(level)), wait_s=admission_wait_s,
-                             release=session.rollback):
+    gate = heavy_reads()
+    cost = heatmap_cost(read * width, cells, from_partials=bool(level))
+    with gate.admit(cost, wait_s=admission_wait_s, release=session.rollback):
         try:
             return _read_matrix(session, run_id=run_id, stat=stat, rank=rank, agg=agg, names=names, base=base,
                                 start=start, end=end, level=level, bucket=bucket, max_layers=max_layers, empty=empty)
         finally:
-            _drop_page_cache(session)
+            # only after the largest reads: a dropped cache costs the next read of the same pages ~40 ms
+            # (bench/query.py's whole-run heatmaps), and a small read does not fill it
+            if cost >= gate.budget // 4:
+                _drop_page_cache(session)
 
 
 def _drop_page_cache(session: Session) -> None:
