@@ -53,7 +53,8 @@ class DdpAgreement:
     def usable(model: Any) -> Optional[str]:
         """Why the agreement cannot run on ``model`` (None: it can)."""
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return "the model is not wrapped in DistributedDataParallel (FSDP / ZeRO: not supported yet)"
+            return ("the model is neither wrapped in DistributedDataParallel nor sharded by fully_shard "
+                    "(FSDP1 / ZeRO / tensor parallel: not supported yet)")
         p = next(model.parameters(), None)
         if p is None or p.device.type != "cpu":
             return "the DDP model is not on the CPU (the agreement is built for gloo only so far)"
