@@ -70,7 +70,7 @@ def test_both_ranks_restore_their_shards_of_the_same_snapshot_at_the_same_step_w
     # the shards differ between the ranks (each holds its own half), so no cross-rank hash is compared
 
 
-def test_a_healthy_fsdp2_run_issues_the_same_collectives_and_the_same_losses_and_drops_a_refused_snapshot_everywhere(server, tmp_path):
+def test_a_healthy_fsdp2_run_is_unchanged_and_a_snapshot_one_rank_refuses_is_dropped_on_both(server, tmp_path):
     # and rank 1 finds its copy at step 100 non-finite (a shard of its own could be while rank 0's is not):
     # both ranks drop theirs and snapshot again at 101, so they keep the same steps
     on = torchrun(tmp_path / "on", server, "--count", "--steps", "120", "--pace", "0", "--refuse-at", "100")
