@@ -4,7 +4,7 @@
 
 Every rank trains the same tiny MLP (``fully_shard`` on each Linear and on the root, gloo, CPU, Adam) on its
 own batches; with ``--poison-at N`` rank 0's batch N holds an Inf, so the reduce-scattered gradients and every
-rank's shards go NaN. ``--late-rank K --late-s S``: rank K's agent delivers every batch S seconds late, so it
+rank's shards go NaN. ``--late-rank K --late-s S``: rank K's agent reads every reply S seconds after its POST, so it
 hears the run's alerts long after the other rank. ``--off``: no remediation. ``--count``: count the
 collectives the training loop issues (tests/distributed/worker.py's counter). ``--refuse-at N``: rank
 ``--refuse-rank``'s snapshot copy at step N counts as non-finite.
@@ -30,7 +30,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root: tests.* imports
 
-from tests.remediation.ddp_worker import LateTransport  # noqa: E402
+
+
+class LateReplies:
+    """The agent's HTTP transport, every reply held ``delay`` seconds after the POST: this rank's steps reach
+    the server on time (the server's view of the step, and its alerts, are not held back), but it hears the
+    replies, and the alerts in them, late."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def post(self, body: bytes):
+        reply = self.inner.post(body)
+        time.sleep(self.delay)
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def local_state(model, opt) -> list[torch.Tensor]:
@@ -106,7 +122,7 @@ def main() -> None:
 
     transport = HttpTransport(args.server, None, 5.0)
     if rank == args.late_rank:
-        transport = LateTransport(transport, args.late_s)
+        transport = LateReplies(transport, args.late_s)
     rewind = None if args.off else Rewind(every=50, keep=2, lr_factor=0.5, cool_steps=50)
     monitor = agent.attach(model, optimizer=opt, project="remediation-fsdp2", run=args.run_name, server=args.server,
                            transport=transport, remediate=rewind, flush_interval=0.1, announce=False)

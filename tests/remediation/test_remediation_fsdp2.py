@@ -62,7 +62,7 @@ def test_both_ranks_restore_their_shards_of_the_same_snapshot_at_the_same_step_w
         assert a0["loop_step"] == a1["loop_step"]
         assert d0["to_step"] <= 150 < d0["from_step"]
     first0, first1 = acted[0][0]["data"], acted[1][0]["data"]
-    print(f"\nrank 0 heard at step {first0['heard_at_step']}, rank 1 (2 s late a batch) at {first1['heard_at_step']}; "
+    print(f"\nrank 0 heard at step {first0['heard_at_step']}, rank 1 (each reply read 2 s late) at {first1['heard_at_step']}; "
           f"both rewound at {first0['from_step']} to {first0['to_step']}")
     assert first1["heard_at_step"] > first0["heard_at_step"], "rank 1 was meant to hear later"
     assert first0["from_step"] >= max(first0["heard_at_step"], first1["heard_at_step"])
