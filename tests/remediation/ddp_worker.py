@@ -4,8 +4,8 @@
 
 Every rank trains the same tiny MLP (DDP, gloo, CPU, Adam, no GradScaler) on its own batches; with
 ``--poison-at N`` rank 0's batch N holds an Inf, so the all-reduced gradients and every rank's weights go
-NaN. ``--late-rank K --late-s S``: rank K's agent delivers every batch S seconds late, so it hears the
-run's alerts long after the other ranks. ``--off``: no remediation. ``--count``: count the collectives
+NaN. ``--late-rank K --late-s S``: rank K's agent reads every reply S seconds after its POST, so it hears
+the run's alerts long after the other ranks. ``--off``: no remediation. ``--count``: count the collectives
 the training loop issues (tests/distributed/worker.py's counter). Each rank writes ``OUT_DIR/rank<k>.json``:
 its losses, its rewinds, a hash of its parameters right after each rewind and at the end.
 """
@@ -34,14 +34,18 @@ def params_hash(model) -> str:
 
 
 class LateTransport:
-    """The agent's HTTP transport, every POST held ``delay`` seconds first: this rank hears its replies late."""
+    """The agent's HTTP transport, every reply held ``delay`` seconds after the POST: this rank's steps reach
+    the server on time, so the server's alert is not held back for the other rank (holding the POST instead
+    delayed the alert for both, and rank 0 sometimes heard last: the FSDP2 test met it), but this rank hears
+    the replies, and the alerts in them, late."""
 
     def __init__(self, inner, delay: float):
         self.inner, self.delay = inner, delay
 
     def post(self, body: bytes):
+        reply = self.inner.post(body)
         time.sleep(self.delay)
-        return self.inner.post(body)
+        return reply
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
