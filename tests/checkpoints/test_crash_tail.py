@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.conftest import REPO_ROOT, wait_until
@@ -68,21 +67,13 @@ def test_a_sigkilled_loop_loses_at_most_its_last_step(live_server, tmp_path, iso
     rng = random.Random(int(time.time()))
     lost_with, lost_without = [], []
     for i in range(KILLS):
-        # the loop with the journal and the one without run side by side (their own runs and spool folders),
-        # each killed at its own random moment by its own thread; one sync then recovers what both left
-        killed = {}
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for tail in (True, False):
-                run = f"killed-{i}-{'tail' if tail else 'no-tail'}"
-                progress = tmp_path / f"{run}.progress"
-                env = {**os.environ, "GRADWATCH_CRASH_TAIL": "1" if tail else "0"}
-                k, kill_rng = rng.randint(15, 40), random.Random(rng.random())
-                proc = _start(srv, run, progress, env)
-                killed[tail] = (run, pool.submit(_kill_after, proc, progress, k, kill_rng))
-            lasts = {tail: future.result() for tail, (run, future) in killed.items()}
-        _sync(srv, isolated_agent_spool)
-        for tail, (run, _) in killed.items():
-            last = lasts[tail]
+        for tail in (True, False):
+            run = f"killed-{i}-{'tail' if tail else 'no-tail'}"
+            progress = tmp_path / f"{run}.progress"
+            env = {**os.environ, "GRADWATCH_CRASH_TAIL": "1" if tail else "0"}
+            k = rng.randint(15, 40)
+            last = _kill_after(_start(srv, run, progress, env), progress, k, rng)
+            _sync(srv, isolated_agent_spool)
             stored = _stored_steps(srv, run)
             missing = set(range(last + 1)) - stored
             (lost_with if tail else lost_without).append(len(missing))
