@@ -34,6 +34,15 @@ import torch
 import torch.distributed as dist
 
 
+def merged_proposal(flag: Optional[tuple[float, float, float]], onset: int,
+                    rewind: bool) -> tuple[float, float, float]:
+    """A rank's pending trigger as the three numbers the ranks sum: (heard, onset, rewind), merged with the
+    one it already holds: the earliest onset, and a rewind wins over a cool (DDP and FSDP2 alike)."""
+    if flag is None:
+        return (1.0, float(onset), 1.0 if rewind else 0.0)
+    return (1.0, min(flag[1], float(onset)), max(flag[2], 1.0 if rewind else 0.0))
+
+
 class DdpAgreement:
     """The agreement of one DDP model's ranks: :meth:`propose` at news, :meth:`decided` at each step end."""
 
@@ -67,12 +76,8 @@ class DdpAgreement:
     # ------------------------------------------------------------------ training thread
 
     def propose(self, onset: int, rewind: bool) -> None:
-        """This rank holds a trigger: it rides in the next all-reduces (the earliest onset; a rewind wins
-        over a cool) until the ranks decide."""
-        if self._flag is None:
-            self._flag = (1.0, float(onset), 1.0 if rewind else 0.0)
-        else:
-            self._flag = (1.0, min(self._flag[1], float(onset)), max(self._flag[2], 1.0 if rewind else 0.0))
+        """This rank holds a trigger: it rides in the next all-reduces until the ranks decide."""
+        self._flag = merged_proposal(self._flag, onset, rewind)
 
     def decided(self) -> Optional[tuple[int, bool]]:
         """At a step's end: ``(onset, rewind)`` when every rank has heard a trigger (the same on every

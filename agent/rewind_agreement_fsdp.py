@@ -42,6 +42,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from gradwatch.agent.rewind_agreement import merged_proposal
+
 N_NUMBERS = 5
 
 
@@ -135,12 +137,8 @@ class FsdpAgreement:
     # ------------------------------------------------------------------ training thread
 
     def propose(self, onset: int, rewind: bool) -> None:
-        """This rank holds a trigger: it rides in the next reduce-scatters (the earliest onset; a rewind wins
-        over a cool) until the ranks decide."""
-        if self._flag is None:
-            self._flag = (1.0, float(onset), 1.0 if rewind else 0.0)
-        else:
-            self._flag = (1.0, min(self._flag[1], float(onset)), max(self._flag[2], 1.0 if rewind else 0.0))
+        """This rank holds a trigger: it rides in the next reduce-scatters until the ranks decide."""
+        self._flag = merged_proposal(self._flag, onset, rewind)
 
     def vouch(self, finite: bool) -> None:
         """This rank just took a snapshot (every rank did, at this same step): whether its shards are finite
