@@ -1,4 +1,4 @@
-"""DDP ranks agree on a rewind without a collective of their own: two numbers ride in DDP's gradient all-reduce.
+"""DDP ranks agree on a rewind without a collective of their own: three numbers ride in DDP's gradient all-reduce.
 
 Why: every rank must restore the same snapshot at the same step, or the replicas drift apart. Every rank
 hears the run's alerts (each from its own sender's replies), but each at its own time, so a rank that
