@@ -51,8 +51,10 @@ def _data_dir() -> Path:
     return path
 
 
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=2) as resp:
+def _get_json(url: str, timeout: float = 10.0):
+    # 10 s, not 2: on a busy machine (a CI runner beside other jobs) the server answered a read later than
+    # 2 s while it took the run's batches, and the demo, which skips a failed poll, missed alerts
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -81,16 +83,39 @@ def _find_run_id(base: str, run_name: str) -> int | None:
     return next((r["id"] for r in runs if r["name"] == run_name), None)
 
 
-def _print_new_alerts(base: str, run_id: int, seen: set[int]) -> None:
+def _print_new_alerts(base: str, run_id: int, seen: set[int]) -> bool:
+    """Print the run's alerts not printed yet; False when the server could not be read this time."""
     try:
         alerts = _get_json(f"{base}/api/v1/alerts?run={run_id}")["alerts"]
     except (OSError, ValueError, KeyError):
-        return
+        return False
     for a in sorted(alerts, key=lambda a: a["id"]):
         if a["id"] not in seen:
             seen.add(a["id"])
             print(f"[demo] ALERT {a['rule']} {a['name']} ({a['severity']}) at step {a['step']}: {a['message']}",
                   flush=True)
+    return True
+
+
+def _run_status(base: str, run_id: int) -> str | None:
+    try:
+        return _get_json(f"{base}/api/v1/runs/{run_id}")["status"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _print_final_alerts(base: str, run_name: str, run_id: int | None, seen: set[int],
+                        timeout: float = 30.0) -> None:
+    """After the job exited: its last batch is stored once the run is no longer running (the agent's close()
+    sent it); then every alert is read, retried while the server is busy, within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run_id = run_id or _find_run_id(base, run_name)
+        if run_id is not None and _run_status(base, run_id) not in (None, "running"):
+            break
+        time.sleep(0.5)
+    while run_id is not None and not _print_new_alerts(base, run_id, seen) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def run(args) -> int:
@@ -154,10 +179,7 @@ def run(args) -> int:
                 print("gradwatch demo: the server stopped unexpectedly.", file=sys.stderr)
                 return 1
             if job is not None and job.poll() is not None:
-                time.sleep(1.0)  # the run's last batch and its alerts
-                run_id = run_id or _find_run_id(base, run_name)
-                if run_id is not None:
-                    _print_new_alerts(base, run_id, seen)
+                _print_final_alerts(base, run_name, run_id, seen)
                 print(f"[demo] training run finished (exit {job.returncode}); "
                       f"{len(seen)} alerts; still serving {base}/", flush=True)
                 if args.exit_after_run:
