@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,6 +150,11 @@ def run(args) -> int:
     for url in args.webhook:
         serve_cmd += ["--webhook", url]
     raise_on_sigterm()    # `kill PID` stops the demo like Ctrl-C: the finally below ends both children
+    # Started from a non-interactive shell's background job (`nohup ... &`, a CI runner), the demo inherits
+    # SIGINT ignored, so Python installs no KeyboardInterrupt for it, while its server child gets Ctrl-C back
+    # (processes.py): a SIGINT to the group then stopped the server alone and the demo exited 1 ('the server
+    # stopped unexpectedly'; the fresh-clone CI run from a background shell met it). Ctrl-C stops both.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server = job = None
     try:
         server = popen(serve_cmd, env=env)
