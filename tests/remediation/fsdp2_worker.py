@@ -30,23 +30,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root: tests.* imports
 
-
-
-class LateReplies:
-    """The agent's HTTP transport, every reply held ``delay`` seconds after the POST: this rank's steps reach
-    the server on time (the server's view of the step, and its alerts, are not held back), but it hears the
-    replies, and the alerts in them, late."""
-
-    def __init__(self, inner, delay: float):
-        self.inner, self.delay = inner, delay
-
-    def post(self, body: bytes):
-        reply = self.inner.post(body)
-        time.sleep(self.delay)
-        return reply
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+# every reply held a few seconds after the POST: the rank hears the alerts late (one class with the DDP worker)
+from tests.remediation.ddp_worker import LateTransport as LateReplies  # noqa: E402
 
 
 def local_state(model, opt) -> list[torch.Tensor]:
