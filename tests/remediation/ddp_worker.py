@@ -51,6 +51,27 @@ class LateTransport:
         return getattr(self.inner, name)
 
 
+def rank_batches(rank: int, poison_at: int):
+    """This rank's batch of each step (the same on every launch); rank 0's batch ``poison_at`` holds an Inf."""
+    w_true = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(32, 8, generator=g)
+        y = torch.tanh(x @ w_true)
+        if step == poison_at and rank == 0:
+            x[3, 2] = math.inf
+        return x, y
+    return batch
+
+
+def rank_transport(server: str, rank: int, late_rank: int, late_s: float):
+    """The agent's HTTP transport; the late rank's hears its replies ``late_s`` late."""
+    from gradwatch.agent.transport import HttpTransport
+    transport = HttpTransport(server, None, 5.0)
+    return LateTransport(transport, late_s) if rank == late_rank else transport
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -70,25 +91,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from gradwatch import agent
     from gradwatch.agent import Rewind
-    from gradwatch.agent.transport import HttpTransport
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    w_true = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
-
-    def batch(step: int):
-        g = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randn(32, 8, generator=g)
-        y = torch.tanh(x @ w_true)
-        if step == args.poison_at and rank == 0:
-            x[3, 2] = math.inf
-        return x, y
-
-    transport = HttpTransport(args.server, None, 5.0)
-    if rank == args.late_rank:
-        transport = LateTransport(transport, args.late_s)
+    batch = rank_batches(rank, args.poison_at)
+    transport = rank_transport(args.server, rank, args.late_rank, args.late_s)
     rewind = None if args.off else Rewind(every=50, keep=2, lr_factor=0.5, cool_steps=50)
     monitor = agent.attach(model, optimizer=opt, project="remediation-ddp", run=args.run_name, server=args.server,
                            transport=transport, remediate=rewind, flush_interval=0.1, announce=False)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -30,8 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root: tests.* imports
 
-# every reply held a few seconds after the POST: the rank hears the alerts late (one class with the DDP worker)
-from tests.remediation.ddp_worker import LateTransport as LateReplies  # noqa: E402
+# the batches and the late rank's transport (its replies held a few seconds): the same as the DDP worker's
+from tests.remediation.ddp_worker import rank_batches, rank_transport  # noqa: E402
 
 
 def local_state(model, opt) -> list[torch.Tensor]:
@@ -86,7 +85,6 @@ def main() -> None:
 
     from gradwatch import agent
     from gradwatch.agent import Rewind
-    from gradwatch.agent.transport import HttpTransport
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
@@ -95,19 +93,8 @@ def main() -> None:
             fully_shard(m)
     fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    w_true = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
-
-    def batch(step: int):
-        g = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randn(32, 8, generator=g)
-        y = torch.tanh(x @ w_true)
-        if step == args.poison_at and rank == 0:
-            x[3, 2] = math.inf
-        return x, y
-
-    transport = HttpTransport(args.server, None, 5.0)
-    if rank == args.late_rank:
-        transport = LateReplies(transport, args.late_s)
+    batch = rank_batches(rank, args.poison_at)
+    transport = rank_transport(args.server, rank, args.late_rank, args.late_s)
     rewind = None if args.off else Rewind(every=50, keep=2, lr_factor=0.5, cool_steps=50)
     monitor = agent.attach(model, optimizer=opt, project="remediation-fsdp2", run=args.run_name, server=args.server,
                            transport=transport, remediate=rewind, flush_interval=0.1, announce=False)
