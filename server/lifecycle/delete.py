@@ -38,10 +38,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterable, Optional
 
-from sqlalchemy import Table, select, text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..models import Base, DeletedRun, Project, Run
+from ..models import DeletedRun, Project, Run
+from . import sizes
+from .owned import Owned, owned_tables, owned_where, project_tables
 
 log = logging.getLogger("gradwatch.lifecycle")
 
@@ -55,8 +57,6 @@ PROGRESS_LOG_SECONDS = 5.0      # a long delete logs its progress this often (lo
 FIRST_CHUNK_ROWS = 2000
 MAX_CHUNK_ROWS = 200_000
 MIN_CHUNK_ROWS = 100
-# tables with a run_id column that a delete keeps: the tombstones are the record of the delete
-KEPT_TABLES = ("deleted_runs",)
 # the key of runs.config that lists the agent sessions that wrote the run (server/resume.py)
 _SESSIONS_KEY = "_step_shift"
 
@@ -96,52 +96,6 @@ class PurgeResult:
     @property
     def total_rows(self) -> int:
         return sum(self.rows.values())
-
-
-# ----------------------------------------------------------------------------- which tables
-
-@dataclass(frozen=True)
-class _Owned:
-    """A table holding rows of a run: directly (``via`` None) or through a key into a direct table."""
-
-    table: Table
-    column: str                         # run_id, or the key column pointing at ``via``
-    via: Optional[Table] = None         # the direct table the key points at
-    via_column: str = "id"
-    set_null: bool = False              # ON DELETE SET NULL: the key is cleared, the row stays
-
-
-def owned_where(owned: "_Owned", key: str, param: str) -> str:
-    """The WHERE clause that selects ``owned``'s rows of one run or project: ``key`` (``run_id`` /
-    ``project_id``) = ``:param``, on the table itself or on the table its rows hang off."""
-    t = owned.table.name
-    if owned.via is None:
-        return f"{t}.{key} = :{param}"
-    v = owned.via.name
-    return f"{t}.{owned.column} IN (SELECT {v}.{owned.via_column} FROM {v} WHERE {v}.{key} = :{param})"
-
-
-def owned_tables(metadata=Base.metadata) -> list[_Owned]:
-    """Every table holding a run's rows, children before parents (the order a purge empties them)."""
-    direct = [t for t in metadata.sorted_tables
-              if "run_id" in t.c and t.name != Run.__tablename__ and t.name not in KEPT_TABLES]
-    direct_names = {t.name for t in direct}
-    children: list[_Owned] = []
-    for t in metadata.sorted_tables:
-        for fk in t.foreign_keys:
-            parent = fk.column.table
-            if parent.name in direct_names:
-                children.append(_Owned(t, fk.parent.name, parent, fk.column.name,
-                                       set_null=(fk.ondelete or "").upper() == "SET NULL"))
-    # webhook_deliveries.group_id names a notification group without a foreign key (migration 0009)
-    tables = metadata.tables
-    if "webhook_deliveries" in tables and "notification_groups" in tables \
-            and "group_id" in tables["webhook_deliveries"].c:
-        children.append(_Owned(tables["webhook_deliveries"], "group_id", tables["notification_groups"], "id"))
-    # children first; among the direct tables, the ones others point at (alerts, groups) after the rest
-    pointed_at = {c.via.name for c in children}
-    direct.sort(key=lambda t: t.name in pointed_at)
-    return children + [_Owned(t, "run_id") for t in direct]
 
 
 # ----------------------------------------------------------------------------- selecting runs
@@ -243,7 +197,7 @@ def run_deleted_error(*, project: str, run: Run) -> RunDeleted:
 
 # ----------------------------------------------------------------------------- phase 2: purge
 
-def _chunk_delete_sql(dialect: str, owned: _Owned, limit: int) -> str:
+def _chunk_delete_sql(dialect: str, owned: Owned, limit: int) -> str:
     """One bounded DELETE (or UPDATE … SET NULL) of the run's rows of one table."""
     t = owned.table.name
     where = owned_where(owned, "run_id", "run_id")
@@ -324,23 +278,6 @@ def purge_pending(factory: sessionmaker, *, gate: Optional[ContextManager] = Non
 
 # ----------------------------------------------------------------------------- projects
 
-def project_tables(metadata=Base.metadata) -> list[_Owned]:
-    """Tables holding a project's own rows (tokens, silences, rule overrides, webhook endpoints, groups)
-    and the keys into them, children first; the runs are deleted before these."""
-    direct = [t for t in metadata.sorted_tables if "project_id" in t.c and t.name != Run.__tablename__]
-    names = {t.name for t in direct}
-    children = []
-    for t in metadata.sorted_tables:
-        for fk in t.foreign_keys:
-            if fk.column.table.name in names and t.name != Run.__tablename__:
-                children.append(_Owned(t, fk.parent.name, fk.column.table, fk.column.name,
-                                       set_null=(fk.ondelete or "").upper() == "SET NULL"))
-    tables = metadata.tables
-    if "webhook_deliveries" in tables and "group_id" in tables["webhook_deliveries"].c:
-        children.append(_Owned(tables["webhook_deliveries"], "group_id", tables["notification_groups"], "id"))
-    return children + [_Owned(t, "project_id") for t in direct]
-
-
 def delete_project_rows(session: Session, *, project_id: int) -> dict[str, int]:
     """The project's own rows and the project itself, in the caller's transaction (its runs already gone).
     Small tables: one transaction."""
@@ -377,8 +314,6 @@ def delete_runs(database, *, runs: list[RunRef], force: bool, stall_seconds: flo
     Raises :class:`RunStillSending` (nothing deleted) for a run still sending without ``force``.
     ``database``: server/db.py ``Database``.
     """
-    from . import sizes
-
     started = time.perf_counter()
     gate = gate if gate is not None else contextlib.nullcontext()
     with database.sessionmaker() as session:

@@ -1,7 +1,7 @@
 """How many bytes a run takes, and the whole database.
 
 **Per run (an estimate).** For every table holding a run's rows (the tables a delete empties,
-``delete.owned_tables``): the run's row count in that table times the table's average bytes per row,
+``owned.owned_tables``): the run's row count in that table times the table's average bytes per row,
 indexes included, summed. The average comes from the database's own accounting of the whole table:
 
 - SQLite: the ``dbstat`` virtual table (pages of the table and of each of its indexes) over the table's
@@ -32,7 +32,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from ..models import Run
-from .delete import owned_tables, owned_where
+from .owned import owned_tables, owned_where
 
 TABLE_STATS_SECONDS = 600.0
 # a running run's counts are taken again after this long (its rows keep growing)
