@@ -24,7 +24,8 @@ from pathlib import Path
 import checkout  # bench/, this script's folder: runs a checkout's code as gradwatch.*
 
 HERE = Path(__file__).resolve().parent.parent
-VOLATILE_STEP = {"time", "step_time", "samples_per_s", "tokens_per_s"}
+# host clocks: they differ from run to run (data_time: the time before each step's first forward)
+VOLATILE_STEP = {"time", "step_time", "data_time", "samples_per_s", "tokens_per_s"}
 
 
 def _loops(spool: str) -> None:
