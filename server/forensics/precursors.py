@@ -63,6 +63,7 @@ from gradwatch.agent.signals import layer_stat
 from gradwatch.server.models import Alert, LayerStat, Run, Step
 from gradwatch.server.numbers import null_mask
 from gradwatch.server.queries._shared import _fetch_blobs
+from gradwatch.server.rules import registry as rule_registry
 from gradwatch.server.rules.stats import MAD_TO_SIGMA, enc
 
 log = logging.getLogger("gradwatch.forensics")
@@ -95,11 +96,6 @@ LAYER_WATCHES: tuple[Watch, ...] = (
     Watch("layers.act_std", "activation std"),
     Watch("layers.weight_norm", "weight norm", min_ratio=1.5),
 )
-
-# What the failure is called in the sentence ("96 steps before the NaN loss"); other rules: their name.
-FAILURE_NOUNS = {"A1": "the NaN loss", "A2": "the grad explosion", "A4": "the non-finite input",
-                 "B3": "the loss-scale collapse", "B4": "the LR reaching 0", "C3": "the loss spikes",
-                 "F1": "the rank divergence", "F5": "the replica disagreement"}
 
 
 # Excursions starting at the same step are listed cause first: the LR (a knob someone turned), then the
@@ -472,7 +468,7 @@ def attach_precursors(session: Session, alerts: Iterable[Alert], *, run: Run,
             log.exception("precursor search failed for alert %s (run %s); the alert goes out without it",
                           alert.id, run.id)
             continue
-        noun = FAILURE_NOUNS.get(alert.rule, f"the {alert.name.replace('_', ' ')}")
+        noun = rule_registry.failure_noun(alert.rule, alert.name)
         sentence = summary(report, noun=noun, cfg=cfg,
                            earlier=_earlier_alerts(session, alert, run_id=run.id, since=report.searched_from))
         ev.update(enc({"precursors": report.items(cfg), "precursor_summary": sentence,

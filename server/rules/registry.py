@@ -89,3 +89,11 @@ def family_of(rule_id: str) -> str:
 def ids_of_family(family: str) -> list[str]:
     """The ids of the registered rules of ``family``, ordered."""
     return [cls.id for cls in rule_classes() if cls.family == family]
+
+
+def failure_noun(rule_id: str, name: str) -> str:
+    """What the failure ``rule_id`` alerts on is called in a sentence: the rule's ``failure_noun``, else
+    "the <name with spaces>" (also for an id no longer in the catalogue, whose alert keeps its ``name``)."""
+    _load()
+    cls = _classes.get(rule_id)
+    return (cls.failure_noun if cls is not None else "") or f"the {name.replace('_', ' ')}"

@@ -72,6 +72,9 @@ class Rule:
     # a critical alert of this rule gets rollback advice: the last checkpoint at or before its first
     # anomalous step and the batches to skip (server/forensics/rollback.py, docs/checkpoints.md)
     rollback_advice: ClassVar[bool] = False
+    # what the failure is called where forensics tells what came before it ("96 steps before the NaN
+    # loss"); empty: "the <name with spaces>" (server/forensics/precursors.py)
+    failure_noun: ClassVar[str] = ""
     spec: ClassVar[RuleSpec]
 
     @classmethod

@@ -35,3 +35,16 @@ def test_every_input_a_rule_needs_is_a_declared_signal():
                 assert layer_stat(need[len("layers."):]) is not None, (cls.spec.id, need)
             else:
                 assert is_step_signal(need), (cls.spec.id, need)
+
+
+def test_a_failure_is_called_what_its_rule_declares():
+    # forensics' sentence ("96 steps before the NaN loss") reads the noun off the rule's declaration;
+    # a rule without one, or an id gone from the catalogue, falls back to its name
+    from gradwatch.server.rules.registry import failure_noun, get
+    assert failure_noun("A1", "loss_nonfinite") == "the NaN loss" == get("A1").failure_noun
+    assert failure_noun("F5", "replica_disagreement") == "the replica disagreement"
+    assert not get("H2").failure_noun
+    assert failure_noun("H2", "attention_logit_growth") == "the attention logit growth"
+    assert failure_noun("Z9", "gone_rule") == "the gone rule"
+    declared = {cls.id for cls in rule_classes() if cls.failure_noun}
+    assert declared == {"A1", "A2", "A4", "B3", "B4", "C3", "F1", "F5"}

@@ -20,6 +20,7 @@ from gradwatch.server.rules.windows import RobustWindow
 @register
 class GradExplosion(BatchRule):
     id, name, severity, checklist = "A2", "grad_explosion", "critical", "8.A"
+    failure_noun = "the grad explosion"
     family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps, or non-finite with no "

@@ -179,6 +179,7 @@ class LossOscillation(BatchRule):
 @register
 class LossSpike(BatchRule):
     id, name, severity, checklist = "C3", "loss_spike", "warning", "8.C / 7.2"
+    failure_noun = "the loss spikes"
     family = "C"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("loss > median + {mad_factor:g}*MAD of the last {window} steps (MAD scaled to sigma); critical "

@@ -19,6 +19,7 @@ from gradwatch.server.rules.windows import RobustWindow
 @register
 class LossNonfinite(BatchRule):
     id, name, severity, checklist = "A1", "loss_nonfinite", "critical", "8.A"
+    failure_noun = "the NaN loss"
     family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = "the loss is NaN/Inf (whether or not the scaler then skipped the step)"
@@ -219,6 +220,7 @@ class NanOrigin(BatchRule):
 @register
 class InputNonfinite(BatchRule):
     id, name, severity, checklist = "A4", "input_nonfinite", "critical", "8.A"
+    failure_noun = "the non-finite input"
     family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = "a non-finite value in the batch fed to the model"

@@ -13,6 +13,7 @@ from gradwatch.server.rules.stats import enc, fmt, median_of_others
 @register
 class RankDivergence(CrossRankRule):
     id, name, severity = "F1", "rank_divergence", "critical"
+    failure_noun = "the rank divergence"
     family = "F"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("one rank's loss is non-finite while the others' is finite, or > {factor:g}x the median of the "
@@ -161,6 +162,7 @@ class Straggler(CrossRankRule):
 @register
 class ReplicaDisagreement(CrossRankRule):
     id, name, severity = "F5", "replica_disagreement", "critical"
+    failure_noun = "the replica disagreement"
     family = "F"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("the ranks of a DDP run (the agent attached to the DistributedDataParallel model), whose "

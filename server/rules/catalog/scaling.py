@@ -63,6 +63,7 @@ class OverflowStorm(BatchRule):
 @register
 class LossScaleCollapse(BatchRule):
     id, name, severity, checklist = "B3", "loss_scale_collapse", "critical", "8.B"
+    failure_noun = "the loss-scale collapse"
     family = "B"
     fires_when = "loss scale < {min_scale:g}, or halved {halvings} times with no growth in {window} steps"
     diagnosis = "The loss scaler keeps halving the loss scale: the effective update shrinks towards nothing."

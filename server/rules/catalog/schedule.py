@@ -15,6 +15,7 @@ from gradwatch.server.rules.stats import fmt
 @register
 class LrZero(BatchRule):
     id, name, severity, checklist = "B4", "lr_zero", "critical", "7.1 / 8.B"
+    failure_noun = "the LR reaching 0"
     family = "B"
     fires_when = "learning rate is 0 for {steps} consecutive steps after step 0"
     diagnosis = "The learning rate is zero: nothing is being learned."
