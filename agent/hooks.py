@@ -26,7 +26,7 @@ class HookAdapters:
     def __init__(self, watched: Any, builder: Any, guards: Any, barrier: Callable[[], None], clip_owner: Any):
         self.watched, self.builder, self.guards = watched, builder, guards
         self.barrier = barrier           # waits for readers of the weights off the training thread
-        self.clip_owner = clip_owner     # has on_clip(...) (the grad norm collector)
+        self.clip_owner = clip_owner     # has on_clip(...): the owner of clip_max_norm (the grad norm collector)
         self._wrapped_clip = None        # the model's own clip_grad_norm_ (FSDP1) before it was wrapped
         self._handles: list[Any] = []
         self._wrapped_scaler: dict[str, Any] = {}
@@ -151,12 +151,11 @@ class HookAdapters:
 
     def _wrap_update(self, original):
         guards, builder, guard = self.guards, self.builder, self._scaler_guard
-        loss_scale = builder.loss_scale
 
         def update(new_scale=None):
-            if loss_scale is not None and guards.on("scaler"):
+            if guards.on("scaler"):
                 with guard:
-                    loss_scale.read()   # before the original update() changes them
+                    builder.before_scaler_update()   # before the original update() changes the scaler's state
             result = original(new_scale)
             if guards.on("scaler"):
                 with guard:

@@ -41,6 +41,7 @@ from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.guard import Guards
 from gradwatch.agent.hooks import HookAdapters
 from gradwatch.agent.loop_alerts import AlertInbox, LoopAlert, run_callbacks
+from gradwatch.agent.owners import check_owners, owner_of
 from gradwatch.agent.registry import close_all, forget
 from gradwatch.agent.remediation import Rewind
 from gradwatch.agent.resume import ResumeState
@@ -115,6 +116,7 @@ class Monitor:
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step={step!r}: pass the number of the first step to record (an int >= 0), or None")
         check_emits(collectors)   # the names each collector writes are the signal table's (agent/signals.py)
+        check_owners((StepBuilder, Sealer, *collectors))   # and one writer per name (agent/owners.py)
         self.config = cfg = config or AgentConfig()
         self.model, self.ema = model, ema
         self.wall_clock = wall_clock
@@ -133,6 +135,8 @@ class Monitor:
         self.hunt = NanHunt(cfg.nan_hunt, cfg.nan_hunt_steps)
         self._watched = w = Watched(model, scaler, optimizer, ema, cfg, self.hunt)
         self.collectors = parts = [c for c in (kind(w, self._guards) for kind in collectors) if c.wanted()]
+        # the owner of the grad norms and clip threshold: the clip patch hands it clipping calls
+        self._grad_norms = owner_of(parts, "clip_max_norm")
         # CPU-trained models compute the sampled EMA divergence on this thread (see ema_worker.py).
         self._ema_worker = next((c.worker for c in parts if isinstance(c, EmaDivergence)), None)
 
@@ -195,7 +199,7 @@ class Monitor:
                 setup.install()
                 self._setup = setup
                 self._builder.first_end = self._first_step_ended
-        self._hooks = HookAdapters(w, self._builder, self._guards, self._sealer.barrier, self._builder.grads)
+        self._hooks = HookAdapters(w, self._builder, self._guards, self._sealer.barrier, self._grad_norms)
         self._hooks.install()
         if self.sender is not None:
             self.sender.on_poll = self._sealer.seal_stale
@@ -356,7 +360,7 @@ class Monitor:
         if self._guards.closed or os.getpid() != self._pid:
             return
         with self._guards.guard("grad_norms"):
-            self._builder.grads.remeasure()
+            self._grad_norms.remeasure()
 
     def alerts(self) -> list[LoopAlert]:
         """The run's alerts heard of since attach, newest first (the latest version of each).
@@ -497,7 +501,7 @@ class Monitor:
         setup, self._setup = self._setup, None
         if self.sender is not None and setup is not None:
             with self._guards.guard("setup"):
-                self.sender.submit(setup.event(step, module_clip=self._builder.grads.clip_max_norm))
+                self.sender.submit(setup.event(step, module_clip=self._grad_norms.clip_max_norm))
 
     def _announce(self) -> None:
         """Rank 0 says where the run can be seen, in one line, and echoes the run's new alerts to stderr as

@@ -6,7 +6,12 @@ The training thread adds 0-d or 1-d tensors with :meth:`StepRecord.add` and
 host values into :attr:`StepRecord.host`, both under the signal table's names
 (:mod:`agent.signals`: ``"loss"``, ``"layers.grad_norm"`` …); :meth:`StepRecord.seal` concatenates
 the tensors into one flat float32 vector and starts a single copy to the host
-(on CUDA non-blocking into pinned memory, followed by an event). Nothing here
+(on CUDA non-blocking into pinned memory, followed by an event). What travels
+between the step builder, the sealer and the wire besides the table's names
+has named fields: the step's two loss sums and the one place that chooses
+between them (:meth:`StepRecord.take_loss`), the user's custom scalars, the
+loop's reports of step signals held for the step's end, the scaler's state,
+the NaN replay's finding. Nothing here
 reads a device value in the training thread. The sender thread calls
 :meth:`StepRecord.read`, which waits for the event and copies the vector's
 bytes out once (one memcpy, no Python object per value): per-layer arrays go
@@ -27,11 +32,28 @@ import torch
 
 
 class StepRecord:
-    __slots__ = ("step", "host", "parts", "index", "layout", "vector", "event", "stream", "later")
+    __slots__ = ("step", "host", "parts", "index", "layout", "vector", "event", "stream", "later",
+                 "scaled_loss", "logged_loss", "custom", "custom_dev", "reported", "scaler_active", "nan_replay",
+                 "lr_factor")
 
     def __init__(self, step: int):
         self.step = step
         self.host: dict[str, Any] = {}
+        # The step's plumbing, named (agent/step_builder.py fills it, agent/sealer.py and agent/wire.py read it).
+        # Its two loss sums over the micro-batches, on their device (a number for a loss logged as one): what
+        # the GradScaler's scale() was given, and what monitor.log(loss=...) reported; take_loss() picks.
+        self.scaled_loss: Any = None
+        self.logged_loss: Any = None
+        # monitor.log's own scalars ("custom:<key>" on the wire): numbers, and 0-d tensors (parts at the seal)
+        self.custom: Optional[dict[str, float]] = None
+        self.custom_dev: Optional[dict[str, torch.Tensor]] = None
+        # the loop's reports of step signals (agent/owners.py, LOOP_REPORTS) during the step: each goes to
+        # its signal's owner when the step ends
+        self.reported: Optional[dict[str, Any]] = None
+        self.scaler_active = False   # a loss scaler scaled this step (its overflow is stored, a NaN grad is its)
+        self.nan_replay: Optional[dict] = None   # the NaN replay's finding for this step (agent/capture/replay.py)
+        # remediation cooled this step's update by this factor (agent/rewinder.py): the LR's owner applies it
+        self.lr_factor: Optional[float] = None
         self.parts: list[tuple[str, torch.Tensor]] = []
         # "layers.<stat>" part -> the layers (parameters, modules) its values belong to, where not all in order
         self.index: dict[str, list[int]] = {}
@@ -48,6 +70,35 @@ class StepRecord:
         if self.later is None:
             self.later = {}
         self.later[key] = (compute, argument)
+
+    def take_loss(self) -> Any:
+        """The step's loss, and the two sums forgotten: the one choice between them, made here only.
+
+        The loss the loop logged (``monitor.log(loss=...)``) wins: it is the loss as the loop sees it,
+        while a GradScaler's ``scale()`` may be given something else (several losses, an auxiliary
+        term); without a logged loss, the sum of what ``scale()`` was given. None: neither.
+        """
+        loss = self.logged_loss if self.logged_loss is not None else self.scaled_loss
+        self.logged_loss = self.scaled_loss = None
+        return loss
+
+    def keep_custom(self, key: str, value: Any) -> None:
+        """A custom scalar of the step (``custom:<key>`` on the wire): a float, or a 0-d tensor (a part at
+        the seal, read with the others)."""
+        if isinstance(value, torch.Tensor):
+            if self.custom_dev is None:
+                self.custom_dev = {}
+            self.custom_dev[key] = value
+        else:
+            if self.custom is None:
+                self.custom = {}
+            self.custom[key] = value
+
+    def hold_report(self, key: str, value: Any) -> None:
+        """The loop's report of a step signal during the step, for its owner at the step's end (the last one wins)."""
+        if self.reported is None:
+            self.reported = {}
+        self.reported[key] = value
 
     def add(self, key: str, tensor: torch.Tensor, index: Optional[list[int]] = None) -> None:
         """A 0-d or 1-d tensor (a higher-dimensional one is flattened). ``index``: for a per-layer part that

@@ -17,7 +17,8 @@ measured on either thread. While the sender thread seals, the training
 thread's next optimizer step and next seal wait (:meth:`Sealer.barrier`), so
 nothing changes the weights it reads and records stay in step order.
 
-Imports torch, :mod:`agent.capture.ema_worker` (its timeout) and :mod:`agent.registry` (the pid).
+Imports torch, :mod:`agent.capture.ema_worker` (its timeout), :mod:`agent.registry` (the pid) and
+:mod:`agent.signals` (the custom scalars' part prefix).
 """
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ import torch
 
 from gradwatch.agent.capture.ema_worker import BARRIER_TIMEOUT
 from gradwatch.agent.registry import process
+from gradwatch.agent.signals import CUSTOM_PART_PREFIX
 
 
 class Sealer:
+    # the signal it writes (agent/owners.py: one writer per signal, checked at attach)
+    emits = ("loss",)
+
     def __init__(self, config: Any, sender: Any, guards: Any, at_seal: list, ema_worker: Any = None,
                  stale_finish: Optional[Callable[[Any], None]] = None):
         self.config = config
@@ -152,18 +157,14 @@ class Sealer:
             self.barrier()
         elif self.ema_worker is not None:
             self.ema_worker.barrier()
-        host = rec.host
-        loss = host.pop("logged_loss", None)
-        if loss is None:
-            loss = host.pop("scaled_loss", None)
-        else:
-            host.pop("scaled_loss", None)
+        loss = rec.take_loss()   # the logged loss or the scaled one: the record's one choice
         if isinstance(loss, torch.Tensor):
             rec.add("loss", loss)
         elif loss is not None:
-            host["loss"] = float(loss)   # a loss logged as a number
-        for key, t in (host.pop("custom_dev", None) or {}).items():
-            rec.add("custom:" + key, t)
+            rec.host["loss"] = float(loss)   # a loss logged as a number
+        custom_dev, rec.custom_dev = rec.custom_dev, None
+        for key, t in (custom_dev or {}).items():
+            rec.add(CUSTOM_PART_PREFIX + key, t)
         for c in self.at_seal:
             if c.at_seal(rec, in_training_thread, self.submit_sealed):
                 return   # the collector's worker seals and submits it

@@ -148,6 +148,33 @@ def scaler_enabled(scaler: Any, unknown: bool = False) -> bool:
     return scaler is not None and bool(getattr(scaler, "_enabled", unknown))
 
 
+def scaler_found_inf(scaler: Any, optimizer: Any = None, device: Any = None) -> Optional[torch.Tensor]:
+    """A GradScaler's overflow flag of the step: its private ``found_inf_per_device`` tensors (the public
+    reading syncs), summed over devices, > 0 when ``step()`` skipped the update; None before any. Read
+    before ``update()`` clears them; no sync. ``optimizer``: that optimizer's only (else every one's);
+    ``device``: where several devices' flags are summed (else the first flag's). The one reader of
+    the flag: the loss-scale collector (the step's ``overflow``) and the skip guard both call it.
+
+    >>> scaler_found_inf(torch.amp.GradScaler("cpu")) is None
+    True
+    """
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    if optimizer is not None:
+        state = states.get(id(optimizer))
+        states = {id(optimizer): state} if state else {}
+    if len(states) == 1:   # one optimizer (the usual case): no nested comprehension
+        for state in states.values():
+            found = list((state.get("found_inf_per_device") or {}).values())
+    else:
+        found = [f for state in states.values() for f in (state.get("found_inf_per_device") or {}).values()]
+    if len(found) == 1:
+        return found[0]   # update() only adds into it when there are several
+    if not found:
+        return None
+    dev = device if device is not None else found[0].device
+    return torch.stack([f.to(dev, non_blocking=True).reshape(()) for f in found]).sum()
+
+
 def unwrap_scaler(scaler: Any) -> tuple[Any, Optional[str]]:
     """The GradScaler-like object in ``scaler`` (or None) and, when none, why."""
     if scaler is None:

@@ -129,10 +129,10 @@ class StepAssembler:
         overflow = bool(found_inf) if found_inf is not None else False
         if overflow:
             self.overflow_count += 1
-        step["overflow"] = overflow if get("scaler_active") else False
+        step["overflow"] = overflow if record.scaler_active else False
         step["overflow_count"] = self.overflow_count
 
-        custom = dict(get("custom") or {})
+        custom = dict(record.custom or {})
         for key in vals.keys():
             if key.startswith("custom:"):
                 custom[key[7:]] = scalar(key)
@@ -163,7 +163,7 @@ class StepAssembler:
         loss_bad = loss is not None and not finite(loss)
         grad_bad = grad_norm is not None and not finite(grad_norm)
         # A finite loss with overflowing fp16 grads is the scaler doing its job, not an incident.
-        critical = loss_bad or (grad_bad and not get("scaler_active"))
+        critical = loss_bad or (grad_bad and not record.scaler_active)
         if critical:
             top = self._top_grad_norms(grad_list())
             if top:
@@ -172,7 +172,7 @@ class StepAssembler:
         act_index = index.get("layers.act_nonfinite")
         act_nonfinite = vals.floats("layers.act_nonfinite") if act_index is not None else None
         events.extend(self._hunt(record.step, critical, grad_bad, act_index, act_nonfinite, grad_list,
-                                 get("nan_replay")))
+                                 record.nan_replay))
         return step, events, critical
 
     def _per_layer(self, vals: StepValues, index: dict, key: str) -> Optional[list]:

@@ -14,6 +14,10 @@ A collector is one kind of measurement. It declares
   optimizer, or a scaler whose ``step()`` hands one over), ``"scaler"``, ``"ema"``,
   ``"batchnorm"`` (a BatchNorm module with running statistics); a monitor without
   them does not compose it;
+* ``reports``: of the names it writes, those a loop may report through ``monitor.log``
+  (:data:`agent.owners.LOOP_REPORTS`): the report is handed to it (:meth:`Collector.report`), the
+  signal's one writer. No two collectors (nor the step builder, nor the sealer) write one name:
+  checked when the monitor composes them (:func:`agent.owners.check_owners`);
 * ``every``: the :class:`~agent.config.AgentConfig` field with its sampling
   interval K (sampled on steps divisible by K; 0 is off), or None for every step;
   ``while_hunting``: sampled on every step while a NaN hunt is on, too;
@@ -23,6 +27,9 @@ and overrides the hook points it uses (the step builder calls only those):
 * :meth:`Collector.on_first_forward` — the step's first training forward, with
   its inputs, when the collector is due;
 * :meth:`Collector.before_optimizer_step` — right before the optimizer changes the weights;
+* :meth:`Collector.grads_final` — the step's grads are final (unscaled, not yet clipped), possibly
+  more than once a step;
+* :meth:`Collector.before_scaler_update` — right before the GradScaler's ``update()``;
 * :meth:`Collector.end_step` — the step ended: add its tensors to the record
   (``rec.add(key, tensor)``; host values into ``rec.host``) and forget the step;
 * :meth:`Collector.at_seal` — the record is being sealed (after the post-step
@@ -109,6 +116,7 @@ class Collector:
 
     name: ClassVar[str] = ""
     emits: ClassVar[tuple[str, ...]] = ()
+    reports: ClassVar[tuple[str, ...]] = ()
     needs: ClassVar[tuple[str, ...]] = ()
     every: ClassVar[Optional[str]] = None
     while_hunting: ClassVar[bool] = False
@@ -136,8 +144,28 @@ class Collector:
     def before_optimizer_step(self, step: int) -> None:
         """Right before the optimizer step."""
 
+    def grads_final(self) -> None:
+        """The step's grads are final: unscaled, before clipping and the optimizer step (called where the
+        loop's events say so, possibly more than once a step)."""
+
+    def before_scaler_update(self) -> None:
+        """Right before the GradScaler's ``update()``: its scale and ``found_inf`` of the step are still there."""
+
     def end_step(self, step: int, rec: Any) -> None:
         """Add this step's tensors to ``rec``, then forget the step."""
+
+    def measured(self, name: str) -> Any:
+        """The value of ``name`` (a signal it writes) it measured in the step so far, before ``end_step``
+        hands it to the record, or None: for what acts inside the step (the skip guard, the NaN replay,
+        remediation)."""
+        return None
+
+    def report(self, key: str, value: Any, rec: Any, ended: bool) -> bool:
+        """The loop's report of ``key`` (one of ``reports``, through ``monitor.log``; a float or a 0-d tensor,
+        a copy) for the step of ``rec``: ``ended`` False while the step is going (held for its end, or kept
+        by the collector), True once the step ended (the record holds the collector's own values). True:
+        taken, or dropped; False: it stays a custom scalar (the collector's own measurement won)."""
+        return False
 
     def at_seal(self, rec: Any, in_training_thread: bool, submit: Callable[[Any], None]) -> bool:
         """The record is being sealed. True: the collector took it over and calls ``submit(rec)`` itself."""

@@ -1,9 +1,13 @@
 """Per-parameter and global grad norms after unscale, before clipping; the clip_grad_norm_ hand-off.
 
-The step builder calls :meth:`GradNorms.measure` where the grads are final
+The step builder calls :meth:`GradNorms.grads_final` where the grads are final
 (the unscale inside ``scaler.step()``, before ``scaler.step()`` after an
 explicit ``unscale_``, the optimizer's step pre-hook); the ``clip_grad_norm_``
 patch hands over clipping calls for the model's parameters (:meth:`GradNorms.on_clip`).
+
+The one writer of ``grad_norm`` and ``clip_max_norm`` (agent/owners.py): a loop that knows them where
+the agent measured nothing (DeepSpeed under ZeRO 1/2 leaves no ``p.grad``; its engine clips without
+torch's function) reports them through ``monitor.log``, and :meth:`GradNorms.report` decides.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ class GradNorms(Collector):
     name = "grad_norms"
     # sharded parameters (FSDP, DTensor): the norms of this rank's shards, which the server combines
     emits = ("grad_norm", "layers.grad_norm", "grad_norm_local", "layers.grad_norm_local", "clip_max_norm")
+    reports = ("grad_norm", "clip_max_norm")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -35,6 +40,13 @@ class GradNorms(Collector):
             with self.guards.guard("grad_norms"):
                 w = self.watched
                 self.grads = grad_norms(w.params, w.all_index, w.grads()) or False
+
+    grads_final = measure   # the hook point the step builder calls (agent/collectors/base.py)
+
+    def measured(self, name: str):
+        """This step's global grad norm so far (a 0-d device tensor; sharded: this rank's shards'), or None."""
+        grads = self.grads
+        return grads[2] if grads else None
 
     def remeasure(self) -> None:
         """Forget this step's measurement and measure again (the grads changed since)."""
@@ -90,3 +102,41 @@ class GradNorms(Collector):
             # parameters without a grad go out "not measured"
             rec.add("layers.grad_norm_local" if local else "layers.grad_norm", per,
                     None if len(index) == len(self.watched.params) else index)
+
+    def report(self, key, value, rec, ended) -> bool:
+        """The loop's ``clip_max_norm`` (a number: the one the agent saw wins) or global ``grad_norm`` (a
+        float or a 0-d tensor: the step's unless the agent measured its own, then a custom scalar; not a
+        scalar, or sharded parameters, where the server combines the ranks' norms: the custom path)."""
+        if key == "clip_max_norm":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                self.guards.warn.warning("log:clip_max_norm",
+                                         "gradwatch: monitor.log(clip_max_norm=...) needs a number; ignored")
+            elif not ended:   # the step is still going: end_step puts the threshold on the record
+                if self.clip_max_norm is None:
+                    self.clip_max_norm = float(value)
+            elif rec.host.get("clip_max_norm") is None:   # the ended step's: the one end_step wrote wins
+                rec.host["clip_max_norm"] = float(value)
+            return True
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                return False   # the custom path warns
+            value = value.detach().reshape(()).clone()   # the loop's tensor may change in place
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        else:
+            value = float(value)
+        if self.watched.local:
+            return False   # sharded: the agent's norms are this rank's shards', the server combines them
+        if not ended:   # the step is still going: the agent may measure at its end
+            rec.hold_report(key, value)
+        elif any(k in _OWN_NORMS for k, _ in rec.parts):
+            rec.keep_custom(key, value)   # the agent's own measurement won
+        else:
+            # A number goes in as a 0-d CPU tensor, a part like the measured norm (read the same way by the
+            # wire); with a record on CUDA that means one more copy at the seal, for a loop that already synced.
+            rec.add("grad_norm", value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32))
+        return True
+
+
+# the step totals end_step writes: either means the agent measured the step's norm itself
+_OWN_NORMS = ("grad_norm", "grad_norm_local")

@@ -1,4 +1,9 @@
-"""The learning rate of each parameter group, every step (tensor LRs stay on the device)."""
+"""The learning rate of each parameter group, every step (tensor LRs stay on the device).
+
+With remediation cooling an update (agent/rewinder.py), a float ``lr`` is the one that update used: the
+step builder hands the factor over in the record (``rec.lr_factor``), and this, the signal's one writer,
+applies it.
+"""
 from __future__ import annotations
 
 import torch
@@ -20,7 +25,7 @@ class LearningRate(Collector):
             groups = opt.param_groups
             lr = groups[0].get("lr") if len(groups) == 1 else None
             if lr.__class__ is float:   # the usual case: one group, a float LR
-                host["lr"] = lr
+                host["lr"] = lr if rec.lr_factor is None else lr * rec.lr_factor
                 groups = ()
             for i, g in enumerate(groups):
                 lr = g.get("lr")
@@ -29,6 +34,6 @@ class LearningRate(Collector):
                     rec.add(key if i == 0 else "custom:" + key, lr.detach().clone())
                 elif lr is not None:
                     if i == 0:
-                        host["lr"] = float(lr)
+                        host["lr"] = float(lr) if rec.lr_factor is None else float(lr) * rec.lr_factor
                     elif len(groups) > 1:
-                        host.setdefault("custom", {})[key] = float(lr)
+                        rec.keep_custom(key, float(lr))
