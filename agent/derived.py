@@ -12,7 +12,8 @@ Leaf module: standard library only, so the server imports it where torch is not 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+import struct
+from typing import Callable, Optional, Sequence, Union
 
 
 def clipped(grad_norm: Optional[float], max_norm: Optional[float]) -> Optional[bool]:
@@ -54,10 +55,35 @@ def update_ratios(update_norms: Sequence[float], weight_norms: Sequence[float]) 
     return [u / w if w else (0.0 if u == 0 else math.inf) for u, w in zip(update_norms, weight_norms)]
 
 
+_F32 = struct.Struct("<f")
+
+
+def share(part: Union[None, float, Sequence[Optional[float]]],
+          whole: Union[None, float, Sequence[Optional[float]]]):
+    """``part`` of ``whole`` elements as a share: of two counts (the model's), or elementwise of two
+    sequences of counts (per parameter, a list). 0 of 0 elements is no share, and neither is a count not
+    measured (None or NaN, the wire's "not measured" read back): None.
+
+    A float32 number, as the counts are (one process counts on the device in float32, and the ranks send
+    float32 arrays): a share computed from them is the same number in one process and on a sharded run's
+    combined row.
+
+    >>> share(1.0, 4.0), share(0.0, 0.0), share(None, 4.0), share([1.0, 0.0, 2.0], [3.0, 0.0, math.nan])
+    (0.25, None, None, [0.3333333432674408, None, None])
+    """
+    if isinstance(part, (list, tuple)) or isinstance(whole, (list, tuple)):
+        return [share(p, w) for p, w in zip(part or (), whole or ())]
+    if part is None or whole is None or not whole or math.isnan(whole) or math.isnan(part):
+        return None
+    return _F32.unpack(_F32.pack(part / whole))[0]
+
+
 # derived signal (a step signal or a per-layer statistic of the table) -> the function computing it from its
-# inputs, in the order of its ``derived_from``
+# inputs, in the order of its ``derived_from``. A name that is both (grad_zero_fraction) has one function,
+# taking the step's numbers or the per-layer sequences.
 DERIVE: dict[str, Callable] = {
     "clipped": clipped,
     "ema_divergence": ema_divergence,
     "update_ratio": update_ratios,
+    "grad_zero_fraction": share,
 }

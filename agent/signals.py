@@ -39,6 +39,10 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 Kind = Literal["float", "count", "bool"]
+# how the pieces of one parameter, each measured by the rank holding it, combine into the full parameter's
+# value (and the parameters' values into a step total): l2, the root of the sum of squares (norms); sum
+# (counts); max (largest values)
+Combine = Literal["l2", "sum", "max"]
 Draw = Literal["line", "dash", "flag"]
 Over = Literal["params", "modules", "bn"]
 
@@ -76,6 +80,9 @@ class StepSignal:
     nonfinite: str = "kept: NaN and ±Inf are stored, charted on the NaN rug and read by the rules"
     # derived: the record parts it is computed from, in one process, by agent/derived.py's function of its name
     derived_from: tuple[str, ...] = ()
+    # a sharded run's per-rank form: the record part this signal carries on such a run (a rank's own value
+    # of its pieces, sent under this signal's name instead of the part's; "Sharded runs" below)
+    pieces_of: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,12 @@ class LayerStat:
     heatmap: Optional[str] = None   # run-page heatmap title (None: no heatmap)
     combined: bool = False          # a sharded run's combined row (rank -1) holds it (server/ranks.py)
     derived_from: tuple[str, ...] = ()   # as StepSignal.derived_from
+    # a sharded run's per-rank form ("Sharded runs" below): the record part ("layers.<x>") whose values of
+    # this rank's pieces it carries; how the server combines the pieces of a parameter; and the step part
+    # that is its total over the parameters (combined the same way), if any
+    pieces_of: Optional[str] = None
+    combine: Optional[Combine] = None
+    total: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -152,11 +165,12 @@ STEP_SIGNALS: tuple[StepSignal, ...] = (
     # ---- signals declared after these have no column of their own: stored in `steps.extra` by id
     StepSignal("grad_zero_fraction", 14, "float", "", "share of gradient elements that are exactly zero after "
                "unscale, over all parameters (sampled; the fp16 underflow of the checklist's section 2.1)",
-               panel="grad_zero_fraction", label="zero grad elements", combined=True),
+               panel="grad_zero_fraction", label="zero grad elements", combined=True,
+               derived_from=("grad_zero_count", "numel")),
     StepSignal("grad_norm_local", 15, "float", "", "L2 norm of the gradient elements this rank holds, unscaled "
                "and before clipping (sharded parameters: FSDP / DTensor); the server combines the ranks' "
                "per-parameter norms into the global grad_norm of the combined row (rank -1)",
-               nonfinite="kept: a non-finite shard makes the global grad norm non-finite"),
+               nonfinite="kept: a non-finite shard makes the global grad norm non-finite", pieces_of="grad_norm"),
     # a resume's G6 compares the RNG state after loading a checkpoint with this value of the step before it
     StepSignal("rng_hash", 16, "count", "", "CRC-32 of the torch CPU (and CUDA, once initialised) RNG state at "
                "the step's end, where a checkpoint is usually saved (docs/resume.md)"),
@@ -202,24 +216,27 @@ LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("update_ratio", "params", "", "per-parameter ‖Δθ‖ / ‖θ‖ of this step's update (sampled)",
               combined=True, derived_from=("layers.update_norm", "layers.weight_norm")),
     LayerStat("grad_zero_fraction", "params", "", "per-parameter share of gradient elements exactly zero after "
-              "unscale (sampled)", combined=True),
-    # sharded runs: what one rank measures of its pieces of each parameter; the server combines them
-    # (one value per distinct piece, squared and summed) into grad_norm / weight_norm / update_ratio
-    LayerStat("grad_norm_local", "params", "", "per-parameter grad norm over this rank's shard (sharded runs)"),
+              "unscale (sampled)", combined=True, derived_from=("layers.grad_zero_count", "layers.numel")),
+    # sharded runs: what one rank measures of its pieces of each parameter, and how the server combines the
+    # pieces ("Sharded runs" below): norms as the root of the sum of squares, counts added
+    LayerStat("grad_norm_local", "params", "", "per-parameter grad norm over this rank's shard (sharded runs)",
+              pieces_of="layers.grad_norm", combine="l2", total="grad_norm"),
     LayerStat("weight_norm_local", "params", "", "per-parameter weight norm over this rank's shard (sharded "
-              "runs, sampled)"),
+              "runs, sampled)", pieces_of="layers.weight_norm", combine="l2"),
     LayerStat("update_norm_local", "params", "", "per-parameter ‖Δθ‖ over this rank's shard (sharded runs, "
-              "sampled)"),
+              "sampled)", pieces_of="layers.update_norm", combine="l2"),
     # sharded runs, with the EMA: its divergence's numerator and denominator per parameter piece
     LayerStat("ema_diff_local", "params", "", "per-parameter ‖θ_ema − θ‖ over this rank's shard (sharded runs, "
-              "sampled with the EMA divergence)"),
+              "sampled with the EMA divergence)", pieces_of="layers.ema_diff", combine="l2", total="ema_diff"),
     LayerStat("ema_ref_local", "params", "", "per-parameter ‖θ‖ over this rank's shard, the EMA divergence's "
-              "denominator (sharded runs, sampled with it)"),
+              "denominator (sharded runs, sampled with it)", pieces_of="layers.ema_ref", combine="l2",
+              total="ema_ref"),
     # sharded runs: the gradient elements exactly zero, counted, and the elements of each piece
     LayerStat("grad_zero_count_local", "params", "elements", "per-parameter count of gradient elements exactly "
-              "zero after unscale in this rank's shard (sharded runs, sampled)"),
+              "zero after unscale in this rank's shard (sharded runs, sampled)",
+              pieces_of="layers.grad_zero_count", combine="sum", total="grad_zero_count"),
     LayerStat("numel_local", "params", "elements", "per-parameter element count of this rank's shard (sharded "
-              "runs, sampled with grad_zero_count_local)"),
+              "runs, sampled with grad_zero_count_local)", pieces_of="layers.numel", combine="sum", total="numel"),
     LayerStat("act_mean", "modules", "", "mean of each module's output (sampled)"),
     LayerStat("act_std", "modules", "", "standard deviation of each module's output (sampled)",
               heatmap="Per-module activation std (log10)"),
@@ -300,6 +317,30 @@ LAYER_PART_PREFIX = "layers."
 CUSTOM_PART_PREFIX = "custom:"
 
 
+# ---- Sharded runs (FSDP / DTensor): every rank holds a piece of each sharded parameter and measures only
+# its pieces (a collective to combine them in the training job is one the agent must never add). A
+# collector writes the table's names whatever the sharding, through :func:`per_rank`: on a sharded run a
+# part that a per-rank form declares (``pieces_of``) goes out under that form's name instead. The server
+# combines a step's ranks from these declarations alone (server/ranks.py): each per-rank statistic's
+# distinct pieces into the full parameters' values of its part (``combine``), their totals over the
+# parameters into step parts (``total``), the combined row's derived signals from those by agent/derived.py,
+# and any other signal of the combined row (``combined``) from rank 0, the same on every rank (clip_max_norm).
+# A derived value whose inputs a sharded rank sends in their per-rank form is left to the combined row.
+PER_RANK: dict[str, str] = {d.pieces_of: (LAYER_PART_PREFIX if isinstance(d, LayerStat) else "") + d.name
+                            for d in (*STEP_SIGNALS, *LAYER_STATS) if d.pieces_of}
+PIECES: tuple[LayerStat, ...] = tuple(s for s in LAYER_STATS if s.combine)
+
+
+def per_rank(part: str, sharded: bool) -> str:
+    """The name a collector's record part ``part`` (the table's name) takes: on a sharded run, the per-rank
+    form the table declares for it, if any.
+
+    >>> per_rank("layers.grad_norm", True), per_rank("layers.grad_norm", False), per_rank("loss", True)
+    ('layers.grad_norm_local', 'layers.grad_norm', 'loss')
+    """
+    return PER_RANK.get(part, part) if sharded else part
+
+
 def derived_inputs() -> tuple[str, ...]:
     """The record parts that only feed derived signals (they do not go on the wire themselves)."""
     seen: dict[str, None] = {}
@@ -326,8 +367,8 @@ def unknown_record_names(names) -> list[str]:
     ['grad_norms', 'clipped']
     """
     inputs = derived_inputs()
-    return [n for n in names
-            if not is_record_signal(n) and n not in inputs and not n.startswith(CUSTOM_PART_PREFIX)]
+    return [n for n in names if not is_record_signal(n) and n not in inputs and n not in PER_RANK
+            and not n.startswith(CUSTOM_PART_PREFIX)]
 
 
 def step_signal(name: str) -> StepSignal:
@@ -380,6 +421,26 @@ def _check() -> None:
         if any(n.startswith(LAYER_PART_PREFIX) != isinstance(d, LayerStat) for n in d.derived_from):
             raise ValueError(f"{d.name!r}: a per-layer statistic derives from \"layers.\" parts, a step signal "
                              "from step parts")
+        if d.pieces_of is not None and d.pieces_of.startswith(LAYER_PART_PREFIX) != isinstance(d, LayerStat):
+            raise ValueError(f"{d.name!r}: a per-layer statistic is the per-rank form of a \"layers.\" part, a "
+                             "step signal of a step part")
+    if len(PER_RANK) != sum(1 for d in (*STEP_SIGNALS, *LAYER_STATS) if d.pieces_of):
+        raise ValueError("a record part has one per-rank form")
+    totals = {s.total for s in PIECES if s.total}
+    for s in LAYER_STATS:
+        if (s.combine is not None) != (s.pieces_of is not None) or (s.total and not s.combine):
+            raise ValueError(f"{s.name!r}: a per-rank statistic declares pieces_of and combine (total with them)")
+        if s.combine and s.over != "params":
+            raise ValueError(f"{s.name!r}: only a per-parameter statistic is measured in pieces")
+        if s.combined and not (s.derived_from or LAYER_PART_PREFIX + s.name in PER_RANK):
+            raise ValueError(f"{s.name!r}: a combined per-layer statistic is some per-rank statistic's part, or "
+                             "derived from such parts")
+        if s.combined and any(n not in PER_RANK for n in s.derived_from):
+            raise ValueError(f"{s.name!r}: its combined value derives from parts the ranks send in pieces")
+    for sig in STEP_SIGNALS:
+        if sig.combined and sig.derived_from and any(n not in totals and not is_step_signal(n)
+                                                     for n in sig.derived_from):
+            raise ValueError(f"{sig.name!r}: its combined value derives from step totals or step signals")
 
 
 _check()

@@ -1,33 +1,34 @@
-"""Ranks of a sharded run combined: the full parameters' norms and the global grad norm, per step.
+"""Ranks of a sharded run combined: the full parameters' values and the step's totals, per step.
 
 Under FSDP / DTensor every rank holds a piece of each sharded parameter, and the
-agent measures only what the rank holds (``grad_norm_local``,
-``layers.grad_norm_local`` / ``weight_norm_local`` / ``update_norm_local``;
-agent/wire.py), because combining them in the training job would be a
-collective the agent must never add. Each rank also sends, once, which piece
-of each parameter it holds (``meta.param_shards``: ``[index, count]``, kept in
-``rank_layouts``). This module does the reduction on the server, inside the
-ingest transaction of the batch that brings a step's last rank:
+agent measures only what the rank holds, because combining them in the training
+job would be a collective the agent must never add. The signal table
+(agent/signals.py, "Sharded runs") declares each per-rank form: the statistic of
+a rank's pieces (``grad_norm_local`` …), the record part it carries
+(``pieces_of``), how a parameter's pieces combine (``combine``: ``l2``, the root
+of the sum of squares, for norms; ``sum`` for counts; ``max``) and the step part
+that is its total over the parameters (``total``). Each rank also sends, once,
+which piece of each parameter it holds (``meta.param_shards``: ``[index, count]``,
+kept in ``rank_layouts``). This module does the reduction on the server, inside
+the ingest transaction of the batch that brings a step's last rank, as one loop
+over those declarations (:func:`combine_step`); it names no statistic:
 
 * per parameter, one value per distinct piece ``index`` (the lowest rank
   holding it: replicas, e.g. HSDP's replicate dimension, are never counted
-  twice), squared in float64 and summed over the ``count`` pieces; the square
-  root is the full parameter's norm. A piece that no rank reported, or a layout
-  that cannot be combined (``count`` 0), leaves that parameter "not measured";
-* the global grad norm is the norm of the full parameters' norms, exactly as
-  ``clip_grad_norm_`` computes it (parameters with no grad on any rank are
-  left out, as clipping leaves them out);
-* update ratio = ‖Δθ‖ / ‖θ‖ of the full parameter, from the combined numerator
-  and denominator (ratios of pieces do not combine);
-* EMA divergence ‖θ_ema − θ‖ / ‖θ‖ over the parameters the EMA holds, the same
-  way (``ema_diff_local`` / ``ema_ref_local``);
-* ``clipped``: the combined grad norm above rank 0's ``clip_max_norm``.
-
-The update ratio, EMA divergence and ``clipped`` come from the functions a single
-process's agent computes them with (agent/derived.py), from the combined norms.
-* the share of gradient elements exactly zero, per parameter and over the
-  model, from each distinct piece's zero count and element count
-  (``grad_zero_count_local`` / ``numel_local``; counts are added, not squared).
+  twice), combined over the ``count`` pieces (for ``l2`` squared in float64,
+  summed, the root taken). A piece that no rank reported, or a layout that
+  cannot be combined (``count`` 0), leaves that parameter "not measured";
+* a total over the parameters, combined the same way over the measured ones; a
+  parameter some rank reported but that is not measured (a piece missing, a
+  layout that cannot be combined) leaves the total unknown, as a total of part
+  of the model is not the total (parameters with no value on any rank, e.g. no
+  grad, are left out, as ``clip_grad_norm_`` leaves them out);
+* a derived signal of the combined row (update ratio, EMA divergence,
+  ``clipped``, the share of zero grad elements) from the combined parts, by the
+  function a single process's agent computes it with (agent/derived.py): ratios
+  of pieces do not combine, their numerators and denominators do;
+* any other signal the combined row holds (``combined``, ``clip_max_norm``) is
+  the same on every rank: rank 0's.
 
 The result is written as the run's **combined row**, rank ``COMBINED_RANK``
 (-1), through the same write path as any rank's steps (steps, layer stats,
@@ -46,11 +47,12 @@ import numpy as np
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from gradwatch.agent.derived import clipped, ema_divergence, update_ratios
-from gradwatch.agent.signals import STEP_SIGNAL_NAMES
+from gradwatch.agent.derived import DERIVE
+from gradwatch.agent.signals import (EXTRA_BASE, LAYER_PART_PREFIX, LAYER_STATS, PIECES, STEP_SIGNAL_NAMES,
+                                     STEP_SIGNALS, step_signal)
 
 from .models import LayerStat, RankLayout, Run, Step, StepRanks
-from .numbers import NULL_F32_BITS, null_mask
+from .numbers import NULL_F32_BITS, extra_values, null_mask
 from .schemas import StepIn
 
 COMBINED_RANK = -1
@@ -112,10 +114,22 @@ def all_ranks_sent(sent: dict[int, int], steps, world_size: int) -> list[bool]:
 def rank_hosts(run_config: Optional[dict]) -> dict[str, Any]:
     """Each rank's host (by rank as a string), from where ingest keeps every rank's own meta."""
     return {r: meta.get("host") for r, meta in ((run_config or {}).get("_ranks") or {}).items()}
-# what the ranks send -> what the combined row holds (update norms become update_ratio)
-_LOCAL_STATS = ("grad_norm_local", "weight_norm_local", "update_norm_local", "ema_diff_local", "ema_ref_local",
-                "grad_zero_count_local", "numel_local")
+# what the ranks send of their pieces: the signal table's per-rank statistics
+_LOCAL_STATS = tuple(s.name for s in PIECES)
 _NOTHING_MEASURED = dict.fromkeys(STEP_SIGNAL_NAMES)   # a combined row's signals, before it fills some
+_TOTALS = {s.total for s in PIECES if s.total}
+# what the combined row holds: its per-layer statistics (measured: a combined part; derived: from such parts)
+_LAYER_OUT = tuple((s.name, s.derived_from) for s in LAYER_STATS if s.combined)
+# ... its step signals: derived from the totals and rank 0's values, or a total, in the table's order
+_STEP_DERIVED = tuple(s for s in STEP_SIGNALS if s.combined and s.derived_from)
+_STEP_TOTALS = tuple(s.name for s in STEP_SIGNALS if s.combined and not s.derived_from and s.name in _TOTALS)
+# ... and the rest, the same on every rank: rank 0's value (with the step inputs of derived ones that are
+# step signals, not totals), read from its column or its steps.extra slot
+_FROM_RANK0 = tuple(dict.fromkeys(
+    [s.name for s in STEP_SIGNALS if s.combined and not s.derived_from and s.name not in _TOTALS]
+    + [n for s in _STEP_DERIVED for n in s.derived_from if n not in _TOTALS and n not in _STEP_TOTALS]))
+_RANK0_COLUMNS = tuple(n for n in _FROM_RANK0 if step_signal(n).column)
+_RANK0_EXTRAS = tuple((n, step_signal(n).id - EXTRA_BASE) for n in _FROM_RANK0 if not step_signal(n).column)
 
 
 _PROGRESS_QUERIES: dict[int, Any] = {}
@@ -178,15 +192,8 @@ class _Plan:
             self.pick[first, j] = True
             self.known[j] = len(pieces) == count[0, j] and pieces[0] >= 0
 
-    def full_squares(self, blobs: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """(sum of squares of each full parameter, measured) from one statistic (a norm) of every rank."""
-        return self._full(blobs, square=True)
-
-    def full_sums(self, blobs: dict[int, bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """(sum over each full parameter's pieces, measured) from one statistic (a count) of every rank."""
-        return self._full(blobs, square=False)
-
-    def _full(self, blobs: dict[int, bytes], square: bool) -> tuple[np.ndarray, np.ndarray]:
+    def full(self, blobs: dict[int, bytes], combine: str) -> "_Part":
+        """One per-rank statistic of every rank, its pieces combined into each full parameter's."""
         W, n = self.world_size, self.n
         vals = np.zeros((W, n))
         missing = np.ones((W, n), dtype=bool)
@@ -196,9 +203,34 @@ class _Plan:
             vals[r, :k] = arr.astype(np.float64)
             missing[r, :k] = null_mask(arr)
         vals[missing] = 0.0
-        sq = np.where(self.pick, vals * vals if square else vals, 0.0).sum(axis=0)
+        if combine == "max":
+            acc = np.where(self.pick, vals, -np.inf).max(axis=0, initial=-np.inf)
+        else:
+            acc = np.where(self.pick, vals * vals if combine == "l2" else vals, 0.0).sum(axis=0)
         measured = self.known & ~(self.pick & missing).any(axis=0)
-        return sq, measured
+        # parameters some rank has a value for (the rest, e.g. without a grad, are left out of totals)
+        return _Part(acc, measured, (~missing).any(axis=0), combine)
+
+
+class _Part:
+    """A part combined over the ranks' pieces: per parameter, the accumulated pieces (for ``l2`` the sum
+    of squares, so that a total is the root of their sum, not of re-squared roots) and which are measured."""
+
+    def __init__(self, acc: np.ndarray, measured: np.ndarray, reported: np.ndarray, combine: str):
+        self.acc, self.measured, self.reported, self.combine = acc, measured, reported, combine
+
+    def values(self) -> np.ndarray:
+        return np.sqrt(self.acc) if self.combine == "l2" else self.acc
+
+    def total(self) -> Optional[float]:
+        """Over the parameters: None when none is measured, or one that some rank reported is not."""
+        ok = self.measured
+        if not ok.any() or (self.reported & ~ok).any():
+            return None
+        if self.combine == "max":
+            return float(self.acc[ok].max())
+        t = float(self.acc[ok].sum())
+        return math.sqrt(t) if self.combine == "l2" else t
 
 
 def _f32(values: np.ndarray, measured: np.ndarray) -> bytes:
@@ -236,17 +268,18 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
     c_lo, c_hi = complete[0], complete[-1]
     keep = set(complete)
     times: dict[int, float] = {}
-    max_norm: dict[int, Optional[float]] = {}
+    rank0: dict[int, dict[str, Any]] = {}
     # Core, not the ORM's row loading: these read a row per rank and step (and stat), 5,000 rows for
     # 10 steps of 256 ranks, where the ORM's per-row bookkeeping took most of the time
     conn = session.connection()
-    for r, s, t, m in conn.execute(
-            select(Step.rank, Step.step, Step.time, Step.clip_max_norm).where(
+    cols = [getattr(Step, n) for n in _RANK0_COLUMNS] + ([Step.extra] if _RANK0_EXTRAS else [])
+    for r, s, t, *row in conn.execute(
+            select(Step.rank, Step.step, Step.time, *cols).where(
                 Step.run_id == run.id, among_ranks(Step.rank, W), Step.step >= c_lo, Step.step <= c_hi)).all():
         if s in keep:
             times[s] = max(times.get(s, t), t)
-            if m is not None and (s not in max_norm or r == 0):
-                max_norm[s] = m
+            if r == 0:
+                rank0[s] = _rank0_values(row)
     blobs: dict[int, dict[str, dict[int, bytes]]] = {}
     for r, s, stat, blob in conn.execute(
             select(LayerStat.rank, LayerStat.step, LayerStat.stat, LayerStat.values).where(
@@ -255,51 +288,50 @@ def combine_steps(session: Session, *, run: Run, steps: list[int], sent: Optiona
         if s in keep and blob:
             blobs.setdefault(s, {}).setdefault(stat, {})[r] = bytes(blob)
     plan = _Plan(layouts, W)
-    out = []
-    for s in complete:
-        by_stat = blobs.get(s, {})
-        fields: dict[str, Any] = {**_NOTHING_MEASURED, "step": s, "time": times[s], "custom": {}, "layers": {}}
-        layers = fields["layers"]
-        if by_stat.get("grad_norm_local"):
-            sq, ok = plan.full_squares(by_stat["grad_norm_local"])
-            layers["grad_norm"] = _f32(np.sqrt(sq), ok)
-            # parameters no rank has a grad for are left out, as clip_grad_norm_ leaves them out;
-            # one only partly reported (or a layout that cannot be combined) makes the total unknown
-            seen = np.zeros(plan.n, dtype=bool)
-            for blob in by_stat["grad_norm_local"].values():
-                arr = np.frombuffer(blob, dtype="<f4")[:plan.n]
-                seen[:len(arr)] |= ~null_mask(arr)
-            if ok.any() and not (seen & ~ok).any():
-                total = math.sqrt(float(sq[ok].sum()))
-                fields["grad_norm"] = total
-                m = max_norm.get(s)
-                if m is not None:
-                    fields["clip_max_norm"] = m
-                    was_clipped = clipped(total, m)
-                    if was_clipped is not None:
-                        fields["clipped"] = was_clipped
-        if by_stat.get("weight_norm_local"):
-            wsq, wok = plan.full_squares(by_stat["weight_norm_local"])
-            layers["weight_norm"] = _f32(np.sqrt(wsq), wok)
-            if by_stat.get("update_norm_local"):
-                usq, uok = plan.full_squares(by_stat["update_norm_local"])
-                ratio = np.array(update_ratios(np.sqrt(usq).tolist(), np.sqrt(wsq).tolist()), dtype=np.float64)
-                layers["update_ratio"] = _f32(ratio, wok & uok)
-        if by_stat.get("ema_diff_local") and by_stat.get("ema_ref_local"):
-            # ‖θ_ema − θ‖ / ‖θ‖ over the full parameters the EMA holds (each piece once, as the norms above)
-            dsq, dok = plan.full_squares(by_stat["ema_diff_local"])
-            rsq, rok = plan.full_squares(by_stat["ema_ref_local"])
-            ok = dok & rok
-            if ok.any():
-                fields["ema_divergence"] = ema_divergence(math.sqrt(float(dsq[ok].sum())),
-                                                          math.sqrt(float(rsq[ok].sum())))
-        if by_stat.get("grad_zero_count_local") and by_stat.get("numel_local"):
-            zeros, zok = plan.full_sums(by_stat["grad_zero_count_local"])
-            numel, nok = plan.full_sums(by_stat["numel_local"])
-            ok = zok & nok & (numel > 0)
-            if ok.any():
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    layers["grad_zero_fraction"] = _f32(zeros / numel, ok)
-                fields["grad_zero_fraction"] = float(zeros[ok].sum() / numel[ok].sum())
-        out.append(StepIn.model_construct(**fields))
+    return [combine_step(plan, s, times[s], blobs.get(s, {}), rank0.get(s, {})) for s in complete]
+
+
+def _rank0_values(row) -> dict[str, Any]:
+    """Rank 0's values of the signals the combined row takes from it (its columns, then its extra blob)."""
+    out = {n: v for n, v in zip(_RANK0_COLUMNS, row) if v is not None}
+    if _RANK0_EXTRAS and row[len(_RANK0_COLUMNS)]:
+        extra, ok = extra_values(row[len(_RANK0_COLUMNS)])
+        out.update({n: float(extra[i]) for n, i in _RANK0_EXTRAS if i < len(extra) and ok[i]})
     return out
+
+
+def combine_step(plan: _Plan, step: int, time: float, by_stat: dict[str, dict[int, bytes]],
+                 rank0: dict[str, Any]):
+    """One complete step's combined row (``StepIn``), from every rank's per-rank statistics (``by_stat``:
+    stat -> rank -> float32 blob) and rank 0's values, by the signal table's declarations alone."""
+    parts: dict[str, _Part] = {}         # record part ("layers.grad_norm") -> combined over the pieces
+    for stat in PIECES:
+        if by_stat.get(stat.name):
+            parts[stat.pieces_of] = plan.full(by_stat[stat.name], stat.combine)
+    step_parts: dict[str, Any] = dict(rank0)   # step part -> value: the totals, and rank 0's values
+    for stat in PIECES:
+        if stat.total and stat.pieces_of in parts:
+            step_parts[stat.total] = parts[stat.pieces_of].total()
+    fields: dict[str, Any] = {**_NOTHING_MEASURED, "step": step, "time": time, "custom": {}, "layers": {}}
+    layers = fields["layers"]
+    for name, inputs in _LAYER_OUT:
+        if not inputs:
+            part = parts.get(LAYER_PART_PREFIX + name)
+            if part is not None:
+                layers[name] = _f32(part.values(), part.measured)
+        elif all(n in parts for n in inputs):
+            got = DERIVE[name](*[parts[n].values().tolist() for n in inputs])
+            measured = np.logical_and.reduce([parts[n].measured for n in inputs]) & \
+                np.array([v is not None for v in got], dtype=bool)
+            layers[name] = _f32(np.array([np.nan if v is None else v for v in got], dtype=np.float64), measured)
+    for name in _STEP_TOTALS:
+        fields[name] = step_parts.get(name)
+    for name in _FROM_RANK0:
+        if name in fields:
+            fields[name] = rank0.get(name)
+    for sig in _STEP_DERIVED:   # in the table's order: a derived signal may read one derived before it
+        value = DERIVE[sig.name](*[fields[n] if fields.get(n) is not None else step_parts.get(n)
+                                   for n in sig.derived_from])
+        if value is not None:
+            fields[sig.name] = value
+    return StepIn.model_construct(**fields)

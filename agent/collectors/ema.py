@@ -16,6 +16,7 @@ import torch
 from gradwatch.agent.capture.ema_pairs import EmaMatcher, ema_divergence
 from gradwatch.agent.capture.ema_worker import BARRIER_TIMEOUT, EmaWorker
 from gradwatch.agent.collectors.base import Collector, scatter_measured
+from gradwatch.agent.signals import per_rank
 
 
 class _NoStream:
@@ -41,8 +42,9 @@ class EmaDivergence(Collector):
     name = "ema"
     every = "ema_every"
     needs = ("ema",)
-    # the divergence's numerator and denominator (agent/derived.py divides); sharded, per parameter piece too
-    emits = ("ema_diff", "ema_ref", "layers.ema_diff_local", "layers.ema_ref_local")
+    # the divergence's numerator and denominator (agent/derived.py divides), and per parameter: what a
+    # sharded run's ranks send of their pieces, for the server to combine (one process sends none of them)
+    emits = ("ema_diff", "ema_ref", "layers.ema_diff", "layers.ema_ref")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -61,17 +63,16 @@ class EmaDivergence(Collector):
 
     def _add(self, rec) -> None:
         w = self.watched
-        got = ema_divergence(w.ema, w.param_names, w.params, self.matcher, per_param=w.local)
+        got = ema_divergence(w.ema, w.param_names, w.params, self.matcher, per_param=True)
         if got is None:
             return
         rec.add("ema_diff", got[0])
         rec.add("ema_ref", got[1])
-        if w.local:
-            # sharded: this rank's pieces per parameter, for the server to combine into the full
-            # parameters' divergence (server/ranks.py); parameters the EMA does not hold: "not measured"
-            diff_norms, weight_norms, index = got[2:]
-            rec.add("layers.ema_diff_local", scatter_measured(diff_norms, index, len(w.params)))
-            rec.add("layers.ema_ref_local", scatter_measured(weight_norms, index, len(w.params)))
+        # per parameter (sharded: this rank's pieces, under their per-rank names), for the server to combine
+        # into the full parameters' divergence; parameters the EMA does not hold: "not measured"
+        diff_norms, weight_norms, index = got[2:]
+        rec.add(per_rank("layers.ema_diff", w.local), scatter_measured(diff_norms, index, len(w.params)))
+        rec.add(per_rank("layers.ema_ref", w.local), scatter_measured(weight_norms, index, len(w.params)))
 
     def _offload(self) -> bool:
         """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights

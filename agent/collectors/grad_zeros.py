@@ -5,6 +5,12 @@ keep them representable, and a loss scale that collapses, or a layer whose gradi
 a rising share of exact zeros well before training visibly stalls. Sampled with the weight norms
 (``weights_every``), right before the optimizer step, where the grads are unscaled.
 
+The collector counts (the zero elements and the elements, per parameter and over the model); the share
+is derived from the counts by agent/derived.py's ``share``, in the sender thread for one process and on
+the server for a sharded run's combined row, where the ranks' counts of their pieces are added up
+(agent/signals.py declares the per-rank form): one function, so an empty piece or parameter (0 of 0
+elements: no share) reads alike in both.
+
 Cost on a sampled step: two small kernels per parameter tensor (a comparison and a sum), no host sync;
 nothing on the other steps.
 """
@@ -13,13 +19,14 @@ from __future__ import annotations
 import torch
 
 from gradwatch.agent.collectors.base import Collector, scatter_measured
+from gradwatch.agent.signals import per_rank
 
 
 class GradZeroFraction(Collector):
     name = "grad_zero_fraction"
     needs = ("optimizer",)
     every = "weights_every"
-    emits = ("grad_zero_fraction", "layers.grad_zero_fraction", "layers.grad_zero_count_local", "layers.numel_local")
+    emits = ("grad_zero_count", "numel", "layers.grad_zero_count", "layers.numel")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -47,16 +54,12 @@ class GradZeroFraction(Collector):
         with self.guards.guard(self.name):
             counts, have = zeros
             params = self.watched.weights()   # sharded: the local elements this rank counted
-            sizes = [max(p.numel(), 1) for p, h in zip(params, have) if h]   # an empty shard counts 0 of 1
-            size_t = torch.tensor(sizes, dtype=torch.float32, device=counts.device)
-            frac = counts.to(torch.float32) / size_t
-            rec.add("grad_zero_fraction", counts.sum().to(torch.float32) / float(sum(sizes)))
+            sizes = [float(p.numel()) for p, h in zip(params, have) if h]
             index = [i for i, h in enumerate(have) if h]
-            rec.add("layers.grad_zero_fraction", scatter_measured(frac, index, len(params)))
-            if self.watched.local:
-                # sharded: this rank's zero counts and element counts per parameter, which the server adds
-                # up over the distinct pieces into the full parameters' share (server/ranks.py). An empty
-                # piece counts 0 of 0 there (``sizes`` above counts it as 1 only to divide by it here).
-                numel = torch.tensor([float(p.numel()) for p, h in zip(params, have) if h], device=counts.device)
-                rec.add("layers.grad_zero_count_local", scatter_measured(counts, index, len(params)))
-                rec.add("layers.numel_local", scatter_measured(numel, index, len(params)))
+            # float32 counts, as the share was always computed from them (exact below 2**24 elements)
+            rec.add("grad_zero_count", counts.sum().to(torch.float32))
+            rec.add("numel", torch.tensor(sum(sizes), dtype=torch.float32, device=counts.device))
+            local = self.watched.local   # sharded: this rank's counts of its pieces (the table's per-rank form)
+            rec.add(per_rank("layers.grad_zero_count", local), scatter_measured(counts, index, len(params)))
+            rec.add(per_rank("layers.numel", local),
+                    scatter_measured(torch.tensor(sizes, device=counts.device), index, len(params)))

@@ -5,13 +5,15 @@ import torch
 
 from gradwatch.agent.capture.norms import tensor_norms
 from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.signals import per_rank
 
 
 class WeightNorms(Collector):
     name = "weights"
     every = "weights_every"
-    # update norms: the update ratio's numerator (agent/derived.py); sharded, each rank's pieces
-    emits = ("layers.weight_norm", "layers.update_norm", "layers.weight_norm_local", "layers.update_norm_local")
+    # update norms: the update ratio's numerator (agent/derived.py); sharded, each rank's pieces of both, under
+    # the per-rank names the signal table declares (agent/signals.py, per_rank)
+    emits = ("layers.weight_norm", "layers.update_norm")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -30,8 +32,8 @@ class WeightNorms(Collector):
         if self.due(step) and self.guards.on("weights"):
             with self.guards.guard("weights"):
                 params = self.watched.weights()
-                local = "_local" if self.watched.local else ""
-                rec.add("layers.weight_norm" + local, tensor_norms(params))
+                local = self.watched.local
+                rec.add(per_rank("layers.weight_norm", local), tensor_norms(params))
                 if before is not None:
                     delta = torch._foreach_sub([p.detach() for p in params], before)
-                    rec.add("layers.update_norm" + local, tensor_norms(delta))
+                    rec.add(per_rank("layers.update_norm", local), tensor_norms(delta))

@@ -21,10 +21,11 @@ COMBINED_STATS: frozenset[str] = frozenset(s.name for s in table.LAYER_STATS if 
 # the all-ranks overlays and rank × step heatmaps: (signal, title, log y), from the table's per_rank titles
 RANK_CHARTS: tuple[tuple[str, str, bool], ...] = tuple(
     (s.name, s.per_rank, bool(s.panel and table.panel(s.panel).log_y)) for s in table.STEP_SIGNALS if s.per_rank)
-# a sharded run's ranks measure only their pieces (agent/signals.py: grad_norm_local): its per-rank chart of
-# a combined signal draws what each rank measured, the combined value being one number for all ranks
-SHARDED_PER_RANK: dict[str, str] = {s.name: f"{s.name}_local" for s in table.STEP_SIGNALS
-                                    if s.per_rank and s.combined and table.is_step_signal(f"{s.name}_local")}
+# a sharded run's ranks measure only their pieces (agent/signals.py, "Sharded runs": the per-rank form the
+# table declares, grad_norm_local): its per-rank chart of a combined signal draws what each rank measured,
+# the combined value being one number for all ranks
+SHARDED_PER_RANK: dict[str, str] = {s.name: table.PER_RANK[s.name] for s in table.STEP_SIGNALS
+                                    if s.per_rank and s.combined and s.name in table.PER_RANK}
 ALL_RANKS = "all"
 MANY_RANKS = 8             # above this, the overlay draws one rank in colour and the others thin and grey
 # line points per overlay chart, over all ranks: 64 ranks get ~125 points each (an SVG chart of 64 lines
