@@ -13,14 +13,16 @@ from gradwatch.agent.collectors.base import Collector
 from gradwatch.agent.config import EVERY_STEP, AgentConfig
 from gradwatch.agent.monitor import Monitor
 from gradwatch.agent.record import StepRecord
+from gradwatch.agent.sealer import Sealer
+from gradwatch.agent.step_builder import StepBuilder
 from gradwatch.agent.derived import DERIVE
 from gradwatch.agent.signals import (CUSTOM_PART_PREFIX, LAYER_STATS, STEP_SIGNALS, derived_inputs,
                                      unknown_record_names)
 from agent_helpers import ShadowEMA, TinyNet, batches, checklist_step
 
 # what the step builder and the sealer themselves write (agent/step_builder.py, agent/sealer.py), beside the
-# collectors: the loss, the skip guard's decision, the host clocks
-BUILDER_NAMES = {"loss", "skipped_update", "step_time", "data_time", "samples_per_s", "tokens_per_s"}
+# collectors: the loss, the skip guard's decision, the host clocks (declared like a collector's, agent/owners.py)
+BUILDER_NAMES = set(StepBuilder.emits) | set(Sealer.emits)
 
 
 def _config(settings: dict) -> AgentConfig:
@@ -48,11 +50,8 @@ def test_a_derived_signal_is_computed_not_emitted(agent_settings):
 
 def test_every_derived_signal_has_its_one_function_and_inputs_named_in_the_table():
     derived = [d.name for d in (*STEP_SIGNALS, *LAYER_STATS) if d.derived_from]
-    # grad_zero_fraction is both a step signal and a per-layer statistic: one function, numbers or sequences
-    assert sorted(set(derived)) == sorted(DERIVE) == ["clipped", "ema_divergence", "grad_zero_fraction",
-                                                      "update_ratio"]
-    assert set(derived_inputs()) == {"ema_diff", "ema_ref", "layers.update_norm", "grad_zero_count", "numel",
-                                     "layers.grad_zero_count", "layers.numel"}
+    assert sorted(derived) == sorted(DERIVE) == ["clipped", "ema_divergence", "update_ratio"]
+    assert set(derived_inputs()) == {"ema_diff", "ema_ref", "layers.update_norm"}
     assert unknown_record_names([n for d in (*STEP_SIGNALS, *LAYER_STATS) for n in d.derived_from]) == []
 
 
@@ -77,8 +76,9 @@ def _recording(kind: type) -> type:
 
 
 ADDED: dict[type, set] = {}
-# host values the step's plumbing carries besides signals (never on the wire under their own name)
-PLUMBING = {"events", "custom", "custom_dev", "nan_replay", "scaler_active", "time", "logged_loss", "scaled_loss"}
+# host values the step's plumbing carries besides signals (never on the wire under their own name); the rest of
+# it travels in the record's named fields (losses, custom values, reports, scaler state, the NaN replay's finding)
+PLUMBING = {"events", "time"}
 
 
 def test_every_collector_writes_only_the_names_it_declares_and_every_part_is_the_tables(recorder, agent_settings,
@@ -122,6 +122,7 @@ def test_every_collector_writes_only_the_names_it_declares_and_every_part_is_the
                      "input_nonfinite", "lr", "adam_g2_over_v_max", "layers.linear_out_rms"):
         assert expected in seen, expected
     assert BUILDER_NAMES & parts == {"loss"}
+    assert BUILDER_NAMES == {"loss", "skipped_update", "step_time", "data_time", "samples_per_s", "tokens_per_s"}
 
 
 def test_the_wire_step_holds_the_derived_signals_from_the_one_function(recorder, agent_settings):
