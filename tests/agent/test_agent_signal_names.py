@@ -50,8 +50,11 @@ def test_a_derived_signal_is_computed_not_emitted(agent_settings):
 
 def test_every_derived_signal_has_its_one_function_and_inputs_named_in_the_table():
     derived = [d.name for d in (*STEP_SIGNALS, *LAYER_STATS) if d.derived_from]
-    assert sorted(derived) == sorted(DERIVE) == ["clipped", "ema_divergence", "update_ratio"]
-    assert set(derived_inputs()) == {"ema_diff", "ema_ref", "layers.update_norm"}
+    # grad_zero_fraction is both a step signal and a per-layer statistic: one function, numbers or sequences
+    assert sorted(set(derived)) == sorted(DERIVE) == ["clipped", "ema_divergence", "grad_zero_fraction",
+                                                      "update_ratio"]
+    assert set(derived_inputs()) == {"ema_diff", "ema_ref", "layers.update_norm", "grad_zero_count", "numel",
+                                     "layers.grad_zero_count", "layers.numel"}
     assert unknown_record_names([n for d in (*STEP_SIGNALS, *LAYER_STATS) for n in d.derived_from]) == []
 
 
