@@ -295,6 +295,22 @@ LAYER_STATS += (
               "(every linear_every steps; other modules: not measured; H4)"),
 )
 
+# ---- a sharded signal added as docs/architecture.md's "Adding a signal" says, in two files: these declarations
+# (the signal, its per-layer statistic and their per-rank form) and its collector, agent/collectors/grad_absmax.py;
+# the server combines the ranks' pieces from the per-rank form alone (server/ranks.py)
+STEP_SIGNALS += (
+    StepSignal("grad_absmax", 24, "float", "", "largest |g| of any gradient element after unscale, as the "
+               "optimizer uses it (after clipping; sampled with weights_every): fp16 overflows where it times "
+               "the loss scale passes 65504", combined=True,
+               nonfinite="kept: a non-finite gradient element makes it non-finite"),
+)
+LAYER_STATS += (
+    LayerStat("grad_absmax", "params", "", "per-parameter largest |g| of a gradient element after unscale "
+              "(sampled with weights_every)", combined=True),
+    LayerStat("grad_absmax_local", "params", "", "per-parameter largest |g| over this rank's shard (sharded runs, "
+              "sampled)", pieces_of="layers.grad_absmax", combine="max", total="grad_absmax"),
+)
+
 _BY_NAME = {s.name: s for s in STEP_SIGNALS}
 _LAYER_BY_NAME = {s.name: s for s in LAYER_STATS}
 _PANEL_BY_KEY = {p.key: p for p in PANELS}
