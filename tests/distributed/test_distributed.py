@@ -119,6 +119,15 @@ def compare(server, name: str, records: list[dict]) -> dict[str, float]:
                 assert stored is not None, f"grad_zero_fraction: nothing stored at step {st['step']}"
                 worst["grad_zero_fraction"] = max(worst.get("grad_zero_fraction", 0.0),
                                                   abs(float(stored) - st["grad_zero"]))
+        # the largest gradient element, per parameter and over the model (sharded: the largest of the ranks'
+        # pieces, combined from its per-rank form alone), against the full gradients' (FSDP1: not recorded)
+        absmax, per_absmax = series(server, rid, "grad_absmax", r), layers(server, rid, "grad_absmax", r)
+        for st in records[max(r, 0)]["steps"]:
+            if st["grad_absmax"] is not None:
+                note("grad_absmax", absmax.get(st["step"]), max(st["grad_absmax"]))
+                assert len(per_absmax[st["step"]]) == len(st["grad_absmax"])
+                for stored, ref in zip(per_absmax[st["step"]], st["grad_absmax"]):
+                    note("layers.grad_absmax", stored, ref)
     for key, value in worst.items():
         assert value <= REL, f"{mode}: {key} differs by {value:.3g} (rel) from PyTorch's"
     return worst

@@ -4,8 +4,8 @@
 
 Every rank trains the same tiny MLP on its own data, monitored by the agent (unless ``--no-agent``),
 and writes PyTorch's own numbers for every step to ``OUT_DIR/rank<k>.json``: the loss, what
-``clip_grad_norm_`` returned, and the full (unsharded) parameters' grad norms, weight norms and update
-ratios, and the modules' activation statistics; with ``--count`` also every collective issued by this
+``clip_grad_norm_`` returned, and the full (unsharded) parameters' grad norms, weight norms, update
+ratios and largest gradient elements, and the modules' activation statistics; with ``--count`` also every collective issued by this
 process, so a run with the agent and one without can be compared.
 
 MODE: ``ddp``, ``fsdp2`` (``fully_shard`` on each Linear and the root), ``hsdp`` (``fully_shard`` on a
@@ -236,6 +236,8 @@ def main() -> None:
             total = model.clip_grad_norm_(args.max_norm)
         else:
             total = torch.nn.utils.clip_grad_norm_(params, args.max_norm)
+        # the largest gradient element of each full parameter, as the optimizer is about to use it (clipped)
+        grad_absmax = None if fsdp1 else [float(full(p.grad).abs().max()) for p in params]
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -253,7 +255,8 @@ def main() -> None:
                "grad_norms": grad_norms,
                "weight_norms": [full_norm(a, fsdp1) for a in after],
                "update_ratios": [full_norm(a - b, fsdp1) / full_norm(a, fsdp1) for a, b in zip(after, before)],
-               "acts": dict(acts), "ema_div": (ema_num ** 0.5) / (ema_den ** 0.5), "grad_zero": grad_zero}
+               "acts": dict(acts), "ema_div": (ema_num ** 0.5) / (ema_den ** 0.5), "grad_zero": grad_zero,
+               "grad_absmax": grad_absmax}
         records.append(rec)
     if counter is not None:
         counter.__exit__(None, None, None)
