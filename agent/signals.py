@@ -45,6 +45,13 @@ Kind = Literal["float", "count", "bool"]
 Combine = Literal["l2", "sum", "max"]
 Draw = Literal["line", "dash", "flag"]
 Over = Literal["params", "modules", "bn"]
+# what a non-finite value of a step signal makes its step (agent/wire.py): critical (sent at once, the top grad
+# norms and the NaN-origin hunt) always, or only when no loss scaler is active on it (an overflow it skips)
+Critical = Literal["nonfinite", "nonfinite_without_scaler"]
+# the NaN-origin hunt's reading of a per-layer statistic (agent/wire.py): "activation", the first module in
+# forward order whose value is non-finite or above 0; "grad", the parameters whose value is non-finite (the
+# last of them in forward order is the origin; a critical step's largest ones go out as top_grad_norms)
+HuntRole = Literal["activation", "grad"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class StepSignal:
     # a sharded run's per-rank form: the record part this signal carries on such a run (a rank's own value
     # of its pieces, sent under this signal's name instead of the part's; "Sharded runs" below)
     pieces_of: Optional[str] = None
+    # a non-finite value makes the step critical (Critical above; read from its per-rank form on a sharded run)
+    critical: Optional[Critical] = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,8 @@ class LayerStat:
     pieces_of: Optional[str] = None
     combine: Optional[Combine] = None
     total: Optional[str] = None
+    # how the NaN-origin hunt reads it (HuntRole above; from its per-rank form on a sharded run)
+    nan_hunt: Optional[HuntRole] = None
 
 
 @dataclass(frozen=True)
@@ -131,11 +142,12 @@ PANELS += (
 STEP_SIGNALS: tuple[StepSignal, ...] = (
     StepSignal("loss", 0, "float", "", "the step's loss (summed over its micro-batches)", column=True,
                panel="loss", label="loss", compare="Loss", per_rank="Loss per rank",
-               nonfinite="an incident: a NaN / Inf loss raises A1 (critical)"),
+               nonfinite="an incident: a NaN / Inf loss raises A1 (critical)", critical="nonfinite"),
     StepSignal("grad_norm", 1, "float", "", "global L2 norm of the gradients, unscaled and before clipping",
                column=True, panel="grad_norm", label="grad norm", compare="Grad norm (pre-clip)",
                per_rank="Grad norm per rank", combined=True,
-               nonfinite="with a GradScaler: an fp16 overflow the scaler skips (A5); without one: A2 (critical)"),
+               nonfinite="with a GradScaler: an fp16 overflow the scaler skips (A5); without one: A2 (critical)",
+               critical="nonfinite_without_scaler"),
     StepSignal("clip_max_norm", 2, "float", "", "the max_norm passed to clip_grad_norm_", column=True,
                panel="grad_norm", label="clip max_norm", draw="dash", combined=True),
     StepSignal("clipped", 3, "bool", "", "the pre-clip norm exceeded max_norm", column=True,
@@ -210,7 +222,7 @@ STEP_SIGNALS += (
 
 LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("grad_norm", "params", "", "per-parameter grad norm (unscaled, pre-clip)",
-              heatmap="Per-parameter grad norm (log10)", combined=True),
+              heatmap="Per-parameter grad norm (log10)", combined=True, nan_hunt="grad"),
     LayerStat("weight_norm", "params", "", "per-parameter weight norm ‖θ‖ (sampled)",
               heatmap="Per-parameter weight norm (log10)", combined=True),
     LayerStat("update_ratio", "params", "", "per-parameter ‖Δθ‖ / ‖θ‖ of this step's update (sampled)",
@@ -241,7 +253,8 @@ LAYER_STATS: tuple[LayerStat, ...] = (
     LayerStat("act_std", "modules", "", "standard deviation of each module's output (sampled)",
               heatmap="Per-module activation std (log10)"),
     LayerStat("act_absmax", "modules", "", "max |x| of each module's output (sampled)"),
-    LayerStat("act_nonfinite", "modules", "values", "non-finite values in each module's output (sampled)"),
+    LayerStat("act_nonfinite", "modules", "values", "non-finite values in each module's output (sampled)",
+              nan_hunt="activation"),
     LayerStat("bn_mean_norm", "bn", "", "norm of each BatchNorm layer's running mean (sampled)"),
     LayerStat("bn_var_norm", "bn", "", "norm of each BatchNorm layer's running variance (sampled)"),
 )
@@ -440,6 +453,9 @@ def _check() -> None:
         if d.pieces_of is not None and d.pieces_of.startswith(LAYER_PART_PREFIX) != isinstance(d, LayerStat):
             raise ValueError(f"{d.name!r}: a per-layer statistic is the per-rank form of a \"layers.\" part, a "
                              "step signal of a step part")
+    for role in ("activation", "grad"):
+        if sum(1 for s in LAYER_STATS if s.nan_hunt == role) != 1:
+            raise ValueError(f"one per-layer statistic is the NaN-origin hunt's {role!r} reading")
     if len(PER_RANK) != sum(1 for d in (*STEP_SIGNALS, *LAYER_STATS) if d.pieces_of):
         raise ValueError("a record part has one per-rank form")
     totals = {s.total for s in PIECES if s.total}

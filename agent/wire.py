@@ -1,9 +1,9 @@
 """Turns sealed :class:`~agent.record.StepRecord` objects into wire-format step dicts and events.
 
 Runs in the sender thread only. Also decides what is *critical* (sent without waiting for the tick)
-and drives the NaN-origin hunt: the training thread reads ``NanHunt.active``
-(a plain attribute, no lock needed for a bool) and hooks every module while it
-is set. See ``docs/wire-format.md`` for the shapes produced here.
+and drives the NaN-origin hunt, both from the signal table's declarations (``critical``, ``nan_hunt``):
+the training thread reads ``NanHunt.active`` (a plain attribute, no lock needed for a bool) and hooks
+every module while it is set. See ``docs/wire-format.md`` for the shapes produced here.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 from gradwatch.agent.derived import DERIVE
 from gradwatch.agent.nonfinite import F32_PREFIX, NULL_F32_BITS, encode_float
 from gradwatch.agent.record import StepRecord, StepValues, finite
-from gradwatch.agent.signals import LAYER_PART_PREFIX, LAYER_STATS, STEP_SIGNALS
+from gradwatch.agent.signals import LAYER_PART_PREFIX, LAYER_STATS, PER_RANK, STEP_SIGNALS
 
 # Compact per-layer arrays (docs/wire-format.md, "Compact layer arrays"): "f32:" + base64 of the
 # little-endian float32 bytes; their prefix and "not measured" pattern are agent/nonfinite.py's, which
@@ -32,6 +32,19 @@ _STEP_SIGNALS = tuple((s.name, s.kind, (DERIVE[s.name], s.derived_from) if s.der
                       for s in STEP_SIGNALS if s.name not in _COUNTED)
 _LAYER_PARTS = {LAYER_PART_PREFIX + s.name: (s.name, s.over) for s in LAYER_STATS if not s.derived_from}
 _LAYER_DERIVED = tuple((s.name, DERIVE[s.name], s.derived_from) for s in LAYER_STATS if s.derived_from)
+
+
+def _forms(part: str) -> tuple[str, ...]:
+    """A record part's name and, where the table declares one, its per-rank form (a sharded run's)."""
+    return (part, PER_RANK[part]) if part in PER_RANK else (part,)
+
+
+# The critical check and the NaN-origin hunt read declarations too: the step signals whose non-finite value makes
+# a step critical (``critical``: always, or without an active loss scaler), and the per-layer statistics the hunt
+# reads (``nan_hunt``), each from its part or, on a sharded run, its per-rank form's.
+_CRITICAL = tuple((_forms(s.name), s.critical == "nonfinite") for s in STEP_SIGNALS if s.critical)
+_HUNT_ACTIVATION = next(LAYER_PART_PREFIX + s.name for s in LAYER_STATS if s.nan_hunt == "activation")
+_HUNT_GRAD = _forms(next(LAYER_PART_PREFIX + s.name for s in LAYER_STATS if s.nan_hunt == "grad"))
 
 
 def f32_b64(le_bytes: bytes) -> str:
@@ -156,22 +169,29 @@ class StepAssembler:
 
         # Python lists of single values, only for the few steps that look at them (a critical step's top
         # grad norms, the NaN-origin hunt). Sharded: this rank's norms of its pieces.
-        grad_key = "layers.grad_norm" if "layers.grad_norm" in vals else "layers.grad_norm_local"
+        grad_key = next((k for k in _HUNT_GRAD if k in vals), _HUNT_GRAD[0])
         grad_list = lambda: self._per_layer(vals, index, grad_key)   # noqa: E731
-        loss = scalar("loss") if "loss" in vals else get("loss")
-        grad_norm = scalar("grad_norm") if "grad_norm" in vals else scalar("grad_norm_local")
-        loss_bad = loss is not None and not finite(loss)
-        grad_bad = grad_norm is not None and not finite(grad_norm)
+        always = unscaled = False   # a non-finite value of a critical signal: one that is always critical / not
+        for forms, always_critical in _CRITICAL:
+            for name in forms:
+                v = scalar(name) if name in vals else get(name)
+                if v is not None:
+                    if not finite(v):
+                        if always_critical:
+                            always = True
+                        else:
+                            unscaled = True
+                    break
         # A finite loss with overflowing fp16 grads is the scaler doing its job, not an incident.
-        critical = loss_bad or (grad_bad and not record.scaler_active)
+        critical = always or (unscaled and not record.scaler_active)
         if critical:
             top = self._top_grad_norms(grad_list())
             if top:
                 events.append({"step": record.step, "kind": "top_grad_norms", "data": {"params": top}})
         events.extend({"step": record.step, **e} for e in get("events", ()))   # a collector's events (kind, data)
-        act_index = index.get("layers.act_nonfinite")
-        act_nonfinite = vals.floats("layers.act_nonfinite") if act_index is not None else None
-        events.extend(self._hunt(record.step, critical, grad_bad, act_index, act_nonfinite, grad_list,
+        act_index = index.get(_HUNT_ACTIVATION)
+        act_nonfinite = vals.floats(_HUNT_ACTIVATION) if act_index is not None else None
+        events.extend(self._hunt(record.step, critical, always or unscaled, act_index, act_nonfinite, grad_list,
                                  record.nan_replay))
         return step, events, critical
 
@@ -196,7 +216,7 @@ class StepAssembler:
         pairs.sort(key=lambda p: (math.isfinite(p[1]), -p[1] if math.isfinite(p[1]) else 0.0))
         return [[name, encode_float(v)] for name, v in pairs[:5]]
 
-    def _hunt(self, step: int, critical: bool, grad_bad: bool, act_index: Optional[list],
+    def _hunt(self, step: int, critical: bool, nonfinite: bool, act_index: Optional[list],
               act_nonfinite: Optional[list],
               grad_list: Callable[[], Optional[list]], replayed: Optional[dict] = None) -> list[dict]:
         hunt = self.hunt
@@ -213,7 +233,7 @@ class StepAssembler:
         if not hunt.enabled:
             return []
         if not critical and not hunt.active:
-            if not grad_bad:
+            if not nonfinite:
                 hunt.reported = False   # a healthy step ends the incident
             return []
         if hunt.reported:
