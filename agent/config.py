@@ -97,9 +97,13 @@ class AgentConfig:
     setup_advice: bool = True            # send the run's setup once (precision, clipping and its order, EMA
                                          # decay, cosine floor) for the server's notes H5-H9; no per-step cost
     # early warning, attention and output logits (H2, H3; agent/collectors/early_logits.py)
-    # every 50: the run's max logit is sampled every step while it grows (>= 10 and >= 1.5x one interval
-    # earlier), which carries H2's lead time; 10 cost 0.4 ms a step of the 22 ms reference step (docs/performance.md)
-    attn_logits_every: int = 50          # per attention module, the max attention logit q·k·scale
+    # the run's max logit is sampled every step while it grows (>= 10 and >= 1.5x one interval earlier), which
+    # carries H2's and H12's lead time. Every 25 (issue 41, was 50): replayed on the early-warning benchmark's
+    # tuning half (bench/early_warning/replay.py --cadence) it notices the growth as early as sampling every step
+    # does (H12's median lead 53 -> 56, p25 36, the same controls warned), and it is the widest interval that does;
+    # a sampled step costs the attention measurement alone (no other collector samples at 25, 75, ...): +0.09 ms
+    # a step on the reference loop against every 50, side by side (docs/early-warning.md, "Cost and cadence")
+    attn_logits_every: int = 25          # per attention module, the max attention logit q·k·scale
     output_logits_every: int = 50        # the output's max logit and mean log Z (H3's drift is slow)
     attention_modules: Optional[str] = None   # attention the agent cannot see where it is computed (an external
                                          # kernel): "name[:heads], ..." (fnmatch patterns), docs/signals.md

@@ -1,10 +1,16 @@
 """Offline iteration on the tuning half only: H12's forecast (server/rules/catalog/early_forecast.py,
 :func:`forecast_step`, the rule's own code) replayed on the recorded true max logits at the agent's default
-cadence (every 50 steps, every step for 2 intervals once the run's max is >= 10 and 1.5x its value one
+cadence (every 25 steps, every step for 2 intervals once the run's max is >= 10 and 1.5x its value one
 interval earlier: agent/collectors/early_logits.py), for a grid of settings. The figures reported come
 from the real path (sweep.py + report.py), never from here; held-out cases are never read.
 
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl
+    .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --cadence
+
+``--cadence`` replays H12's default settings at other sampling cadences instead of the grid (issue 41: lead
+through cadence, within the overhead budget): the interval, how long an escalation samples every step, and
+the growth test that escalates. Beside the lead figures it prints the share of the controls' steps that
+would be sampled (each costs one measured forward: the overhead that cadence adds on a healthy run).
 """
 from __future__ import annotations
 
@@ -17,28 +23,34 @@ from gradwatch.server.rules.catalog.early_forecast import AttentionLogitForecast
 
 from .report import lead, load, split_cases, summary
 
-EVERY, FLOOR, GROWTH, INTERVALS = 50, 10.0, 1.5, 2
+EVERY, FLOOR, GROWTH, INTERVALS = 25, 10.0, 1.5, 2      # agent/config.py, agent/collectors/early_logits.py
 
 
-def sampled(run: dict) -> list[tuple[int, list[float]]]:
-    """(step, per-call max logits) of the steps the agent would sample."""
+# the agent's cadence (agent/collectors/early_logits.py): the interval, the escalation's length in steps
+# (BOOST_INTERVALS intervals), the interval the growth test looks back over (one interval)
+CADENCE = {"every": EVERY, "boost": INTERVALS * EVERY, "lookback": EVERY, "floor": FLOOR, "growth": GROWTH}
+
+
+def sampled(run: dict, cadence: dict = CADENCE) -> list[tuple[int, list[float]]]:
+    """(step, per-call max logits) of the steps the agent would sample at ``cadence``."""
+    every, look = cadence["every"], cadence["lookback"]
     out, history, boost = [], [], -1
     for step, vs in enumerate(run["logits"]):
-        if not (step % EVERY == 0 or step <= boost):
+        if not (step % every == 0 or step <= boost):
             continue
         vals = [v if v is not None else math.nan for v in vs]
         out.append((step, vals))
         top = max((v for v in vals if math.isfinite(v)), default=math.nan)
-        before = [v for s, v in history if s <= step - EVERY]
-        history = [(s, v) for s, v in history if s > step - 2 * EVERY] + [(step, top)]
-        if before and math.isfinite(top) and top >= FLOOR and top >= GROWTH * before[-1]:
-            boost = step + INTERVALS * EVERY
+        before = [v for s, v in history if s <= step - look]
+        history = [(s, v) for s, v in history if s > step - 2 * max(look, every)] + [(step, top)]
+        if before and math.isfinite(top) and top >= cadence["floor"] and top >= cadence["growth"] * before[-1]:
+            boost = step + cadence["boost"]
     return out
 
 
-def first_hit(run: dict, cfg: dict):
+def first_hit(run: dict, cfg: dict, cadence: dict = CADENCE):
     mems: dict[int, dict] = {}
-    for step, vals in sampled(run):
+    for step, vals in sampled(run, cadence):
         hit = False
         for j, v in enumerate(vals):
             if math.isfinite(v) and forecast_step(mems.setdefault(j, {}), step, v, cfg) is not None:
@@ -48,18 +60,43 @@ def first_hit(run: dict, cfg: dict):
     return None
 
 
-def evaluate(cases: list[dict], cfg: dict) -> tuple[dict, int]:
-    leads = [lead(c["divergent"]["diverged_at"], first_hit(c["divergent"], cfg)) for c in cases]
-    fp = sum(1 for c in cases if first_hit(c["control"], cfg) is not None)
+def evaluate(cases: list[dict], cfg: dict, cadence: dict = CADENCE) -> tuple[dict, int]:
+    leads = [lead(c["divergent"]["diverged_at"], first_hit(c["divergent"], cfg, cadence)) for c in cases]
+    fp = sum(1 for c in cases if first_hit(c["control"], cfg, cadence) is not None)
     return summary(leads), fp
+
+
+def control_cost(cases: list[dict], cadence: dict) -> float:
+    """Sampled steps per step of the controls (healthy runs) at ``cadence``."""
+    n = sum(len(c["control"]["logits"]) for c in cases)
+    return sum(len(sampled(c["control"], cadence)) for c in cases) / max(1, n)
+
+
+# the cadences --cadence compares (H12 at its defaults): interval, escalation length, growth look-back. The
+# first is the bound (every step sampled); (50, 100, 50) was the default before issue 41, (25, 50, 25) is now.
+CADENCES = [dict(CADENCE, every=e, boost=b, lookback=lb) for e, b, lb in
+            ((1, 100, 10), (50, 100, 50), (40, 80, 40), (30, 60, 30), (25, 50, 25), (25, 100, 25), (25, 100, 50),
+             (20, 40, 20), (10, 100, 10))]
+
+
+def cadences(tuning: list[dict], cfg: dict) -> None:
+    print("every boost lookback | controls warned | sampled share of control steps | lead summary")
+    for cad in CADENCES:
+        s, fp = evaluate(tuning, cfg, cad)
+        print(f"{cad['every']:5d} {cad['boost']:5d} {cad['lookback']:8d} | {fp:2d} of {len(tuning)} | "
+              f"{control_cost(tuning, cad):.4f} | {s}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
+    ap.add_argument("--cadence", action="store_true", help="H12's defaults at other sampling cadences, not the grid")
     args = ap.parse_args()
     tuning, _, _ = split_cases(load(Path(args.results)))        # the held-out half is dropped here
     base = {k: p.default for k, p in AttentionLogitForecast.params.items()}
+    if args.cadence:
+        cadences(tuning, base)
+        return
     print("default", base, *evaluate(tuning, base))
     rows = []
     # docs/early-warning.md quotes this grid (2,160 settings): its least number of controls warned

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.early_warning.report                       # bench/early_warning/results.jsonl
     .venv/bin/python -m bench.early_warning.report --results /tmp/ew.jsonl --cases   # + one row per case
+    .venv/bin/python -m bench.early_warning.report --results NEW.jsonl --before OLD.jsonl   # + two sweeps side by side
 
 Lead of a rule on a divergent run: the divergence step (divergence.py) minus the first step of the rule's
 first alert above info; an alert after the divergence step, or none, is a miss. Warnings per 1,000 healthy
@@ -111,6 +112,35 @@ def case_rows(cases: list[dict], rules=RULES) -> str:
     return "\n".join(lines)
 
 
+def h_controls(cases: list[dict]) -> tuple[int, float]:
+    """Controls with an H alert above info, and H alerts above info per 1,000 healthy steps."""
+    steps = sum(c["control"]["steps"] for c in cases)
+    loud = [a for c in cases for a in c["control"]["alerts"] if a["severity"] != "info" and a["rule"].startswith("H")]
+    warned = sum(1 for c in cases if any(a["severity"] != "info" and a["rule"].startswith("H")
+                                         for a in c["control"]["alerts"]))
+    return warned, 1000 * len(loud) / max(1, steps)
+
+
+def side_by_side(before: list[dict], after: list[dict], label: str, rules=("H2", "H12", ANY)) -> str:
+    """One half's figures from two sweeps of the same cases (an earlier results file, this one)."""
+    ids = lambda cs: sorted(c["case"]["id"] for c in cs)   # noqa: E731
+    same = ids(before) == ids(after)
+    lines = [f"**{label}**" + ("" if same else f" (the sweeps' ok cases differ: {ids(before)} / {ids(after)})"), "",
+             "| signal | median lead before / after | p25 before / after | warned >= 20 ahead before / after | "
+             ">= 50 ahead before / after |", "| --- | --- | --- | --- | --- |"]
+    for r in rules:
+        rs = list(RULES) if r == ANY else [r]
+        b, a = (summary([lead(c["divergent"]["diverged_at"], first_warning(c["divergent"]["alerts"], rs))
+                         for c in cs]) for cs in (before, after))
+        pct = lambda s: f"{s['ge20']} ({100 * s['ge20'] / max(1, s['n']):.0f} %)"   # noqa: E731
+        lines.append(f"| {r} | {b['median']} / {a['median']} | {b['p25']} / {a['p25']} | {pct(b)} / {pct(a)} | "
+                     f"{b['ge50']} / {a['ge50']} |")
+    (wb, rb), (wa, ra) = h_controls(before), h_controls(after)
+    lines += ["", f"Controls with an H warning: {wb} / {wa} of {len(after)}; H warnings per 1,000 healthy steps: "
+              f"{rb:.2f} / {ra:.2f}", ""]
+    return "\n".join(lines)
+
+
 def split_cases(results: list[dict]) -> tuple[list[dict], list[dict], dict]:
     split = json.loads(SPLIT.read_text())
     halves = {i: "tuning" for i in split["tuning"]} | {i: "held-out" for i in split["held_out"]}
@@ -129,9 +159,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--cases", action="store_true", help="also one row per case")
+    ap.add_argument("--before", default=None, help="an earlier sweep's results file: H2 / H12 / any H side by side")
     args = ap.parse_args()
     tuning, held, counts = split_cases(load(Path(args.results)))
     print(f"cases: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}\n")
+    if args.before:
+        tuning0, held0, _ = split_cases(load(Path(args.before)))
+        print(side_by_side(tuning0, tuning, "Tuning half, before / after"))
+        print(side_by_side(held0, held, "Held-out half, before / after"))
     print(half_table(tuning, "Tuning half"))
     print(half_table(held, "Held-out half"))
     if args.cases:

@@ -331,3 +331,27 @@ def test_a_fast_growing_logit_is_sampled_every_step_until_it_stops_growing(recor
     assert value >= BOOST_FLOOR and value >= BOOST_GROWTH * before
     assert all(s in steps for s in range(first + 1, first + 9))      # every step for two intervals
     assert not any(s % 4 for s in steps if s > 30)                    # back to every 4th once growth stops
+
+
+def test_by_default_the_attention_logits_are_sampled_every_25_steps_and_nothing_else_joins_them(recorder,
+                                                                                                agent_settings):
+    """Issue 41: the attention logits' default cadence is 25 steps (the widest interval that, replayed on the
+    early-warning benchmark, notices a growth as early as every step), while the output logits stay at 50 and
+    the other layer statistics at their own: step 25 samples the attention logits alone."""
+    torch.manual_seed(0)
+    model = LM(FORMS["fused c_attn"], layers=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)     # a flat logit: no denser sampling while it grows
+    monitor = agent.attach(model, None, optimizer=opt, transport=recorder, **agent_settings)
+    idx = torch.randint(0, 12, (3, T))
+    for _ in range(51):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(idx).reshape(-1, 12), idx.reshape(-1))
+        loss.backward()
+        opt.step()
+    monitor.close()
+    by_step = {s["step"]: s for s in recorder.steps}
+    assert [k for k, s in sorted(by_step.items()) if s.get("attn_logit_max") is not None] == [0, 25, 50]
+    assert [k for k, s in sorted(by_step.items()) if s.get("output_log_z") is not None] == [0, 50]
+    # step 25 carries what every step carries (step 24's layer stats: the grad norms) and the attention logits
+    assert set(by_step[25]["layers"]) == set(by_step[24]["layers"]) | {"attn_logit_max"}, by_step[25]["layers"].keys()
+    assert "attn_logit_max" in by_step[50]["layers"] and len(by_step[50]["layers"]) > 1
