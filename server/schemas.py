@@ -303,6 +303,10 @@ class LayerMatrixOut(BaseModel):
     values: list[list[OutFloat]]
 
 
+# An alert: its one shape outside the database. The query layer builds it (``queries.alert_out``) and every
+# reader takes it as built: /api/v1/alerts, the ack's answer, the ingest reply's ``alerts``, the dashboard, the
+# incident page, the CLI (docs/architecture.md, "One read model per resource"). A comment, not a docstring: a
+# docstring would become the OpenAPI schema's description.
 class AlertOut(BaseModel):
     id: int
     run_id: int

@@ -24,7 +24,7 @@ def list_alerts(session: SessionDep, scope: ReadScopeDep,
                 status: Annotated[Optional[str], Query(max_length=16)] = None) -> AlertListOut:
     """Newest first; filters: run id, severity, rule (id or name), status (firing | resolved)."""
     alerts = queries.list_alerts(session, run_id=run, severity=severity, rule=rule, status=status, project=scope)
-    return AlertListOut(alerts=[AlertOut(**vars(a)) for a in alerts])
+    return AlertListOut(alerts=alerts)
 
 
 @router.post("/api/v1/alerts/{alert_id}/ack")
@@ -43,7 +43,7 @@ def ack_alert(alert_id: int, request: Request, scope: ReadScopeDep,
         if alert is None:
             raise HTTPException(404, f"no alert {alert_id}")
         session.commit()
-        return AlertOut(**vars(queries.get_alert(session, alert_id=alert_id)))
+        return queries.get_alert(session, alert_id=alert_id)
 
 
 @router.get("/api/v1/alerts/{alert_id}/incident")

@@ -16,6 +16,7 @@ from ..ingest import ingest_batch
 from ..lifecycle.delete import RunDeleted
 from ..models import Alert
 from ..pacing import reply_pace
+from ..queries import alert_out
 from ..schemas import AlertOut, IngestBatchIn, IngestResult
 from .deps import SettingsDep, check_scope, get_read_scope
 
@@ -229,8 +230,8 @@ ALERTS_LOOKBACK_S = 10.0
 # dashboard): a reply stays small however noisy the run
 ALERTS_PER_REPLY = 50
 
-# Core columns, not ORM objects: no identity-map bookkeeping per row, and the reply's models built without
-# re-validating what the database holds (bench/loop_alerts.py; docs/performance.md, "Alerts in the ingest reply").
+# Core columns, not ORM objects: no identity-map bookkeeping per row (bench/loop_alerts.py; docs/performance.md,
+# "Alerts in the ingest reply"). Each row becomes the one alert shape, ``queries.alert_out``.
 _ALERT_COLUMNS = tuple(c for c in Alert.__table__.c)
 _RUN_ALERTS_SINCE = (select(*_ALERT_COLUMNS)
                      .where(Alert.run_id == bindparam("run_id"), Alert.updated_at >= bindparam("since"))
@@ -245,10 +246,4 @@ def _loop_alerts(session, *, run_id: int, after: float, now: float) -> tuple[lis
     Uses the ``run_id`` index; a run has tens of alerts, not thousands. The session autoflushes first, so
     the alerts this batch changed are read as changed (they are flushed at the commit anyway)."""
     since = now if after == 0 else min(after, now) - ALERTS_LOOKBACK_S
-    out = []
-    for row in session.execute(_RUN_ALERTS_SINCE, {"run_id": run_id, "since": since}):
-        a = row._asdict()
-        a.update(step=a["first_step"], acknowledged=bool(a["acknowledged"]), actions=list(a["actions"] or []),
-                 evidence=dict(a["evidence"] or {}))
-        out.append(AlertOut.model_construct(**a))
-    return out, now
+    return [alert_out(row) for row in session.execute(_RUN_ALERTS_SINCE, {"run_id": run_id, "since": since})], now

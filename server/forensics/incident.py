@@ -57,7 +57,7 @@ def get_incident(session: Session, *, alert_id: int, window: int = WINDOW_STEPS)
     record = queries.get_alert(session, alert_id=alert_id)
     if record is None:
         return None
-    alert = asdict(record)
+    alert = record.model_dump()
     run = queries.get_run(session, run_id=alert["run_id"])
     first = first_anomalous_step(alert)
     lo, hi = min(first, alert["first_step"]) - window, alert["last_step"] + window
@@ -65,7 +65,7 @@ def get_incident(session: Session, *, alert_id: int, window: int = WINDOW_STEPS)
         hi = min(hi, max(run.last_step, alert["last_step"] + 1))
     related = []
     for a in queries.list_alerts(session, run_id=alert["run_id"]):
-        a = asdict(a)
+        a = a.model_dump()
         if a["id"] == alert_id:
             continue
         if a["first_step"] <= hi and a["last_step"] >= lo:

@@ -1,6 +1,7 @@
 """The read path: every SELECT the API and the dashboard use, one module per concern.
 
-Keyword-only functions that take a Session and return plain dataclasses.
+Keyword-only functions that take a Session and return plain objects: the API's read model where the
+resource has one (an alert is ``schemas.AlertOut``; docs/architecture.md, "The read path"), else dataclasses.
 Floats are Python floats and may be ``nan`` / ``inf`` / ``-inf``; ``None``
 means "not measured". The routes turn them into wire strings
 (server/numbers.py); the dashboard uses them as they are.
@@ -27,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal
-from .alerts import AlertRecord, alert_record, early_warnings, get_alert, list_alerts
+from .alerts import alert_out, early_warnings, get_alert, list_alerts
 from .by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank_matrix, rank_coverage, rank_meta
 from .events import CheckpointRecord, EventRecord, RewindRecord, list_checkpoints, list_events, list_rewinds
 from .layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
@@ -41,6 +42,6 @@ __all__ = [
     "SeriesPoint", "Series", "get_series", "get_series_multi", "list_signals", "raw_steps_from",
     "LayerMatrix", "layer_names_for", "list_layer_stats", "get_layer_matrix",
     "RankInfo", "RankCoverage", "RankMatrix", "rank_coverage", "rank_meta", "get_rank_matrix",
-    "AlertRecord", "alert_record", "list_alerts", "get_alert", "early_warnings",
+    "alert_out", "list_alerts", "get_alert", "early_warnings",
     "EventRecord", "CheckpointRecord", "RewindRecord", "list_events", "list_checkpoints", "list_rewinds",
 ]

@@ -2,7 +2,6 @@
 counted per run (the runs list's health) and the early-warning badge."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from sqlalchemy import func, or_, select
@@ -10,35 +9,8 @@ from sqlalchemy.orm import Session
 
 from ..models import Alert, Project, Run
 from ..rules.registry import ids_of_family
+from ..schemas import AlertOut
 from ..rules.spec import EARLY_WARNING
-
-
-@dataclass
-class AlertRecord:
-    id: int
-    run_id: int
-    rule: str
-    name: str
-    severity: str
-    status: str
-    step: int
-    first_step: int
-    last_step: int
-    rank: int
-    message: str
-    diagnosis: str
-    actions: list[Any]
-    evidence: dict[str, Any]
-    acknowledged: bool
-    created_at: float
-    updated_at: float
-    resolved_at: Optional[float] = None
-    # why it was not notified (server/routing/): the inhibiting alert, "A1 loss_nonfinite rank 2" for it,
-    # the silence, the warm-up mute
-    suppressed_by: Optional[int] = None
-    suppressed_by_rule: Optional[str] = None
-    silenced_by: Optional[int] = None
-    muted: Optional[str] = None
 
 
 _SEVERITY_ORDER = {"critical": 2, "warning": 1}
@@ -61,11 +33,13 @@ def alert_counts(session: Session, run_ids: Sequence[int]) -> dict[int, tuple[in
     return out
 
 
-def alert_record(a: Alert, inhibitors: Optional[dict[int, str]] = None) -> AlertRecord:
-    """The one shape of an alert outside the database: the API (``AlertOut``), the dashboard and the CLI.
+def alert_out(a: Any, inhibitors: Optional[dict[int, str]] = None) -> AlertOut:
+    """An alert row as its one shape outside the database (``schemas.AlertOut``): what the API answers, the
+    ingest reply carries, the dashboard, the incident page and the CLI read. ``a``: an ORM ``Alert`` or a
+    Core row of the ``alerts`` table's columns (the ingest reply reads those, server/api/ingest.py).
 
     ``inhibitors``: alert id → "A1 loss_nonfinite rank 2" for the alerts that suppress others."""
-    return AlertRecord(
+    return AlertOut(
         id=a.id, run_id=a.run_id, rule=a.rule, name=a.name, severity=a.severity, status=a.status,
         step=a.first_step, first_step=a.first_step, last_step=a.last_step, rank=a.rank, message=a.message,
         diagnosis=a.diagnosis, actions=list(a.actions or []), evidence=dict(a.evidence or {}),
@@ -86,7 +60,7 @@ def _inhibitors(session: Session, alerts: list[Alert]) -> dict[int, str]:
 
 def list_alerts(session: Session, *, run_id: Optional[int] = None, severity: Optional[str] = None,
                 rule: Optional[str] = None, status: Optional[str] = None, project: Optional[str] = None,
-                limit: int = 1000) -> list[AlertRecord]:
+                limit: int = 1000) -> list[AlertOut]:
     """Alerts, newest first. ``rule`` matches the id ("A1") or the name ("loss_nonfinite")."""
     q = select(Alert)
     if run_id is not None:
@@ -102,12 +76,12 @@ def list_alerts(session: Session, *, run_id: Optional[int] = None, severity: Opt
     q = q.order_by(Alert.updated_at.desc(), Alert.id.desc()).limit(limit)
     alerts = list(session.scalars(q))
     inhibitors = _inhibitors(session, alerts)
-    return [alert_record(a, inhibitors) for a in alerts]
+    return [alert_out(a, inhibitors) for a in alerts]
 
 
-def get_alert(session: Session, *, alert_id: int) -> Optional[AlertRecord]:
+def get_alert(session: Session, *, alert_id: int) -> Optional[AlertOut]:
     a = session.get(Alert, alert_id)
-    return None if a is None else alert_record(a, _inhibitors(session, [a]))
+    return None if a is None else alert_out(a, _inhibitors(session, [a]))
 
 
 def early_warnings(session: Session, *, run_ids: Sequence[int]) -> dict[int, dict[str, list]]:
