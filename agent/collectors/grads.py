@@ -18,12 +18,14 @@ import torch
 from gradwatch.agent.capture import clip as clip_capture
 from gradwatch.agent.capture.norms import grad_norms
 from gradwatch.agent.collectors.base import Collector
+from gradwatch.agent.signals import per_rank
 
 
 class GradNorms(Collector):
     name = "grad_norms"
-    # sharded parameters (FSDP, DTensor): the norms of this rank's shards, which the server combines
-    emits = ("grad_norm", "layers.grad_norm", "grad_norm_local", "layers.grad_norm_local", "clip_max_norm")
+    # sharded parameters (FSDP, DTensor): the norms of this rank's shards, under their per-rank names (the
+    # signal table's, agent/signals.py), which the server combines
+    emits = ("grad_norm", "layers.grad_norm", "clip_max_norm")
     reports = ("grad_norm", "clip_max_norm")
 
     def __init__(self, watched, guards):
@@ -97,11 +99,10 @@ class GradNorms(Collector):
         rec.host["clip_max_norm"], self.clip_max_norm = self.clip_max_norm, None
         if grads:
             per, index, total = grads
-            local = self.watched.local
-            rec.add("grad_norm_local" if local else "grad_norm", total)
+            local = self.watched.local   # sharded: under the per-rank names the table declares (per_rank)
+            rec.add(per_rank("grad_norm", local), total)
             # parameters without a grad go out "not measured"
-            rec.add("layers.grad_norm_local" if local else "layers.grad_norm", per,
-                    None if len(index) == len(self.watched.params) else index)
+            rec.add(per_rank("layers.grad_norm", local), per, None if len(index) == len(self.watched.params) else index)
 
     def report(self, key, value, rec, ended) -> bool:
         """The loop's ``clip_max_norm`` (a number: the one the agent saw wins) or global ``grad_norm`` (a
@@ -138,5 +139,5 @@ class GradNorms(Collector):
         return True
 
 
-# the step totals end_step writes: either means the agent measured the step's norm itself
-_OWN_NORMS = ("grad_norm", "grad_norm_local")
+# the step totals end_step writes (one process, a sharded rank): either means the agent measured the step's norm
+_OWN_NORMS = ("grad_norm", per_rank("grad_norm", True))
