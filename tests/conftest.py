@@ -174,10 +174,17 @@ class LiveServer:
         return env
 
     def migrate(self) -> None:
-        subprocess.run(
-            [sys.executable, "-m", "gradwatch.server", "db", "upgrade", "--db", self.db_url],
-            check=True, env=self._env(), cwd=REPO_ROOT, capture_output=True, timeout=120,
-        )
+        """Bring the database to the head revision with the real Alembic migrations, in this process.
+
+        Not a ``gradwatch db upgrade`` subprocess: that paid a Python start and gradwatch's imports
+        (1.7 s on a quiet machine, 4-5 s under load) before every one of the suite's ~200 server
+        starts, to run the same :func:`gradwatch.server.db.upgrade` this calls (0.2-0.9 s; see
+        docs/testing.md "Cuts"). The CLI path itself is tested for real on both databases in
+        tests/cli/test_cli_serve_db.py and tests/server/test_server_cli.py.
+        """
+        from gradwatch.server.db import upgrade
+
+        upgrade(self.db_url)
 
     def start(self, timeout: float = 30.0) -> "LiveServer":
         self.log_path = self.data_dir / f"server-{self.port}.log"
