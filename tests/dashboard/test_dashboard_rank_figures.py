@@ -35,7 +35,7 @@ def test_a_firing_cross_rank_alert_names_the_rank():
 def test_sharded_runs_read_grad_norms_from_the_combined_row_unless_a_rank_is_picked():
     sources, rank, layers = figures.rank_sources(figures.ALL_RANKS, True)
     assert sources == {"grad_norm": -1, "clip_max_norm": -1, "clipped": -1, "ema_divergence": -1,
-                       "grad_zero_fraction": -1} and rank == 0 and layers == -1
+                       "grad_zero_fraction": -1, "grad_absmax": -1} and rank == 0 and layers == -1
     assert figures.layer_rank("grad_norm", layers, figures.ALL_RANKS) == -1
     assert figures.layer_rank("act_std", layers, figures.ALL_RANKS) == 0      # activations stay per rank
     assert figures.rank_sources(figures.ALL_RANKS, False) == ({}, 0, 0)
