@@ -336,6 +336,7 @@ class AlertListOut(BaseModel):
     alerts: list[AlertOut]
 
 
+# An event as the query layer returns it (``queries.list_events``) and the API answers it.
 class EventOut(BaseModel):
     id: int
     run_id: int

@@ -11,7 +11,7 @@ from .. import queries
 from ..lifecycle import delete as lifecycle_delete, sizes
 from ..numbers import encode_float
 from ..schemas import (
-    CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, EventOut, LayerMatrixOut, RewindListOut, RewindOut,
+    CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut, RewindOut,
     RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut, StorageOut,
 )
 from ..scope import in_scope
@@ -193,7 +193,7 @@ def get_layer_matrix(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
 def list_events(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
                 kind: Annotated[Optional[str], Query(max_length=64)] = None) -> EventListOut:
     _check_run(session, scope, run_id)
-    return EventListOut(events=[EventOut(**vars(e)) for e in queries.list_events(session, run_id=run_id, kind=kind)])
+    return EventListOut(events=queries.list_events(session, run_id=run_id, kind=kind))
 
 
 @router.get("/api/v1/runs/{run_id}/checkpoints", response_model=CheckpointListOut,

@@ -9,27 +9,17 @@ from sqlalchemy.orm import Session
 
 from ..models import Alert, RunEvent
 from ..rewind_text import rewind_text
+from ..schemas import EventOut
 
 
-@dataclass
-class EventRecord:
-    id: int
-    run_id: int
-    rank: int
-    step: Optional[int]
-    kind: str
-    data: dict[str, Any]
-    time: float
-
-
-def list_events(session: Session, *, run_id: int, kind: Optional[str] = None, limit: int = 1000) -> list[EventRecord]:
+def list_events(session: Session, *, run_id: int, kind: Optional[str] = None, limit: int = 1000) -> list[EventOut]:
     """A run's events in step order (events without a step last)."""
     q = select(RunEvent).where(RunEvent.run_id == run_id)
     if kind:
         q = q.where(RunEvent.kind == kind)
     q = q.order_by(RunEvent.step.is_(None), RunEvent.step, RunEvent.id).limit(limit)
-    return [EventRecord(id=e.id, run_id=e.run_id, rank=e.rank, step=e.step, kind=e.kind, data=dict(e.data or {}),
-                        time=e.time) for e in session.scalars(q)]
+    return [EventOut(id=e.id, run_id=e.run_id, rank=e.rank, step=e.step, kind=e.kind, data=dict(e.data or {}),
+                     time=e.time) for e in session.scalars(q)]
 
 
 @dataclass
