@@ -351,12 +351,13 @@ class EventListOut(BaseModel):
     events: list[EventOut]
 
 
+# A checkpoint as the query layer returns it (``queries.list_checkpoints``) and the API answers it.
 class CheckpointOut(BaseModel):
-    step: int
-    path: Optional[str]
-    rank: int
-    saved_at: Optional[float]
-    source: Optional[str]
+    step: int                     # optimizer steps taken when it was saved: the step a resume continues with
+    path: Optional[str]           # None: saved where gradwatch was not told (Lightning's trainer.save_checkpoint)
+    rank: int                     # the lowest rank that recorded it
+    saved_at: Optional[float]     # the agent's wall clock when it was recorded
+    source: Optional[str]         # "transformers", "lightning", or None (monitor.checkpoint)
 
 
 class CheckpointListOut(BaseModel):

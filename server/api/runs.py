@@ -11,7 +11,7 @@ from .. import queries
 from ..lifecycle import delete as lifecycle_delete, sizes
 from ..numbers import encode_float
 from ..schemas import (
-    CheckpointListOut, CheckpointOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut, RewindOut,
+    CheckpointListOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut, RewindOut,
     RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut, StorageOut,
 )
 from ..scope import in_scope
@@ -201,8 +201,7 @@ def list_events(run_id: RunId, session: SessionDep, scope: ReadScopeDep,
 def list_checkpoints(run_id: RunId, session: SessionDep, scope: ReadScopeDep) -> CheckpointListOut:
     """The run's checkpoints in step order (docs/checkpoints.md)."""
     _check_run(session, scope, run_id)
-    return CheckpointListOut(run_id=run_id, checkpoints=[
-        CheckpointOut(**vars(c)) for c in queries.list_checkpoints(session, run_id=run_id)])
+    return CheckpointListOut(run_id=run_id, checkpoints=queries.list_checkpoints(session, run_id=run_id))
 
 
 @router.get("/api/v1/runs/{run_id}/rewinds", response_model=RewindListOut,
