@@ -365,8 +365,14 @@ class CheckpointListOut(BaseModel):
     checkpoints: list[CheckpointOut]
 
 
+# One remediation of the agent's Rewind policy (a ``rewind`` event; docs/wire-format.md): at ``step``
+# (= ``from_step``) it went back to ``to_step`` (``action`` ``rewind``), only cooled the LR (``cool``), or gave up
+# (``gave_up``). ``trigger``: the alert it acted on, with the stored alert's rule, name and first step when the
+# server has that alert (``alert_id``), else as the agent sent it. ``ranks``: the ranks that reported it (under
+# DDP every rank rewinds at the same step); ``time``: when the server stored the first report; ``text``: the
+# sentence every view shows (server/rewind_text.py).
 class RewindOut(BaseModel):
-    """One rewind as ``GET /api/v1/runs/{id}/rewinds`` lists it (server/queries/events.py, ``RewindRecord``)."""
+    """One rewind as ``GET /api/v1/runs/{id}/rewinds`` lists it (server/queries/events.py, ``list_rewinds``)."""
     step: int
     action: str
     from_step: int

@@ -11,7 +11,7 @@ from .. import queries
 from ..lifecycle import delete as lifecycle_delete, sizes
 from ..numbers import encode_float
 from ..schemas import (
-    CheckpointListOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut, RewindOut,
+    CheckpointListOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut,
     RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut, StorageOut,
 )
 from ..scope import in_scope
@@ -210,8 +210,7 @@ def list_rewinds(run_id: RunId, session: SessionDep, scope: ReadScopeDep) -> Rew
     """The run's rewinds (the agent's Rewind policy: ``rewind`` events) in step order, each with the
     sentence that says what it did (docs/api.md)."""
     _check_run(session, scope, run_id)
-    return RewindListOut(run_id=run_id, rewinds=[
-        RewindOut(**vars(r)) for r in queries.list_rewinds(session, run_id=run_id)])
+    return RewindListOut(run_id=run_id, rewinds=queries.list_rewinds(session, run_id=run_id))
 
 
 # ----------------------------------------------------------------------------- deleting (server/lifecycle)

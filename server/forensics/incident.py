@@ -91,7 +91,7 @@ def incident_rewinds(rewinds, alert_ids: set, lo: int, hi: int) -> list[dict]:
     for r in rewinds:
         trigger_id = (r.trigger or {}).get("alert_id")
         if trigger_id in alert_ids or lo <= r.step <= hi:
-            out.append(asdict(r))
+            out.append(r.model_dump())
     return out
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal
 from .alerts import alert_out, early_warnings, get_alert, list_alerts
 from .by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank_matrix, rank_coverage, rank_meta
-from .events import RewindRecord, list_checkpoints, list_events, list_rewinds
+from .events import list_checkpoints, list_events, list_rewinds
 from .layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
 from .runs import RunDetail, RunSummary, get_run, list_runs, run_project
 from .series import Series, SeriesPoint, get_series, get_series_multi, list_signals, raw_steps_from
@@ -43,5 +43,5 @@ __all__ = [
     "LayerMatrix", "layer_names_for", "list_layer_stats", "get_layer_matrix",
     "RankInfo", "RankCoverage", "RankMatrix", "rank_coverage", "rank_meta", "get_rank_matrix",
     "alert_out", "list_alerts", "get_alert", "early_warnings",
-    "RewindRecord", "list_events", "list_checkpoints", "list_rewinds",
+    "list_events", "list_checkpoints", "list_rewinds",
 ]

@@ -1,7 +1,6 @@
 """A run's events and the checkpoints they record."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from sqlalchemy import select
@@ -9,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Alert, RunEvent
 from ..rewind_text import rewind_text
-from ..schemas import CheckpointOut, EventOut
+from ..schemas import CheckpointOut, EventOut, RewindOut
 
 
 def list_events(session: Session, *, run_id: int, kind: Optional[str] = None, limit: int = 1000) -> list[EventOut]:
@@ -40,30 +39,6 @@ def list_checkpoints(session: Session, *, run_id: int, limit: int = 10_000) -> l
 
 
 
-@dataclass
-class RewindRecord:
-    """One remediation of the agent's Rewind policy (a ``rewind`` event; docs/wire-format.md): at ``step``
-    (= ``from_step``) it went back to ``to_step`` (``action`` ``rewind``), only cooled the LR (``cool``), or
-    gave up (``gave_up``). ``trigger``: the alert it acted on, with the stored alert's rule, name and first
-    step when the server has that alert (``alert_id``), else as the agent sent it. ``text``: the sentence
-    every view shows (server/rewind_text.py)."""
-    step: int
-    action: str
-    from_step: int
-    to_step: Optional[int]
-    batches_skipped: Optional[int]
-    lr_factor: float
-    cool_steps: int
-    snapshot_age_steps: Optional[int]
-    rewind_number: Optional[int]
-    max_rewinds: Optional[int]
-    then: Optional[str]
-    trigger: Optional[dict[str, Any]]
-    ranks: list[int]              # the ranks that reported it (under DDP every rank rewinds at the same step)
-    time: float                   # when the server stored the first report
-    text: str
-
-
 def rewind_key(data: dict[str, Any], step: Optional[int]) -> tuple:
     """What makes two reports one rewind: the same step, action, target and count (one per rank)."""
     return (step if step is not None else data.get("from_step"), data.get("action"), data.get("to_step"),
@@ -83,12 +58,12 @@ def stored_trigger(session: Session, run_id: int, sent: Optional[dict[str, Any]]
             "severity": alert.severity}
 
 
-def list_rewinds(session: Session, *, run_id: int, limit: int = 10_000) -> list[RewindRecord]:
+def list_rewinds(session: Session, *, run_id: int, limit: int = 10_000) -> list[RewindOut]:
     """A run's rewinds (``rewind`` events) in step order, each reported by several ranks listed once."""
     q = (select(RunEvent.step, RunEvent.data, RunEvent.rank, RunEvent.time)
          .where(RunEvent.run_id == run_id, RunEvent.kind == "rewind")
          .order_by(RunEvent.step, RunEvent.id).limit(limit))
-    out: dict[tuple, RewindRecord] = {}
+    out: dict[tuple, RewindOut] = {}
     for step, data, rank, time in session.execute(q):
         data = data or {}
         key = rewind_key(data, step)
@@ -97,7 +72,7 @@ def list_rewinds(session: Session, *, run_id: int, limit: int = 10_000) -> list[
                 out[key].ranks.append(rank)
             continue
         trigger = stored_trigger(session, run_id, data.get("trigger"))
-        out[key] = RewindRecord(
+        out[key] = RewindOut(
             step=int(step if step is not None else data.get("from_step", 0)), action=str(data.get("action")),
             from_step=int(data.get("from_step", step or 0)), to_step=data.get("to_step"),
             batches_skipped=data.get("batches_skipped"), lr_factor=float(data.get("lr_factor", 1.0)),
