@@ -141,3 +141,56 @@ def test_a_cooled_update_is_recorded_with_the_lr_it_used(recorder, agent_setting
     assert len(lrs) == 31 and lrs[:26] == [0.1] * 26
     assert lrs[26:] == [0.05, 0.05, 0.05, 0.1, 0.1]
     assert opt.param_groups[0]["lr"] == 0.1
+
+
+def test_the_step_builder_drives_a_grad_norm_owner_it_does_not_know(recorder, agent_settings):
+    """The step builder names no collector class: a grad-norm collector of one's own in place of GradNorms is
+    driven through the protocol's hook points (grads_final, measured) and takes the loop's reports, so the
+    step's grad_norm is its value, here torch's own norm of the unscaled grads."""
+    seen: list = []
+
+    class MyNorms(Collector):
+        name = "my_norms"
+        emits = ("grad_norm", "clip_max_norm")
+        reports = ("grad_norm", "clip_max_norm")
+        total = None
+        clip_max_norm = None   # the clip threshold it saw: the owner of clip_max_norm is read for the run_setup event
+
+        def grads_final(self):
+            if self.total is None:
+                grads = [p.grad for p in self.watched.params if p.grad is not None]
+                self.total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                seen.append(float(self.total))
+
+        def measured(self, name):
+            return self.total
+
+        def end_step(self, step, rec):
+            total, self.total = self.total, None
+            if total is not None:
+                rec.add("grad_norm", total)
+
+        def report(self, key, value, rec, ended):
+            rec.keep_custom("reported_" + key, float(value))
+            return True
+
+    kinds = tuple(k for k in collector_kinds.DEFAULT if k.__name__ != "GradNorms") + (MyNorms,)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = Monitor(model, scaler, optimizer=opt, transport=recorder, collectors=kinds,
+                      config=AgentConfig.from_sources(agent_settings, env={}))
+    for x, y in batches(3):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)          # unscales inside: grads_final there
+        scaler.update()
+        opt.zero_grad()
+        monitor.log(grad_norm=7.0)
+    monitor.close()
+    assert not monitor._disabled, monitor._disabled
+    steps = recorder.steps
+    assert len(steps) == 3 and len(seen) == 3
+    assert [s["grad_norm"] for s in steps] == pytest.approx(seen, rel=1e-6)
+    assert all(s["custom"]["reported_grad_norm"] == 7.0 for s in steps)
