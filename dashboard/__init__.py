@@ -23,7 +23,6 @@ if __name__ != "gradwatch.dashboard":
     raise ImportError(f"{__path__[0]} is gradwatch's dashboard package: import it as `gradwatch.dashboard`, "
                       f"not as {__name__!r} (that name is left to your own code)")
 
-import importlib
 import re
 from typing import Any
 
@@ -42,12 +41,13 @@ _page_callback_list: list[dict] = []
 def _import_pages() -> None:
     from dash import _callback
 
-    from gradwatch.dashboard.pages import page_modules
+    from gradwatch.agent import plugins
 
     if _page_callbacks:
         return
-    for name in page_modules():   # each page registers itself (dash.register_page) when imported
-        importlib.import_module(name)
+    # The one plug-in loader (agent/plugins.py, as for collectors and rules): every module of the pages
+    # package, each registering itself (dash.register_page, with its order) when imported.
+    plugins.modules(f"{__name__}.pages")
     _page_callbacks.update(_callback.GLOBAL_CALLBACK_MAP)
     _page_callback_list.extend(_callback.GLOBAL_CALLBACK_LIST)
     _callback.GLOBAL_CALLBACK_MAP.clear()

@@ -15,6 +15,7 @@ from gradwatch.agent.collectors.base import OneForwardHooks, after_forward
 
 class ActivationStats(OneForwardHooks):
     name = "activations"
+    order = 50
     every = "activations_every"
     while_hunting = True
     # in the order of capture.activation_stats.activation_stats's four values

@@ -69,6 +69,7 @@ def _step_counts(steps: list, device: torch.device, stackable: bool) -> torch.Te
 
 class AdamStaleness(Collector):
     name = "adam_state"
+    order = 100
     needs = ("optimizer",)
     every = "adam_every"
     emits = ("adam_g2_over_v_max", "layers.adam_g2_over_v")

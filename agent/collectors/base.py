@@ -6,6 +6,9 @@ Leaf of the collectors: imports torch, :mod:`agent.capture.activation_stats`, :m
 A collector is one kind of measurement. It declares
 
 * ``name``: its switch (an exception in it turns that name off, see :mod:`agent.guard`);
+* ``order``: its place among the collectors (:data:`agent.collectors.DEFAULT`, by ``order`` then
+  ``name``, :mod:`agent.plugins`): the order the monitor composes them in and their tensors take in
+  a step record; the built-ins declare 10, 20, ... 170, and a collector that declares none comes after them;
 * ``emits``: the names it writes into the step record (``rec.add(name, tensor)`` or
   ``rec.host[name]``), the signal table's own (:mod:`agent.signals`): a step signal's name, or
   ``"layers."`` + a per-layer statistic's, or an input of a derived signal. Checked when the monitor
@@ -115,6 +118,7 @@ class Collector:
     """
 
     name: ClassVar[str] = ""
+    order: ClassVar[int] = 1000   # after every built-in: a new collector's tensors go last in a step record
     emits: ClassVar[tuple[str, ...]] = ()
     reports: ClassVar[tuple[str, ...]] = ()
     needs: ClassVar[tuple[str, ...]] = ()

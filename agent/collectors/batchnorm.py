@@ -7,6 +7,7 @@ from gradwatch.agent.collectors.base import Collector
 
 class BatchNormStats(Collector):
     name = "bn"
+    order = 60
     every = "bn_every"
     needs = ("batchnorm",)
     emits = ("layers.bn_mean_norm", "layers.bn_var_norm")

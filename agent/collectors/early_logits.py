@@ -288,6 +288,7 @@ class AttentionLogits(OneForwardHooks):
     behind a CUDA event and read once the event has passed (:meth:`due` polls it)."""
 
     name = "attn_logits"
+    order = 110
     every = "attn_logits_every"
     emits = ("attn_logit_max", "layers.attn_logit_max")
 
@@ -502,6 +503,7 @@ class OutputLogits(Collector):
     ``output_logits_every`` steps."""
 
     name = "output_logits"
+    order = 120
     every = "output_logits_every"
     emits = ("output_logit_max", "output_log_z")
 

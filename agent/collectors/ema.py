@@ -40,6 +40,7 @@ def ema_worker(guards: Any) -> EmaWorker:
 
 class EmaDivergence(Collector):
     name = "ema"
+    order = 90
     every = "ema_every"
     needs = ("ema",)
     # the divergence's numerator and denominator (agent/derived.py divides), and per parameter: what a

@@ -23,6 +23,7 @@ from gradwatch.agent.signals import per_rank
 
 class GradAbsMax(Collector):
     name = "grad_absmax"
+    order = 130
     needs = ("optimizer",)
     every = "weights_every"
     emits = ("grad_absmax", "layers.grad_absmax")

@@ -18,6 +18,7 @@ from gradwatch.agent.collectors.base import Collector
 
 class ParamsWithoutGrad(Collector):
     name = "params_without_grad"
+    order = 140
     needs = ("optimizer",)
     every = "weights_every"
     emits = ("params_without_grad",)

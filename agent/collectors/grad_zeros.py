@@ -24,6 +24,7 @@ from gradwatch.agent.signals import per_rank
 
 class GradZeroFraction(Collector):
     name = "grad_zero_fraction"
+    order = 150
     needs = ("optimizer",)
     every = "weights_every"
     emits = ("grad_zero_count", "numel", "layers.grad_zero_count", "layers.numel")

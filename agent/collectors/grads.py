@@ -23,6 +23,7 @@ from gradwatch.agent.signals import per_rank
 
 class GradNorms(Collector):
     name = "grad_norms"
+    order = 10
     # sharded parameters (FSDP, DTensor): the norms of this rank's shards, under their per-rank names (the
     # signal table's, agent/signals.py), which the server combines
     emits = ("grad_norm", "layers.grad_norm", "clip_max_norm")

@@ -7,6 +7,7 @@ from gradwatch.agent.collectors.base import Collector
 
 class InputNonfinite(Collector):
     name = "inputs"
+    order = 70
     every = "inputs_every"
     while_hunting = True
     emits = ("input_nonfinite",)

@@ -67,6 +67,7 @@ def rms_of_parts(parts: list) -> torch.Tensor:
 
 class LinearOutputs(OneForwardHooks):
     name = "linear_outputs"
+    order = 160
     every = "linear_every"
     emits = ("layers.linear_out_rms",)
 

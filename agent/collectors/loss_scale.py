@@ -19,6 +19,7 @@ from gradwatch.agent.unwrap import scaler_enabled, scaler_found_inf
 
 class LossScale(Collector):
     name = "scaler"
+    order = 20
     emits = ("loss_scale", "overflow")
     reports = ("overflow", "loss_scale")
 

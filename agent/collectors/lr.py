@@ -13,6 +13,7 @@ from gradwatch.agent.collectors.base import Collector
 
 class LearningRate(Collector):
     name = "lr"
+    order = 30
     needs = ("optimizer",)
     emits = ("lr",)    # the other groups' LRs go as custom scalars, "lr/<group>"
 

@@ -8,6 +8,7 @@ from gradwatch.agent.collectors.base import Collector
 
 class PeakMemory(Collector):
     name = "memory"
+    order = 80
     emits = ("mem_peak",)
 
     def wanted(self) -> bool:

@@ -14,6 +14,7 @@ from gradwatch.agent.resume import hash_rng_states, rng_states
 
 class RngState(Collector):
     name = "rng_state"
+    order = 170
     emits = ("rng_hash",)
 
     def wanted(self) -> bool:

@@ -10,6 +10,7 @@ from gradwatch.agent.signals import per_rank
 
 class WeightNorms(Collector):
     name = "weights"
+    order = 40
     every = "weights_every"
     # update norms: the update ratio's numerator (agent/derived.py); sharded, each rank's pieces of both, under
     # the per-rank names the signal table declares (agent/signals.py, per_rank)

@@ -1,4 +1,4 @@
-"""The rule registry: rule classes register themselves; everything else asks the registry.
+"""The rule registry: the rules of the ``server.rules.catalog`` package; everything else asks the registry.
 
     from gradwatch.server.rules.registry import register
     from gradwatch.server.rules.rule import BatchRule
@@ -8,27 +8,30 @@
         id, name, family = "E9", "my_rule", "E"   # family: one of spec.FAMILIES, the id's letter
         ...
 
-Every module of the ``server.rules.catalog`` package is imported on first use, so a rule file
-dropped into that package is found without being listed anywhere (prometheus client_python's
-collectors register themselves the same way). Order: by id.
+The catalogue is loaded on first use by the plug-in loader that loads the collectors and the
+dashboard's pages too (``agent/plugins.py``): every module of the package is imported, so a rule
+file dropped into it is found without being listed anywhere, and every ``Rule`` subclass defined
+there with a ``name`` is a rule, checked by :func:`register` (which ``@register`` runs at import).
+Order: the rule's ``order``, its id unless it declares one (``Rule.order``).
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import threading
 from typing import Optional
 
+from gradwatch.agent import plugins
 from gradwatch.server.rules.rule import KINDS, Rule
 from gradwatch.server.rules.spec import FAMILIES, SEVERITIES, RuleSpec
 
 _classes: dict[str, type[Rule]] = {}
+_ordered: tuple[type[Rule], ...] = ()    # _classes' values in the loader's order
 _loaded = False
 _lock = threading.RLock()
 
 
 def register(cls: type[Rule]) -> type[Rule]:
     """Class decorator: check the declaration and add the rule to the catalogue."""
+    global _ordered
     if not cls.id or not cls.name:
         raise TypeError(f"{cls.__name__}: a rule declares an id and a name")
     if cls.kind not in KINDS:
@@ -47,6 +50,7 @@ def register(cls: type[Rule]) -> type[Rule]:
             raise ValueError(f"rule name {cls.name} is declared twice: {other.id} and {cls.id}")
     cls.spec = cls.make_spec()
     _classes[cls.id] = cls
+    _ordered = plugins.ordered(_classes.values())
     return cls
 
 
@@ -57,17 +61,16 @@ def _load() -> None:
     with _lock:
         if _loaded:
             return
-        package = importlib.import_module(".catalog", __package__)
-        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{package.__name__}.{info.name}")
+        for cls in plugins.classes(f"{__package__}.catalog", Rule):
+            if _classes.get(cls.id) is not cls:
+                register(cls)
         _loaded = True
 
 
 def rule_classes(kind: Optional[str] = None) -> list[type[Rule]]:
-    """The registered rule classes (of one kind), ordered by id."""
+    """The registered rule classes (of one kind), in the loader's order (by id)."""
     _load()
-    return [cls for _, cls in sorted(_classes.items()) if kind is None or cls.kind == kind]
+    return [cls for cls in _ordered if kind is None or cls.kind == kind]
 
 
 def specs() -> tuple[RuleSpec, ...]:

@@ -75,7 +75,15 @@ class Rule:
     # what the failure is called where forensics tells what came before it ("96 steps before the NaN
     # loss"); empty: "the <name with spaces>" (server/forensics/precursors.py)
     failure_noun: ClassVar[str] = ""
+    # its place in the catalogue and in the engine's pass (the plug-in loader's order, agent/plugins.py:
+    # by order, then name): the id unless the rule declares one, so the catalogue reads A1, A2, ... H9
+    order: ClassVar[str] = ""
     spec: ClassVar[RuleSpec]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "order" not in vars(cls):
+            cls.order = cls.id
 
     @classmethod
     def make_spec(cls) -> RuleSpec:
