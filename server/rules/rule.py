@@ -76,7 +76,7 @@ class Rule:
     # loss"); empty: "the <name with spaces>" (server/forensics/precursors.py)
     failure_noun: ClassVar[str] = ""
     # its place in the catalogue and in the engine's pass (the plug-in loader's order, agent/plugins.py:
-    # by order, then name): the id unless the rule declares one, so the catalogue reads A1, A2, ... H9
+    # by order, then name): the id unless the rule declares one (compared as strings: ... H1, H10, H11, H2 ...)
     order: ClassVar[str] = ""
     spec: ClassVar[RuleSpec]
 
