@@ -276,3 +276,30 @@ def test_an_old_agent_s_multi_rank_batches_are_stored_as_before(server):
     assert series(server, rid, "grad_norm", 0) == {0: 0.5} == series(server, rid, "grad_norm", 1)
     assert set(series(server, rid, "grad_norm", -1).values()) <= {None}
     assert http_json("GET", f"{server.url}/api/v1/runs/{rid}/ranks")[1]["combined"] is False
+
+
+def test_each_per_rank_form_combines_as_the_signal_table_declares(server):
+    """Three parameters cut in two: "a" evenly, "b" whole on rank 0 (rank 1's piece is empty), "c" empty on
+    both (a parameter of no elements). Norms combine as the root of the sum of squares, counts add up,
+    maxima take the largest piece (agent/signals.py: combine); an empty piece adds nothing, and a share of
+    0 of 0 elements is none, per parameter and in the total (agent/derived.py: share)."""
+    name = f"forms-{uuid.uuid4().hex[:6]}"
+    pieces = {  # rank -> per-rank statistic -> one value per parameter (a, b, c)
+        0: {"grad_norm_local": [1.0, 3.0, 0.0], "grad_absmax_local": [1.0, 5.0, 0.0],
+            "grad_zero_count_local": [1.0, 1.0, 0.0], "numel_local": [2.0, 3.0, 0.0]},
+        1: {"grad_norm_local": [2.0, 0.0, 0.0], "grad_absmax_local": [2.0, 0.0, 0.0],
+            "grad_zero_count_local": [0.0, 0.0, 0.0], "numel_local": [2.0, 0.0, 0.0]},
+    }
+    for rank, stats in pieces.items():
+        body = {"batch_id": uuid.uuid4().hex, "project": "default", "run": name, "rank": rank, "world_size": 2,
+                "meta": {"param_names": ["a", "b", "c"], "param_shards": [[rank, 2]] * 3},
+                "steps": [{"step": 0, "time": 1.0, "loss": 1.0, "layers": stats}]}
+        assert http_json("POST", f"{server.url}/api/v1/ingest", body)[0] == 200
+    rid = run_id(server, name)
+    assert layers(server, rid, "grad_absmax", -1)[0] == [2.0, 5.0, 0.0]
+    assert series(server, rid, "grad_absmax", -1) == {0: 5.0}
+    assert layers(server, rid, "grad_norm", -1)[0] == pytest.approx([math.sqrt(5), 3.0, 0.0], rel=1e-6)
+    assert series(server, rid, "grad_norm", -1)[0] == pytest.approx(math.sqrt(14), rel=1e-6)
+    zero = layers(server, rid, "grad_zero_fraction", -1)[0]
+    assert zero[:2] == pytest.approx([0.25, 1 / 3], rel=1e-6) and zero[2] is None
+    assert series(server, rid, "grad_zero_fraction", -1)[0] == pytest.approx(2 / 7, rel=1e-6)
