@@ -6,11 +6,14 @@ from the real path (sweep.py + report.py), never from here; held-out cases are n
 
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --cadence
+    .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --gates
 
 ``--cadence`` replays H12's default settings at other sampling cadences instead of the grid (issue 41: lead
 through cadence, within the overhead budget): the interval, how long an escalation samples every step, and
 the growth test that escalates. Beside the lead figures it prints the share of the controls' steps that
 would be sampled (each costs one measured forward: the overhead that cadence adds on a healthy run).
+``--gates`` tries gates on H12's hits (a faster doubling time, the loss off its best, a higher danger level
+without the level prior) against the five AdamW controls that every setting of the grid warns on.
 """
 from __future__ import annotations
 
@@ -48,21 +51,24 @@ def sampled(run: dict, cadence: dict = CADENCE) -> list[tuple[int, list[float]]]
     return out
 
 
-def first_hit(run: dict, cfg: dict, cadence: dict = CADENCE):
+def first_hit(run: dict, cfg: dict, cadence: dict = CADENCE, gate=None):
+    """The first sampled step at which H12 holds for some module (and ``gate(hit, step, losses)``, if given)."""
     mems: dict[int, dict] = {}
     for step, vals in sampled(run, cadence):
         hit = False
         for j, v in enumerate(vals):
-            if math.isfinite(v) and forecast_step(mems.setdefault(j, {}), step, v, cfg) is not None:
-                hit = True
+            if math.isfinite(v):
+                h = forecast_step(mems.setdefault(j, {}), step, v, cfg)
+                if h is not None and (gate is None or gate(h, step, run["losses"])):
+                    hit = True
         if hit:
             return step
     return None
 
 
-def evaluate(cases: list[dict], cfg: dict, cadence: dict = CADENCE) -> tuple[dict, int]:
-    leads = [lead(c["divergent"]["diverged_at"], first_hit(c["divergent"], cfg, cadence)) for c in cases]
-    fp = sum(1 for c in cases if first_hit(c["control"], cfg, cadence) is not None)
+def evaluate(cases: list[dict], cfg: dict, cadence: dict = CADENCE, gate=None) -> tuple[dict, int]:
+    leads = [lead(c["divergent"]["diverged_at"], first_hit(c["divergent"], cfg, cadence, gate)) for c in cases]
+    fp = sum(1 for c in cases if first_hit(c["control"], cfg, cadence, gate) is not None)
     return summary(leads), fp
 
 
@@ -87,15 +93,55 @@ def cadences(tuning: list[dict], cfg: dict) -> None:
               f"{control_cost(tuning, cad):.4f} | {s}", flush=True)
 
 
+# The AdamW controls every H12 setting warns on (docs/early-warning.md, "Met and not met"): their max attention
+# logit reaches 4.4e3-5.6e4 while their loss stays under the divergence rule.
+ADAMW_FIVE = {1, 36, 55, 72, 94}
+
+
+def fast(max_doubling: float):
+    """Gate: the hit's growth doubles the logit within ``max_doubling`` steps (the divergent runs grow faster?)."""
+    return lambda hit, step, losses: hit["doubling_steps"] is not None and hit["doubling_steps"] <= max_doubling
+
+
+def loss_off_best(fraction: float, window: int = 20):
+    """Gate: the mean of the last ``window`` losses is ``fraction`` above the best loss so far."""
+    def gate(hit, step, losses):
+        xs = [x for x in losses[:step + 1] if x is not None]
+        return len(xs) >= window and sum(xs[-window:]) / window >= (1 + fraction) * min(xs)
+    return gate
+
+
+def gates(tuning: list[dict], base: dict) -> None:
+    """Issue 41, item 4: a signal or gate that stops the warnings on ADAMW_FIVE without losing lead (tuning
+    half, the agent's cadence). Each row: the controls warned (how many of the five), H12's lead figures."""
+    rows = [("H12 as it is", base, None)]
+    rows += [(f"doubling <= {d} steps, span {sp}, {c} in a row", dict(base, span=sp, consecutive=c), fast(d))
+             for sp, c, d in itertools.product((10, 25, 50), (2, 5), (5, 8, 10, 15, 30))]
+    rows += [(f"the last 20 losses' mean >= {1 + f:g}x the best", base, loss_off_best(f)) for f in (0.02, 0.05, 0.1)]
+    rows += [(f"danger {dg:g}, horizon {hz}, no level prior, doubling <= {d}",
+              dict(base, danger=dg, horizon=hz, level=1e9), fast(d))
+             for dg, hz, d in itertools.product((3000, 10000, 100000), (50, 100), (10, 20))]
+    for name, cfg, gate in rows:
+        leads = [lead(c["divergent"]["diverged_at"], first_hit(c["divergent"], cfg, CADENCE, gate)) for c in tuning]
+        warned = {c["case"]["id"] for c in tuning if first_hit(c["control"], cfg, CADENCE, gate) is not None}
+        s = summary(leads)
+        print(f"{name:55s} controls {len(warned):2d} (of the five {len(warned & ADAMW_FIVE)}) | median {s['median']} "
+              f"p25 {s['p25']} >=20 {s['ge20']} >=50 {s['ge50']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
     ap.add_argument("--cadence", action="store_true", help="H12's defaults at other sampling cadences, not the grid")
+    ap.add_argument("--gates", action="store_true", help="gates tried against the five AdamW controls, not the grid")
     args = ap.parse_args()
     tuning, _, _ = split_cases(load(Path(args.results)))        # the held-out half is dropped here
     base = {k: p.default for k, p in AttentionLogitForecast.params.items()}
     if args.cadence:
         cadences(tuning, base)
+        return
+    if args.gates:
+        gates(tuning, base)
         return
     print("default", base, *evaluate(tuning, base))
     rows = []
