@@ -11,18 +11,21 @@ import json
 import unicodedata
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError,
-                      WithJsonSchema, create_model, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, StringConstraints,
+                      ValidationError, WithJsonSchema, create_model, model_validator)
 
 from gradwatch.agent.signals import STEP_SIGNALS
 
-from .numbers import F32_PREFIX, pack_layer_values, decode_float, unpack_f32_b64
+from .numbers import F32_PREFIX, pack_layer_values, decode_float, encode_float, unpack_f32_b64
 
 _WIRE_FLOAT_SCHEMA = {
     "anyOf": [{"type": "number"}, {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}, {"type": "null"}]
 }
 WireFloat = Annotated[Optional[float], BeforeValidator(decode_float), WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
-OutFloat = Annotated[Union[float, str, None], WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
+# A float of a response: a Python float in the model (``nan`` / ``inf`` kept: the dashboard reads the model as it
+# is), its wire string in JSON (server/numbers.py). An already encoded string passes as it is.
+OutFloat = Annotated[Union[float, str, None], PlainSerializer(encode_float, when_used="json"),
+                     WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
 
 def _no_nul(text: str) -> str:
     # PostgreSQL's text types cannot hold a NUL (it was a 500 there), SQLite's can: refused on both
@@ -239,6 +242,8 @@ class HealthOut(BaseModel):
     database: str
 
 
+# A run as the query layer returns it (``queries.list_runs``) and the API answers it; ``bytes`` is the API's
+# (the route fills it from server/lifecycle/sizes.py).
 class RunOut(BaseModel):
     id: int
     project: str
@@ -255,6 +260,7 @@ class RunOut(BaseModel):
     bytes: Optional[int] = None
 
 
+# One run (``queries.get_run``); ``signals`` and ``attention_modules`` are filled by the route.
 class RunDetailOut(RunOut):
     param_names: list[Any]
     module_names: list[Any]

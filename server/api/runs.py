@@ -12,7 +12,7 @@ from ..lifecycle import delete as lifecycle_delete, sizes
 from ..numbers import encode_float
 from ..schemas import (
     CheckpointListOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut,
-    RunDetailOut, RunListOut, RunOut, SeriesMultiOut, SeriesOut, StorageOut,
+    RunDetailOut, RunListOut, SeriesMultiOut, SeriesOut, StorageOut,
 )
 from ..scope import in_scope
 from .deps import ReadScopeDep, SessionDep, SettingsDep
@@ -36,12 +36,6 @@ StepParam = Annotated[Optional[int], Query(ge=0, le=2**62)]
 # -1: a sharded run's combined row (server/ranks.py): the full parameters' norms and the global grad norm
 RankParam = Annotated[int, Query(ge=-1, le=1_000_000)]
 RunId = Annotated[int, Path(ge=0, le=2**62)]
-
-
-def _run_out(r: queries.RunSummary, cls=RunOut, **extra):
-    return cls(id=r.id, project=r.project, name=r.name, status=r.status, last_step=r.last_step,
-               last_loss=encode_float(r.last_loss), started_at=r.started_at, last_seen=r.last_seen,
-               open_alerts=r.open_alerts, health=r.health, world_size=r.world_size, **extra)
 
 
 def _series_out(s: queries.Series) -> dict:
@@ -79,7 +73,9 @@ def list_runs(session: SessionDep, settings: SettingsDep, scope: ReadScopeDep,
         project = scope
     runs = queries.list_runs(session, project=project, status=status, name=name, stall_seconds=settings.stall_seconds)
     size = sizes.run_bytes(session, [r.id for r in runs])
-    return RunListOut(runs=[_run_out(r, bytes=size.get(r.id)) for r in runs])
+    for r in runs:
+        r.bytes = size.get(r.id)
+    return RunListOut(runs=runs)
 
 
 @router.get("/api/v1/runs/{run_id}", response_model=RunDetailOut, responses={404: {"description": "no such run"}})
@@ -90,9 +86,10 @@ def get_run(run_id: RunId, session: SessionDep, settings: SettingsDep, scope: Re
         raise HTTPException(404, f"run {run_id} not found")
     coverage = queries.list_events(session, run_id=run_id, kind="attention_coverage")
     measured = coverage[-1].data.get("measured") if coverage and isinstance(coverage[-1].data, dict) else None
-    return _run_out(r, RunDetailOut, bytes=sizes.run_bytes(session, [run_id]).get(run_id), param_names=r.param_names, module_names=r.module_names,
-                    bn_names=r.bn_names, config=r.config, signals=queries.list_signals(session, run_id=run_id),
-                    attention_modules=measured)
+    r.bytes = sizes.run_bytes(session, [run_id]).get(run_id)
+    r.signals = queries.list_signals(session, run_id=run_id)
+    r.attention_modules = measured
+    return r
 
 
 @router.get("/api/v1/runs/{run_id}/ranks", responses={404: {"description": "no such run"}})

@@ -15,7 +15,6 @@ was found, else the alert's first step. An alert whose evidence already names a 
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Optional
 
 from sqlalchemy.orm import Session
@@ -76,7 +75,7 @@ def get_incident(session: Session, *, alert_id: int, window: int = WINDOW_STEPS)
     rollback = stated_rollback(alert.get("evidence") or {}) or rollback_checkpoint(checkpoints, first)
     rewinds = incident_rewinds(queries.list_rewinds(session, run_id=alert["run_id"]),
                                {alert_id, *(a["id"] for a in related)}, lo, hi)
-    return {"alert": alert, "run": asdict(run) if run is not None else None, "alerts": related,
+    return {"alert": alert, "run": run.model_dump() if run is not None else None, "alerts": related,
             "checkpoints": checkpoints, "rollback": rollback, "first_anomalous_step": first,
             "window": [max(0, lo), hi], "rewinds": rewinds,
             "timeline": timeline(alert, related, checkpoints,

@@ -32,13 +32,13 @@ from .alerts import alert_out, early_warnings, get_alert, list_alerts
 from .by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank_matrix, rank_coverage, rank_meta
 from .events import list_checkpoints, list_events, list_rewinds
 from .layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
-from .runs import RunDetail, RunSummary, get_run, list_runs, run_project
+from .runs import get_run, list_runs, run_project
 from .series import Series, SeriesPoint, get_series, get_series_multi, list_signals, raw_steps_from
 
 __all__ = [
     "MAX_MATRIX_CELLS", "MAX_MATRIX_READ", "MAX_RANK_READ", "MAX_SERIES_POINTS", "COARSER_LEVEL_KEEPS",
     "RequestTooLarge", "UnknownSignal",
-    "RunSummary", "RunDetail", "list_runs", "get_run", "run_project",
+    "list_runs", "get_run", "run_project",
     "SeriesPoint", "Series", "get_series", "get_series_multi", "list_signals", "raw_steps_from",
     "LayerMatrix", "layer_names_for", "list_layer_stats", "get_layer_matrix",
     "RankInfo", "RankCoverage", "RankMatrix", "rank_coverage", "rank_meta", "get_rank_matrix",

@@ -18,7 +18,7 @@ from ..models import ROLLUP_LEVELS, LayerRollup, LayerStat, Run
 from ..numbers import NULL_F32_BITS
 from ..rollups import _layer_bits as layer_bits, choose_level, layer_partial_arrays
 from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, RequestTooLarge, _bounds, _compaction, _fetch_blobs
-from .runs import RunDetail
+from ..schemas import RunDetailOut
 
 
 @dataclass
@@ -45,7 +45,7 @@ class LayerMatrix:
                 for row_v, row_m in zip(self.cells.tolist(), self.measured.tolist())]
 
 
-def layer_names_for(run: Run | RunDetail, stat: str) -> list[str]:
+def layer_names_for(run: Run | RunDetailOut, stat: str) -> list[str]:
     """The names that index a statistic's arrays (agent/signals.py says which list; a statistic the table
     does not know is taken to be per parameter)."""
     decl = layer_stat(stat)

@@ -4,38 +4,15 @@ from __future__ import annotations
 
 import math
 import time as _time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..models import Project, Run
+from ..schemas import RunDetailOut, RunOut
 from ..settings import DEFAULT_STALL_SECONDS
 from .alerts import alert_counts
-
-
-@dataclass
-class RunSummary:
-    id: int
-    project: str
-    name: str
-    status: str             # running | finished | crashed | stalled (derived from last_seen)
-    last_step: Optional[int]
-    last_loss: Optional[float]
-    started_at: float
-    last_seen: float
-    open_alerts: int
-    health: str             # ok | warning | critical (worst firing alert)
-    world_size: int = 1
-
-
-@dataclass
-class RunDetail(RunSummary):
-    param_names: list[str] = field(default_factory=list)
-    module_names: list[str] = field(default_factory=list)
-    bn_names: list[str] = field(default_factory=list)
-    config: dict[str, Any] = field(default_factory=dict)
 
 
 def _status(run: Run, now: float, stall_seconds: float) -> str:
@@ -44,7 +21,7 @@ def _status(run: Run, now: float, stall_seconds: float) -> str:
     return run.status
 
 
-def _summary(run: Run, project_name: str, counts, now: float, stall_seconds: float, cls=RunSummary, **extra):
+def _summary(run: Run, project_name: str, counts, now: float, stall_seconds: float, cls=RunOut, **extra):
     n, health = counts.get(run.id, (0, "ok"))
     return cls(
         id=run.id, project=project_name, name=run.name, status=_status(run, now, stall_seconds),
@@ -56,7 +33,7 @@ def _summary(run: Run, project_name: str, counts, now: float, stall_seconds: flo
 
 def list_runs(session: Session, *, project: Optional[str] = None, status: Optional[str] = None,
               name: Optional[str] = None, stall_seconds: float = DEFAULT_STALL_SECONDS,
-              now: Optional[float] = None) -> list[RunSummary]:
+              now: Optional[float] = None) -> list[RunOut]:
     """Runs, most recently seen first. ``name`` matches a substring; ``status`` the derived status."""
     now = _time.time() if now is None else now
     q = select(Run, Project.name).join(Project, Project.id == Run.project_id).where(Run.deleted_at.is_(None))
@@ -76,8 +53,9 @@ def list_runs(session: Session, *, project: Optional[str] = None, status: Option
 
 
 def get_run(session: Session, *, run_id: int, stall_seconds: float = DEFAULT_STALL_SECONDS,
-            now: Optional[float] = None) -> Optional[RunDetail]:
-    """One run with its layer names and config, or None."""
+            now: Optional[float] = None) -> Optional[RunDetailOut]:
+    """One run with its layer names and config, or None. ``signals`` and ``attention_modules`` are left at
+    their defaults (the API's route fills them: two more reads the dashboard does not need)."""
     now = _time.time() if now is None else now
     row = session.execute(
         select(Run, Project.name).join(Project, Project.id == Run.project_id)
@@ -87,7 +65,7 @@ def get_run(session: Session, *, run_id: int, stall_seconds: float = DEFAULT_STA
         return None
     run, project_name = row
     counts = alert_counts(session, [run.id])
-    return _summary(run, project_name, counts, now, stall_seconds, cls=RunDetail,
+    return _summary(run, project_name, counts, now, stall_seconds, cls=RunDetailOut,
                     param_names=list(run.param_names or []), module_names=list(run.module_names or []),
                     bn_names=list(run.bn_names or []), config=dict(run.config or {}))
 
