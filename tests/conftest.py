@@ -234,8 +234,35 @@ class LiveServer:
         return http_json("POST", self.url + path, body, **kw)
 
 
-def create_token(db_url: str, project: str, data_dir) -> str:
-    """A project API token, made as an operator makes one: ``gradwatch token create``."""
+def create_token(db_url: str, project: str, data_dir=None) -> str:
+    """A project API token, made in this process by the function ``gradwatch token create`` calls.
+
+    :func:`gradwatch.server.tokens.create_token` in a write session, committed, on the test's real
+    database: the same rows the command writes. Not the command itself: a subprocess paid a Python
+    start and gradwatch's imports (1.5-4 s under load) at each of ~30 call sites whose subject is what
+    the server does with a token, not how the operator makes it (docs/testing.md "Cuts"). The command
+    is run for real by :func:`create_token_with_cli`, in tests/server/test_server_auth.py on both
+    databases, tests/cli/test_cli_token.py and tests/deploy. ``data_dir`` is unused (kept so the
+    call sites read as before: the command took it for ``GRADWATCH_DATA_DIR``).
+    """
+    from gradwatch.server.db import open_database, prepare_schema
+    from gradwatch.server.tokens import create_token as make
+
+    # as the command does (server/cli.py _token_db): an empty database is given the schema first
+    prepare_schema(db_url, upgrade_old=False)
+    database = open_database(db_url)
+    try:
+        with database.write_sessionmaker() as session:
+            token = make(session, project=project)
+            session.commit()
+    finally:
+        database.dispose()
+    assert token.startswith("gw_") and len(token) > 30
+    return token
+
+
+def create_token_with_cli(db_url: str, project: str, data_dir) -> str:
+    """A project API token, made as an operator makes one: a ``gradwatch token create`` process."""
     env = dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir))
     out = subprocess.run([sys.executable, "-m", "gradwatch.server", "token", "create", "--project", project, "--db", db_url],
                          check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)

@@ -11,7 +11,7 @@ from urllib.parse import urlencode, urlsplit
 
 from sqlalchemy import create_engine, text
 
-from tests.conftest import REPO_ROOT, create_token, wait_until
+from tests.conftest import REPO_ROOT, create_token, create_token_with_cli, wait_until
 from gw_payloads import batch, step
 
 
@@ -26,7 +26,10 @@ def raw_request(srv, method, path, body=None, headers=None):
 
 def test_tokens_scope_ingest_and_reads_and_dashboard_needs_login(server_factory, db_url, tmp_path):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
-    tok_a = create_token(db_url, "alpha", tmp_path)
+    # one token as an operator makes it (the `gradwatch token create` process, on both databases), the
+    # other by the same function in this process (as the other tests make theirs): both are accepted
+    # and stored alike
+    tok_a = create_token_with_cli(db_url, "alpha", tmp_path)
     tok_b = create_token(db_url, "beta", tmp_path)
     auth_a = {"Authorization": f"Bearer {tok_a}"}
     auth_b = {"Authorization": f"Bearer {tok_b}"}
