@@ -1,12 +1,9 @@
 """With GRADWATCH_AUTH=on the dashboard needs a login and shows only the signed-in project."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO_ROOT, LiveServer, free_port, wait_until
+from tests.conftest import LiveServer, create_token, free_port, wait_until
 from tests.dashboard.conftest import WAIT, SERVER_START_TIMEOUT, severe_console_entries, texts
 from tests.dashboard.runs_feed import make_steps
 
@@ -28,9 +25,9 @@ def auth_server(tmp_path):
 
 
 def _token(srv: LiveServer, project: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gradwatch.server", "token", "create", "--project", project, "--db", srv.db_url],
-                         check=True, capture_output=True, text=True, cwd=REPO_ROOT, env=srv._env(), timeout=120)
-    return out.stdout.strip().splitlines()[-1]
+    # made in this process by the function `gradwatch token create` calls (tests/conftest.py
+    # create_token); the command itself is tested in tests/cli/test_cli_token.py
+    return create_token(srv.db_url, project)
 
 
 def _ingest(srv: LiveServer, token: str, project: str, run: str) -> int:
