@@ -135,7 +135,7 @@ def stall_seconds() -> float:
 
 
 def _series(result: Any) -> dict:
-    """A ``queries.Series`` as ``{"bucket_size", "steps": [bucket dicts]}`` (the read API's shape)."""
+    """A series (``schemas.SeriesOut``) as ``{"bucket_size", "steps": [bucket dicts]}`` (the read API's shape)."""
     points = getattr(result, "points", None)
     if points is not None:
         # Thousands of points per page: spelled out, this is ~10x cheaper than the generic _plain walk.

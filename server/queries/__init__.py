@@ -1,10 +1,11 @@
 """The read path: every SELECT the API and the dashboard use, one module per concern.
 
-Keyword-only functions that take a Session and return plain objects: the API's read model where the
-resource has one (an alert is ``schemas.AlertOut``; docs/architecture.md, "The read path"), else dataclasses.
-Floats are Python floats and may be ``nan`` / ``inf`` / ``-inf``; ``None``
-means "not measured". The routes turn them into wire strings
-(server/numbers.py); the dashboard uses them as they are.
+Keyword-only functions that take a Session and return the API's read models (server/schemas.py: an alert
+is ``AlertOut``, a run ``RunOut``, a series ``SeriesOut``; docs/architecture.md, "The read path"); a heatmap
+is a ``LayerMatrix`` of numpy cells; the by-rank reads return dataclasses that have no response model (their
+routes write the JSON). Floats are Python floats and may be ``nan`` / ``inf`` / ``-inf``; ``None`` means "not
+measured". The JSON answers turn them into wire strings (server/numbers.py); the dashboard uses them as
+they are.
 
 - ``runs.py``: the runs list, one run, a run's project;
 - ``series.py``: one signal over steps, downsampled (and several runs on one axis);
@@ -33,13 +34,13 @@ from .by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank
 from .events import list_checkpoints, list_events, list_rewinds
 from .layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
 from .runs import get_run, list_runs, run_project
-from .series import Series, SeriesPoint, get_series, get_series_multi, list_signals, raw_steps_from
+from .series import get_series, get_series_multi, list_signals, raw_steps_from
 
 __all__ = [
     "MAX_MATRIX_CELLS", "MAX_MATRIX_READ", "MAX_RANK_READ", "MAX_SERIES_POINTS", "COARSER_LEVEL_KEEPS",
     "RequestTooLarge", "UnknownSignal",
     "list_runs", "get_run", "run_project",
-    "SeriesPoint", "Series", "get_series", "get_series_multi", "list_signals", "raw_steps_from",
+    "get_series", "get_series_multi", "list_signals", "raw_steps_from",
     "LayerMatrix", "layer_names_for", "list_layer_stats", "get_layer_matrix",
     "RankInfo", "RankCoverage", "RankMatrix", "rank_coverage", "rank_meta", "get_rank_matrix",
     "alert_out", "list_alerts", "get_alert", "early_warnings",

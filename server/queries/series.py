@@ -14,28 +14,10 @@ from gradwatch.agent.signals import EXTRA_BASE, STEP_SIGNAL_NAMES, is_step_signa
 from ..models import CustomScalar, Step, StepRollup
 from ..numbers import column_value, extra_value
 from ..rollups import choose_level, merge_step_partials
+from ..schemas import SeriesOut, SeriesPointOut
 from ._shared import MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal, _bounds, _compaction, _fetch_blobs
 
 _INF = math.inf
-
-
-@dataclass
-class SeriesPoint:
-    step: int               # first step of the bucket (the step itself when bucket_size == 1)
-    min: Optional[float]    # over non-NaN values; NaN when every measured value was NaN
-    max: Optional[float]
-    last: Optional[float]   # value at the bucket's last measured step (may be NaN / ±inf)
-    count: int              # measured steps (NaN included)
-    nonfinite: int          # NaN and ±inf among them
-
-
-@dataclass
-class Series:
-    run_id: int
-    signal: str
-    rank: int
-    bucket_size: int
-    points: list[SeriesPoint]
 
 
 @dataclass(frozen=True)
@@ -84,18 +66,18 @@ def _raw_values(session, table, col, nanflag, where):
         yield step, column_value(v, bool(nan))
 
 
-def _raw_points(session, table, col, nanflag, where) -> list[SeriesPoint]:
+def _raw_points(session, table, col, nanflag, where) -> list[SeriesPointOut]:
     out = []
     for step, val in _raw_values(session, table, col, nanflag, where):
         measured = val is not None
         nf = int(measured and not math.isfinite(val))
-        out.append(SeriesPoint(step=step, min=val, max=val, last=val, count=int(measured), nonfinite=nf))
+        out.append(SeriesPointOut(step=step, min=val, max=val, last=val, count=int(measured), nonfinite=nf))
     return out
 
 
 def get_series(session: Session, *, run_id: int, signal: str, start: Optional[int] = None,
                end: Optional[int] = None, max_points: int = 2000, since: Optional[int] = None,
-               rank: int = 0) -> Series:
+               rank: int = 0) -> SeriesOut:
     """A signal over ``[start, end]`` in at most ``max_points`` buckets.
 
     Each bucket keeps min, max (spikes survive), the last value, the count of
@@ -112,7 +94,7 @@ def get_series(session: Session, *, run_id: int, signal: str, start: Optional[in
         start = max(since + 1, start or 0)
     bucket, points = _series_points(session, run_id=run_id, signal=signal, rank=rank, start=start, end=end,
                                     max_points=max_points)
-    return Series(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points)
+    return SeriesOut(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points)
 
 
 def _series_points(session: Session, *, run_id: int, signal: str, rank: int, start: Optional[int],
@@ -158,22 +140,22 @@ def _series_points(session: Session, *, run_id: int, signal: str, rank: int, sta
         for first, mn, mx, last, cnt, nf in merged:
             if cnt == 0:
                 mn = mx = None
-            points.append(SeriesPoint(step=first, min=mn, max=mx, last=last, count=cnt, nonfinite=nf))
+            points.append(SeriesPointOut(step=first, min=mn, max=mx, last=last, count=cnt, nonfinite=nf))
         return bucket, points
     if isinstance(col, _ExtraSlot):
         return bucket, _bucket_in_python(_raw_values(session, table, col, nanflag, where), start, bucket)
     return bucket, _bucketed_points(session, table, col, nanflag, where, base, start, bucket)
 
 
-def _bucket_in_python(values, start: int, bucket: int) -> list[SeriesPoint]:
+def _bucket_in_python(values, start: int, bucket: int) -> list[SeriesPointOut]:
     """What ``_bucketed_points`` computes in SQL, from raw (step, value) rows: for buckets smaller than
     the first rollup level, so at most 16 × max_points rows, each read once."""
-    out: list[SeriesPoint] = []
+    out: list[SeriesPointOut] = []
     cur = None
     for step, v in values:
         b = start + (step - start) // bucket * bucket
         if cur is None or cur.step != b:
-            cur = SeriesPoint(step=b, min=None, max=None, last=None, count=0, nonfinite=0)
+            cur = SeriesPointOut(step=b, min=None, max=None, last=None, count=0, nonfinite=0)
             out.append(cur)
         if v is None:
             continue
@@ -190,7 +172,7 @@ def _bucket_in_python(values, start: int, bucket: int) -> list[SeriesPoint]:
     return out
 
 
-def _bucketed_points(session, table, col, nanflag, where, base, start: int, bucket: int) -> list[SeriesPoint]:
+def _bucketed_points(session, table, col, nanflag, where, base, start: int, bucket: int) -> list[SeriesPointOut]:
     b = ((table.step - start) // bucket).label("b")
     measured = or_(col.is_not(None), nanflag)
     agg = (
@@ -217,7 +199,7 @@ def _bucketed_points(session, table, col, nanflag, where, base, start: int, buck
         cnt = int(cnt or 0)
         if mn is None and cnt:
             mn = mx = math.nan  # every measured value in the bucket was NaN
-        out.append(SeriesPoint(step=start + int(bi) * bucket, min=None if mn is None else float(mn),
+        out.append(SeriesPointOut(step=start + int(bi) * bucket, min=None if mn is None else float(mn),
                                max=None if mx is None else float(mx), last=column_value(lv, bool(ln)),
                                count=cnt, nonfinite=int(nf or 0)))
     return out
@@ -225,7 +207,7 @@ def _bucketed_points(session, table, col, nanflag, where, base, start: int, buck
 
 def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Sequence[str],
                      start: Optional[int] = None, end: Optional[int] = None, max_points: int = 2000,
-                     rank: int = 0) -> list[Series]:
+                     rank: int = 0) -> list[SeriesOut]:
     """Several runs × signals on one shared step axis (same buckets), for comparison.
 
     Step signals read each run's rollup partials once for all of them (a
@@ -254,12 +236,12 @@ def get_series_multi(session: Session, *, run_ids: Sequence[int], signals: Seque
     for run_id in run_ids:
         for signal in signals:
             if lo_all is None:
-                out.append(Series(run_id=run_id, signal=signal, rank=rank, bucket_size=1, points=[]))
+                out.append(SeriesOut(run_id=run_id, signal=signal, rank=rank, bucket_size=1, points=[]))
                 continue
             bucket, points = _series_points(session, run_id=run_id, signal=signal, rank=rank, start=lo_all,
                                             end=hi_all, max_points=max_points, bounds=(lo_all, hi_all),
                                             rollup_rows=rollup_rows)
-            out.append(Series(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points))
+            out.append(SeriesOut(run_id=run_id, signal=signal, rank=rank, bucket_size=bucket, points=points))
     return out
 
 
