@@ -239,10 +239,10 @@ def create_token(db_url: str, project: str, data_dir=None) -> str:
 
     :func:`gradwatch.server.tokens.create_token` in a write session, committed, on the test's real
     database: the same rows the command writes. Not the command itself: a subprocess paid a Python
-    start and gradwatch's imports (1.5-4 s under load) at each of ~30 call sites whose subject is what
-    the server does with a token, not how the operator makes it (docs/testing.md "Cuts"). The command
-    is run for real by :func:`create_token_with_cli`, in tests/server/test_server_auth.py on both
-    databases, tests/cli/test_cli_token.py and tests/deploy. ``data_dir`` is unused (kept so the
+    start and gradwatch's imports (4-5 s under load) for each of 36 tokens a run, in tests whose
+    subject is what the server does with a token, not how the operator makes it (docs/testing.md
+    "Cuts"). The command is run for real by :func:`create_token_with_cli`, in
+    tests/server/test_server_auth.py on both databases, and in tests/cli and tests/deploy. ``data_dir`` is unused (kept so the
     call sites read as before: the command took it for ``GRADWATCH_DATA_DIR``).
     """
     from gradwatch.server.db import open_database, prepare_schema
