@@ -242,8 +242,9 @@ def create_token(db_url: str, project: str, data_dir=None) -> str:
     start and gradwatch's imports (4-5 s under load) for each of 36 tokens a run, in tests whose
     subject is what the server does with a token, not how the operator makes it (docs/testing.md
     "Cuts"). The command is run for real by :func:`create_token_with_cli`, in
-    tests/server/test_server_auth.py on both databases, and in tests/cli and tests/deploy. ``data_dir`` is unused (kept so the
-    call sites read as before: the command took it for ``GRADWATCH_DATA_DIR``).
+    tests/server/test_server_auth.py on both databases, and in tests/cli and tests/deploy.
+    ``data_dir`` is unused (kept so the call sites read as before: the command took it for
+    ``GRADWATCH_DATA_DIR``).
     """
     from gradwatch.server.db import open_database, prepare_schema
     from gradwatch.server.tokens import create_token as make
