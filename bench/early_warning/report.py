@@ -100,7 +100,7 @@ def half_table(cases: list[dict], label: str, rules=RULES) -> str:
 def case_rows(cases: list[dict], rules=RULES) -> str:
     lines = ["| case | half | arch | optimizer | lr | warm-up | depth x width / heads | batch | diverged at | "
              + " | ".join(rules) + " | oracle | control alerts |",
-             "| " + " | ".join(["---"] * (11 + len(rules) - 1)) + " |"]
+             "| " + " | ".join(["---"] * (11 + len(rules))) + " |"]
     for c in cases:
         k, d = c["case"], c["divergent"]["diverged_at"]
         leads = [lead(d, first_warning(c["divergent"]["alerts"], [r])) for r in rules]
