@@ -143,4 +143,11 @@ def unpack_layer_values(blob: bytes) -> np.ndarray:
 
 
 def null_mask(arr_f32: np.ndarray) -> np.ndarray:
+    """Where a float32 array (or its raw ``<u4`` bits) holds the wire's "not measured" pattern. The one test
+    of it on the server: a NaN that was measured is a value (``np.isnan`` alone cannot tell them apart)."""
     return arr_f32.view("<u4") == NULL_F32_BITS
+
+
+def measured_mask(arr_f32: np.ndarray) -> np.ndarray:
+    """Where a float32 array (or its raw ``<u4`` bits) holds a measured value, NaN included: ``~null_mask``."""
+    return arr_f32.view("<u4") != NULL_F32_BITS

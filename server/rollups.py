@@ -30,7 +30,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from .models import ROLLUP_LEVELS
-from .numbers import NULL_F32_BITS
+from .numbers import NULL_F32_BITS, measured_mask
 
 def _group_starts(buckets: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(np.diff(buckets)) + 1))
@@ -192,7 +192,7 @@ def _layer_blocks(steps: np.ndarray, bits: np.ndarray, levels: Sequence[int]):
     """Yield ``(level, buckets, changed, rows (g, 6, W) float32, last_step (g,) float64, alone (g,))``
     per level; ``alone`` is the row of the bucket's only step, or -1 where it holds several."""
     n = len(steps)
-    measured = bits != NULL_F32_BITS
+    measured = measured_mask(bits)
     vals = bits.view("<f4")
     nan = np.isnan(vals)
     ok = measured & ~nan
@@ -394,7 +394,7 @@ def raw_layer_partials(steps, blobs: Sequence[bytes], width: int):
     r = len(blobs)
     bits = _layer_bits(blobs, width)
     vals = bits.view("<f4")
-    measured = bits != NULL_F32_BITS
+    measured = measured_mask(bits)
     isnan = np.isnan(vals) & measured
     ok = measured & ~isnan
     arr = np.empty((r, 6, width), dtype="<f4")

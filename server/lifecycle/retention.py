@@ -35,7 +35,7 @@ from sqlalchemy import func, select, text
 
 from ..metrics import RetentionCounters
 from ..models import ROLLUP_LEVELS, Project, RankLayout, Run, Step
-from ..numbers import NULL_F32_BITS
+from ..numbers import NULL_F32_BITS, measured_mask
 from ..rollups import layer_partial_arrays, step_partial_columns
 from .retention_config import (RECORD_KEY, CompactionRecord, JobSettings, RetentionConfigError, RetentionPolicy,
                                load_retention)
@@ -199,7 +199,7 @@ def merge_layer_blobs(blobs: list[bytes]) -> Optional[bytes]:
         out[2] = arr[:, 2].astype(np.float64).sum(axis=0)
     out[3] = arr[:, 3].sum(axis=0)
     out[4] = arr[:, 4].sum(axis=0)
-    measured = arr[:, 5].view("<u4") != NULL_F32_BITS
+    measured = measured_mask(arr[:, 5])
     idx = np.where(measured, np.arange(len(blobs))[:, None], -1).max(axis=0)   # latest partial measuring it
     out[5] = np.where(idx >= 0, arr[np.maximum(idx, 0), 5, np.arange(width)],
                       np.array([NULL_F32_BITS], dtype="<u4").view("<f4")[0])

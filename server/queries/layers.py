@@ -15,7 +15,7 @@ from gradwatch.agent.signals import layer_stat
 from ..admission import heatmap_cost, heavy_reads
 from ..lifecycle.retention_config import CompactionRecord
 from ..models import ROLLUP_LEVELS, LayerRollup, LayerStat, Run
-from ..numbers import NULL_F32_BITS
+from ..numbers import measured_mask
 from ..rollups import _layer_bits as layer_bits, choose_level, layer_partial_arrays
 from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, RequestTooLarge, _bounds, _compaction, _fetch_blobs
 from ..schemas import RunDetailOut
@@ -232,7 +232,7 @@ def _finish_matrix(run_id, stat, rank, agg, names, cols, last_step, arr, start0,
     nan = _reduce_columns(np.add, arr[:, 4], starts)
     if agg == "last":
         # per layer: the latest partial in the column where the layer was measured
-        meas = arr[:, 5].view("<u4") != NULL_F32_BITS
+        meas = measured_mask(arr[:, 5])
         val, has = _latest_measured(meas, starts, lambda best, col: arr[best, 5, col])
         return _matrix(run_id, stat, rank, agg, names, cols, (val, has, has & np.isnan(val)), start0, bucket,
                        max_layers)
@@ -256,7 +256,7 @@ def _raw_cells(bits: np.ndarray, steps: np.ndarray, cols: np.ndarray, agg: str):
         order = np.argsort(steps, kind="stable")
         bits, cols, steps = bits[order], cols[order], steps[order]
     starts = _column_starts(cols)
-    measured = bits != NULL_F32_BITS
+    measured = measured_mask(bits)
     vals = bits.view("<f4")
     isnan = np.isnan(vals) & measured
     ok = measured & ~isnan
