@@ -34,13 +34,6 @@ def default_spool_dir() -> str:
     return str(Path(os.path.expanduser("~")) / ".cache" / "gradwatch" / "spool")
 
 
-# The sampling intervals that put every collector on every step (``AgentConfig.every_step``, the
-# benchmark's "agent-full" mode).
-EVERY_STEP: Mapping[str, int] = {"weights_every": 1, "activations_every": 1, "inputs_every": 1, "ema_every": 1,
-                                 "bn_every": 1, "adam_every": 1, "linear_every": 1}
-EVERY_STEP = {**EVERY_STEP, "attn_logits_every": 1, "output_logits_every": 1}   # early-warning logits (H2, H3)
-
-
 @dataclass
 class AgentConfig:
     """Everything the agent can be told.
@@ -132,10 +125,11 @@ class AgentConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: must be at least 1")
         if self.spool_max_mb < 0:
             problems.append(f"spool_max_mb={self.spool_max_mb!r}: must be >= 0 (0 disables the spool)")
-        for name in ("weights_every", "activations_every", "inputs_every", "ema_every", "bn_every", "nan_hunt_steps",
-                     "adam_every", "linear_every"):
-            if getattr(self, name) < 0:
+        for name in cadences():
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
+        if self.nan_hunt_steps < 0:
+            problems.append(f"nan_hunt_steps={self.nan_hunt_steps!r}: use 0 to turn it off, or a positive step interval")
         if not (isinstance(self.skip_sigma, (int, float)) and self.skip_sigma > 0):
             problems.append(f"skip_sigma={self.skip_sigma!r}: must be a positive number of standard deviations")
         if not (isinstance(self.skip_window, int) and self.skip_window >= 8):
@@ -145,10 +139,6 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 problems.append(f"{name}={value!r}: must be a positive integer or None (inferred)")
-        # early warning, attention and output logits
-        for name in ("attn_logits_every", "output_logits_every"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
-                problems.append(f"{name}={getattr(self, name)!r}: use 0 to turn it off, or a positive step interval")
         for item in (self.attention_modules or "").split(","):   # agent/collectors/early_logits.py reads it
             heads = item.partition(":")[2].strip()
             if item.strip() and (not item.partition(":")[0].strip() or (heads and not (heads.isdigit() and int(heads) > 0))):
@@ -195,6 +185,17 @@ class AgentConfig:
         out.pop("token", None)
         return out
 
+
+
+def cadences() -> tuple[str, ...]:
+    """The sampling intervals, in steps: every ``*_every`` setting of :class:`AgentConfig` (one name per
+    collector's cadence; a new one is a new field, with no list to edit)."""
+    return tuple(f.name for f in fields(AgentConfig) if f.name.endswith("_every"))
+
+
+# The sampling intervals that put every collector on every step (``AgentConfig.every_step``, the
+# benchmark's "agent-full" mode).
+EVERY_STEP: Mapping[str, int] = dict.fromkeys(cadences(), 1)
 
 def _parse(name: str, f: dataclasses.Field, raw: str) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

@@ -34,6 +34,10 @@ def test_environment_fills_settings_and_arguments_win():
     ({"server": "127.0.0.1:8470"}, "server='127.0.0.1:8470': give an http:// or https:// URL"),
     ({"mode": "later"}, "mode='later': use one of online, offline, disabled"),
     ({"activations_every": -1}, "activations_every=-1: use 0 to turn it off"),
+    # every *_every setting is checked alike (agent/config.py cadences()): a step interval is a whole number
+    ({"weights_every": 2.5}, "weights_every=2.5: use 0 to turn it off"),
+    ({"output_logits_every": -5}, "output_logits_every=-5: use 0 to turn it off"),
+    ({"nan_hunt_steps": -1}, "nan_hunt_steps=-1: use 0 to turn it off"),
     ({"flush_interval": 0}, "flush_interval=0: must be a positive number of seconds"),
     ({"run": "  "}, "run='  ': give a non-empty name"),
     ({"batch_size": 0}, "batch_size=0: must be a positive integer"),
@@ -95,3 +99,13 @@ def test_disabled_mode_records_steps_but_sends_nothing(tmp_path):
             opt.step()
     assert monitor.step == 2 and monitor.sender is None
     assert not (tmp_path / "s").exists()
+
+
+def test_the_cadences_are_the_every_settings_and_every_step_sets_each_to_one():
+    from dataclasses import fields
+
+    from gradwatch.agent.config import EVERY_STEP, cadences
+    every = {f.name for f in fields(AgentConfig) if f.name.endswith("_every")}
+    assert set(cadences()) == every == set(EVERY_STEP) and len(every) >= 9
+    cfg = AgentConfig.every_step()
+    assert all(getattr(cfg, name) == 1 for name in every)
