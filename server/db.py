@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from sqlalchemy import create_engine, event, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
@@ -85,6 +87,12 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def dialect_insert(session, table):
+    """An INSERT into ``table`` in the session's dialect, so that ``.on_conflict_do_nothing()`` (an upsert
+    that two replicas or two ranks may run at once) reads the same on PostgreSQL and SQLite."""
+    return (pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert)(table)
 
 
 def open_database(url: str) -> Database:

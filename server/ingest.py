@@ -22,8 +22,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 from sqlalchemy import bindparam, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, ROLLUP_WIDTH, STEP_SIGNAL_NAMES
@@ -32,8 +30,10 @@ from .forensics.rollback import advise_rollback
 from .forensics.rewinds import record_rewinds
 from .lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
 from .lifecycle.retention_config import raw_floor
+from .db import dialect_insert
 from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
 from .numbers import NULL_F32_BITS, encode_json, extra_values, null_mask, pack_extra
+from .projects import get_or_create_project
 from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
 from .rollups import layer_partials_by_stat, step_partials
 from .forensics.precursors import attach_precursors
@@ -64,13 +64,8 @@ class IngestOutcome:
     run_started_at: float = 0.0
 
 
-def _insert(session: Session, table):
-    return (pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert)(table)
-
-
 # Statements built once: constructing a SQLAlchemy expression costs more than running it on a small
 # table, and these run on every batch.
-_PROJECT_BY_NAME = select(Project).where(Project.name == bindparam("name"))
 _RUN_FOR_UPDATE = (select(Run).where(Run.project_id == bindparam("project_id"), Run.name == bindparam("name"))
                    .with_for_update())
 # the usual batch: run and project both exist; one statement finds and locks the run
@@ -90,20 +85,11 @@ def _batch_id_insert(session: Session):
     stmt = _BATCH_ID_INSERTS.get(dialect)
     if stmt is None:
         stmt = _BATCH_ID_INSERTS[dialect] = (
-            _insert(session, IngestBatch)
+            dialect_insert(session, IngestBatch)
             .values(batch_id=bindparam("batch_id"), run_id=bindparam("run_id"), received_at=bindparam("received_at"),
                     step_count=bindparam("step_count"))
             .on_conflict_do_nothing(index_elements=["run_id", "batch_id"]).returning(IngestBatch.batch_id))
     return stmt
-
-
-def get_or_create_project(session: Session, *, name: str, now: float) -> Project:
-    # look first: after a project's first batch this is one indexed read and no write
-    project = session.scalars(_PROJECT_BY_NAME, {"name": name}).one_or_none()
-    if project is not None:
-        return project
-    session.execute(_insert(session, Project).values(name=name, created_at=now).on_conflict_do_nothing(index_elements=["name"]))
-    return session.scalars(_PROJECT_BY_NAME, {"name": name}).one()
 
 
 def _get_or_create_run(session: Session, *, project: Project, name: str, world_size: int, now: float) -> Run:
@@ -118,7 +104,7 @@ def _get_or_create_run(session: Session, *, project: Project, name: str, world_s
         # SQLite gives a new row the largest id + 1: a deleted run's id would be handed out again (a bookmark
         # of /runs/<id> showing another run). Ids continue after the deleted ones (PostgreSQL's sequence does).
         values["id"] = next_run_id(session)
-    session.execute(_insert(session, Run).values(**values).on_conflict_do_nothing(index_elements=["project_id", "name"]))
+    session.execute(dialect_insert(session, Run).values(**values).on_conflict_do_nothing(index_elements=["project_id", "name"]))
     return session.scalars(_RUN_FOR_UPDATE, {"project_id": project.id, "name": name}).one()
 
 
@@ -327,7 +313,7 @@ def ingest_batch(session: Session, *, batch: IngestBatchIn, settings: Settings, 
 
     if batch.events:
         session.execute(
-            _insert(session, RunEvent),
+            dialect_insert(session, RunEvent),
             [{"run_id": run.id, "rank": rank, "step": e.step, "kind": e.kind, "data": encode_json(e.data), "time": now}
              for e in batch.events],
         )

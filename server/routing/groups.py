@@ -31,6 +31,7 @@ from typing import Any, Optional
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
+from gradwatch.server.db import dialect_insert
 from gradwatch.server.models import Alert, NotificationGroup, NotificationGroupAlert, Project, Run
 from gradwatch.server.ranks import rank_progress
 from gradwatch.server.routing.config import Receiver, Route, RoutingConfig
@@ -49,14 +50,6 @@ RANK_POLL_S = 0.1
 FLUSH_LIMIT = 100
 
 
-def _insert(session: Session, model):
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert(model)
-
-
 def group_key(route: Route, labels: dict[str, str]) -> tuple[str, dict[str, str]]:
     values = {k: labels.get(k, "") for k in route.group_by}
     text = json.dumps([route.name, sorted(values.items())], separators=(",", ":"))
@@ -71,13 +64,13 @@ def join_group(session: Session, alert: Alert, route: Route, labels: dict[str, s
     on PostgreSQL both land in the one group instead of one of them failing on the unique key."""
     key, values = group_key(route, labels)
     run_id = alert.run_id if "run" in route.group_by or "alert" in route.group_by else None
-    session.execute(_insert(session, NotificationGroup).values(
+    session.execute(dialect_insert(session, NotificationGroup).values(
         group_key=key, route=route.name, receiver=route.receiver, project_id=project_id, run_id=run_id,
         labels=values, created_at=now, next_flush_at=now + route.timing.group_wait, last_notified_at=None,
         notified=[], notifications=0).on_conflict_do_nothing(index_elements=["group_key"]))
     gid, created = session.execute(select(NotificationGroup.id, NotificationGroup.created_at)
                                    .where(NotificationGroup.group_key == key)).one()
-    session.execute(_insert(session, NotificationGroupAlert).values(group_id=gid, alert_id=alert.id)
+    session.execute(dialect_insert(session, NotificationGroupAlert).values(group_id=gid, alert_id=alert.id)
                     .on_conflict_do_nothing(index_elements=["group_id", "alert_id"]))
     # something changed: decide again, though never before the group's wait is over. Compared in the
     # UPDATE itself, after the row lock: a flush committing meanwhile (another rank's batch, the worker)
