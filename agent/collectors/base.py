@@ -88,6 +88,10 @@ class Watched:
         """The grads to measure: None for ``p.grad`` as they are, else this rank's local shards."""
         return local_grads(self.params) if self.local else None
 
+    def present_grads(self) -> list:
+        """Each parameter's grad as measured (this rank's local shard when sharded), None where it has none."""
+        return self.grads() or [p.grad for p in self.params]
+
     def weights(self) -> list:
         """The weights to measure: this rank's local shards when sharded."""
         return local_tensors(self.params) if self.local else self.params

@@ -39,8 +39,7 @@ class GradAbsMax(Collector):
         if self.maxima is not None or not self.due(step) or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name), torch.no_grad():
-            w = self.watched
-            grads = w.grads() or [p.grad for p in w.params]
+            grads = self.watched.present_grads()
             index = [i for i, g in enumerate(grads) if g is not None]
             if not index:
                 return

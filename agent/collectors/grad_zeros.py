@@ -40,8 +40,7 @@ class GradZeroFraction(Collector):
         if self.zeros is not None or not self.due(step) or not self.guards.on(self.name):
             return
         with self.guards.guard(self.name), torch.no_grad():
-            w = self.watched
-            grads = w.grads() or [p.grad for p in w.params]
+            grads = self.watched.present_grads()
             have = [g is not None for g in grads]
             if not any(have):
                 return
