@@ -172,6 +172,11 @@ class Sender:
         self._events: list[dict] = []
         self._batch_id = uuid.uuid4().hex     # the id the batch being assembled will carry
         self._journaled = (0, 0)              # steps and events of it already in the journal
+        # True while the journal holds nothing but the batch being assembled: between a batch's swap and
+        # its safe arrival in the spool it still holds that batch, and nothing new may be added to it.
+        self._tail_free = True
+        self._posting = False      # a POST is in flight and the thread journals meanwhile (_post)
+        self._ship_due = False     # a critical or full batch taken during a POST: ship it right after
         self._backoff = 0.0
         self._retry_at = 0.0
         # batches the spool could not take and the server did not answer: (body, steps), oldest first
@@ -281,6 +286,9 @@ class Sender:
                 if now >= next_tick or len(self._steps) >= self.config.max_batch_steps:
                     self._ship()
                     next_tick = self._next_tick(now)
+                if self._ship_due:      # a critical or full batch taken while a POST was in flight
+                    self._ship_due = False
+                    self._ship()
                 self._write_journal()   # what waits for the next batch
                 if self._retry_at and self.clock() >= self._retry_at:
                     self._replay()
@@ -354,7 +362,10 @@ class Sender:
         # after a whole drain: after a pause of the sender (or a fast loop) one drain can take
         # thousands of records, and a batch that outgrows the spool bound could never be spooled.
         if critical or len(self._steps) >= self.config.max_batch_steps:
-            self._ship()
+            if self._posting:
+                self._ship_due = True    # not inside the POST in flight: right after it
+            else:
+                self._ship()
 
     def _write_journal(self) -> None:
         """Append the steps and events taken since the last write to the crash-tail journal."""
@@ -392,6 +403,7 @@ class Sender:
         steps, events, drops = self._steps, self._events, self._drops
         self._steps, self._events, self._drops = [], [], {}
         batch_id, self._batch_id = self._batch_id, uuid.uuid4().hex
+        self._tail_free = self._journaled == (0, 0)   # the journal still holds the batch being shipped
         events = events + [{"step": None, "kind": "dropped", "data": {"steps": n, "reason": reason}}
                            for reason, n in drops.items()]
         rest: dict = {"events": events}
@@ -407,9 +419,7 @@ class Sender:
         body = (json.dumps({"batch_id": batch_id, **self.header})[:-1] + ', "steps": [' + ", ".join(steps)
                 + "], " + json.dumps(rest)[1:]).encode()
         stored = self._store(body, final)
-        self._journaled = (0, 0)
-        if self.journal is not None:
-            self.journal.reset()   # stored, or counted as dropped: either way not the tail's any more
+        self._release_tail()   # stored, or counted as dropped: either way not the tail's any more
         if stored:
             self.meta = None  # sent (or safely spooled) once per process
             self.sent_steps += len(steps)
@@ -431,6 +441,7 @@ class Sender:
             return False
         if self.spool.append(body):
             self.spooled_batches += 1
+            self._release_tail()        # the spool holds it: the journal is the next batch's before the POST
             self._replay(force=final)
             return True
         self.warn.warning("spool", "gradwatch: spool not usable (%s); sending without it", self.spool.last_error)
@@ -440,6 +451,7 @@ class Sender:
                 return False  # sending past the backlog would break the order
             if self.spool.append(body):
                 self.spooled_batches += 1
+                self._release_tail()
                 self._replay(force=True)
                 return True
         if self._held:
@@ -450,7 +462,7 @@ class Sender:
             self._hold(body)
             self._replay(force=final)   # after the held ones, in order
             return True
-        delivery = self.transport.post(body)
+        delivery = self._post(body)
         if delivery.accepted:
             self.delivered_batches += 1
             self._read_reply(delivery.body)
@@ -462,6 +474,68 @@ class Sender:
             self._back_off()
             return True
         return False
+
+    def _release_tail(self) -> None:
+        """The batch just shipped is the journal's no more: empty it (once) for the batch now assembled."""
+        if self._tail_free:
+            return
+        self._tail_free = True
+        self._journaled = (0, 0)
+        if self.journal is not None:
+            self.journal.reset()
+
+    def _post(self, body: bytes):
+        """``transport.post(body)``; with a crash-tail journal free for the next batch, the POST runs on a
+        short-lived thread while this one keeps taking the submitted steps into the journal.
+
+        Why: a POST to a slow server (hundreds of ms on a loaded host) used to hold this thread, and
+        the steps sealed meanwhile waited, unjournaled, in the queue: a SIGKILL then lost more than
+        the open step (seen at load ~15: two steps, tests/checkpoints/test_crash_tail.py). Nothing
+        is shipped while a POST is in flight (a critical step ships right after it), and no more
+        than ``max_batch_steps`` are taken, so the batch bound and the queue's drop count hold."""
+        if self.journal is None or not self._tail_free or self._posting:
+            return self.transport.post(body)
+        box: dict = {}
+        done = threading.Event()
+
+        def post() -> None:
+            try:
+                box["delivery"] = self.transport.post(body)
+            except BaseException as e:  # noqa: BLE001 - raised again on the sender thread
+                box["error"] = e
+            finally:
+                done.set()
+                self._wake.set()
+
+        self._posting = True
+        try:
+            threading.Thread(target=post, name="gradwatch-post", daemon=True).start()
+            while not done.is_set():
+                self._idle = True        # a submit wakes this loop (see submit)
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                self._idle = False
+                self._journal_taken()
+        finally:
+            self._posting = False
+        if "error" in box:
+            raise box["error"]
+        return box["delivery"]
+
+    def _journal_taken(self) -> None:
+        """Take the step records and events at the head of the queue (up to a marker, or until a batch is
+        full) and journal them; called while a POST is in flight."""
+        while self._queue and len(self._steps) < self.config.max_batch_steps:
+            item = self._queue[0]          # this thread is the only one that takes from the queue
+            if isinstance(item, StepRecord):
+                self._queue.popleft()
+                self._take(item)
+            elif isinstance(item, dict):
+                self._queue.popleft()
+                self._events.append(item)
+            else:
+                break                      # a flush or stop marker: the main loop's, after the POST
+        self._write_journal()
 
     def _hold(self, body: bytes) -> None:
         self._held.append(body)
@@ -527,7 +601,7 @@ class Sender:
             body = self.spool.read(path)
             if body is None:
                 continue
-            delivery = self.transport.post(body)
+            delivery = self._post(body)
             if delivery.accepted:
                 self.spool.remove(path)
                 self.delivered_batches += 1
@@ -555,7 +629,7 @@ class Sender:
         batch_id: one the server already stored is acknowledged again and not stored twice."""
         while self._held:
             body = self._held[0]
-            delivery = self.transport.post(body)
+            delivery = self._post(body)
             if not delivery.accepted and delivery.retryable:
                 self._back_off()
                 return

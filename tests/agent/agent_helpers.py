@@ -187,7 +187,7 @@ def spooled_steps(directory) -> list[int]:
 class StubbornServer:
     """A real HTTP server on loopback that answers every POST with ``status``, or never answers (hang)."""
 
-    def __init__(self, status: int = 500, hang: bool = False, port: Optional[int] = None):
+    def __init__(self, status: int = 500, hang: bool = False, port: Optional[int] = None, hang_s: float = 60.0):
         import http.server
         import socket
         import time as _time
@@ -207,7 +207,7 @@ class StubbornServer:
                 self.rfile.read(length)
                 owner.requests.append(dict(self.headers.items()))
                 if hang:
-                    owner._stop.wait(60)
+                    owner._stop.wait(hang_s)   # stop() ends it sooner
                     return
                 self.send_response(status)
                 self.send_header("Content-Length", "0")

@@ -511,3 +511,42 @@ def test_paced_ranks_send_in_their_own_slots_of_the_pace_not_together(tmp_path):
     # the two ranks post apart, 35/64 of the pace: their posts' phases (mod the pace) differ by about that
     phase = {r: statistics.median(t % pace for t in servers[r].posted[1:-1]) for r in (5, 40)}
     print(f"[slots] phases apart {(phase[40] - phase[5]) % pace:.3f} s (slots {35 / 64 * pace:.3f} s apart)")
+
+
+def _journaled_steps(spool) -> set[int]:
+    """Step numbers in the crash-tail journals under a spool directory, as a SIGKILL now would leave them."""
+    out = set()
+    for path in spool.rglob("tail-*.jsonl"):
+        for line in path.read_text().split("\n")[:-1]:    # a line without its newline is unfinished
+            if line.startswith("s"):
+                out.add(json.loads(line[1:])["step"])
+    return out
+
+
+def test_steps_finished_while_a_post_hangs_are_journaled_before_it_returns(tmp_path):
+    """A POST that does not return (a slow or hung server) must not hold back the crash tail: the steps
+    sealed meanwhile reach the journal while the POST is still in flight, so a SIGKILL at that moment
+    loses at most the open step. (At load ~15 a POST took hundreds of ms and a kill lost two steps.)"""
+    hung = StubbornServer(hang=True, hang_s=3600)     # answers nothing until the test stops it
+    spool = tmp_path / "spool"
+    model, scaler = TinyNet(), torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # http_timeout far beyond the wait below (a hang bound): the POST is in flight when the journal is read
+    monitor = agent.attach(model, scaler, server=hung.url, run="tail-during-post", spool_dir=str(spool),
+                           flush_interval=0.05, http_timeout=3600.0)
+    try:
+        data = list(batches(13))
+        for x, y in data[:3]:
+            checklist_step(model, opt, scaler, x, y)
+        wait_until(lambda: len(hung.requests) >= 1, timeout=60, what="the first batch's POST in flight")
+        for x, y in data[3:]:
+            checklist_step(model, opt, scaler, x, y)
+        # steps 0-11 finished and sealed (12 may still be open): each is in the spool (the batch being
+        # POSTed was spooled first) or in the journal, before the hung POST returns
+        wait_until(lambda: set(range(12)) <= set(spooled_steps(spool)) | _journaled_steps(spool), timeout=60,
+                   what="steps 0-11 spooled or journaled while the POST hangs")
+        assert len(hung.requests) == 1, "one POST, still unanswered"
+        assert _journaled_steps(spool), "the steps after the POSTed batch are the journal's"
+    finally:
+        hung.stop()
+        monitor.close(timeout=5.0)
