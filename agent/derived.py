@@ -2,7 +2,7 @@
 
 A derived signal is computed where its inputs come together: for one process in the sender thread
 (:mod:`agent.wire`, from the step record's parts), for a sharded run on the server, once a step's last
-rank arrived (:mod:`server.ranks`, from the ranks' combined pieces). Both call the functions here, so
+rank arrived (:mod:`server.storage.ranks`, from the ranks' combined pieces). Both call the functions here, so
 the two can never disagree on an edge (a zero or a non-finite norm). The signal table
 (:mod:`agent.signals`) names each derived signal's per-process inputs (``derived_from``);
 :data:`DERIVE` maps the signal to its function.

@@ -157,7 +157,7 @@ class Monitor:
                          if cfg.crash_tail and cfg.spool_max_bytes > 0 else None),
                 assembler=StepAssembler(w.param_names, [n for n, _ in w.modules], [n for n, _ in w.bns], self.hunt),
                 header={"project": cfg.project, "run": cfg.run, "rank": self.rank, "world_size": self.world_size,
-                        # this process's step numbering, for the server's resume bookkeeping (server/resume.py)
+                        # this process's step numbering, for the server's resume bookkeeping (server/ingest/resume.py)
                         "session": uuid.uuid4().hex, "step_origin": "process", "step_start": 0},
                 meta=self._meta(),
                 warn=self._warn,

@@ -1,7 +1,7 @@
 """When a paced rank sends: its batches in slots spread evenly over the pace, one slot per rank.
 
 A run of many ranks is paced by the server: the ingest reply asks every rank but rank 0 to leave at
-least ``pace`` seconds between batches (server/pacing.py). Ranks started together and given the same
+least ``pace`` seconds between batches (server/ingest/pacing.py). Ranks started together and given the same
 pace at the same moment would then send together, every rank's batch in the same half second once
 every pace: at 256 ranks a burst of 255 batches that a server takes a second or more to work off,
 every time (measured: bench/ingest.py --ranks 256, p50 0.6-0.7 s, p99 1.7-2.4 s). So a paced rank

@@ -17,7 +17,7 @@ step collided with a stored one). ``step_origin`` says where the first number ca
 * ``"process"``: neither; counted from 0 by this process.
 
 The last two are guesses: the server continues them after the run's last stored step when they would
-collide (``server/resume.py``), so a run resumed under its own name never loses its new steps, and the
+collide (``server/ingest/resume.py``), so a run resumed under its own name never loses its new steps, and the
 sender logs where they went.
 
 Everything here runs once per attach (one host read of the scale and of the BatchNorm buffers: a

@@ -63,11 +63,11 @@ log = logging.getLogger("gradwatch.agent")
 # lost (tests/checkpoints/test_crash_tail.py); a faster loop loses at most its last ~100 ms of steps.
 TAIL_MIN_GAP = 0.01
 TAIL_LAG_S = 0.1
-# How long one reply's "live" (a run page is watching; server/live_news.py) keeps the sender at
+# How long one reply's "live" (a run page is watching; server/ingest/live_news.py) keeps the sender at
 # live_flush_interval: a few batches, so a page closed meanwhile costs the server little, and a
 # watched run's replies keep renewing it.
 LIVE_HOLD_S = 2.0
-# The longest pause between batches a server's ``pace`` can get from this agent: what server/pacing.py
+# The longest pause between batches a server's ``pace`` can get from this agent: what server/ingest/pacing.py
 # asks at most (agent/pacing.py's MAX_PACE_S, 10 s); a bad reply no more than this.
 MAX_OBEYED_PACE_S = MAX_PACE_S
 # When the spool cannot take a batch (disabled with spool_max_mb=0, unwritable) and the server did not
@@ -188,7 +188,7 @@ class Sender:
         self.dropped_steps = 0
         self.sent_steps = 0
         self.taken_steps = 0     # step records taken off the queue (the journal gap reads the rate)
-        # the server's word on this process's step numbers (agent/resume.py, server/resume.py)
+        # the server's word on this process's step numbers (agent/resume.py, server/ingest/resume.py)
         self.step_shift = 0
         self.already_stored = 0
         # until when (sender clock) a run page is watching the run, by the server's replies
@@ -308,7 +308,7 @@ class Sender:
     def _next_tick(self, now: float) -> float:
         """When (sender clock) the next batch goes: ``live_flush_interval`` after ``now`` while a run page
         watches the run (the last reply said so, within LIVE_HOLD_S), else ``flush_interval`` after it,
-        or, when the server's ``pace`` for this rank is longer (a run of many ranks: server/pacing.py),
+        or, when the server's ``pace`` for this rank is longer (a run of many ranks: server/ingest/pacing.py),
         this rank's next slot of the pace (agent/pacing.py: the ranks' batches spread evenly over it)."""
         if now < self._live_until:
             return now + min(self.config.live_flush_interval, self.config.flush_interval)
@@ -565,7 +565,7 @@ class Sender:
             # silence a rank (its critical steps are sent at once whatever the pace)
             self._pace = min(max(float(pace), 0.0), MAX_OBEYED_PACE_S) if pace == pace else 0.0
         if reply.get("live") is True:
-            # an open run page is watching: send every live_flush_interval for a while (server/live_news.py)
+            # an open run page is watching: send every live_flush_interval for a while (server/ingest/live_news.py)
             self._live_until = self.clock() + LIVE_HOLD_S
         if alerts:
             self._heard(reply)

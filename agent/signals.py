@@ -102,7 +102,7 @@ class LayerStat:
     unit: str
     meaning: str
     heatmap: Optional[str] = None   # run-page heatmap title (None: no heatmap)
-    combined: bool = False          # a sharded run's combined row (rank -1) holds it (server/ranks.py)
+    combined: bool = False          # a sharded run's combined row (rank -1) holds it (server/storage/ranks.py)
     derived_from: tuple[str, ...] = ()   # as StepSignal.derived_from
     # a sharded run's per-rank form ("Sharded runs" below): the record part ("layers.<x>") whose values of
     # this rank's pieces it carries; how the server combines the pieces of a parameter; and the step part
@@ -310,7 +310,7 @@ LAYER_STATS += (
 
 # ---- a sharded signal added as docs/architecture.md's "Adding a signal" says, in two files: these declarations
 # (the signal, its per-layer statistic and their per-rank form) and its collector, agent/collectors/grad_absmax.py;
-# the server combines the ranks' pieces from the per-rank form alone (server/ranks.py)
+# the server combines the ranks' pieces from the per-rank form alone (server/storage/ranks.py)
 STEP_SIGNALS += (
     StepSignal("grad_absmax", 24, "float", "", "largest |g| of any gradient element after unscale, as the "
                "optimizer uses it (after clipping; sampled with weights_every): fp16 overflows where it times "
@@ -350,7 +350,7 @@ CUSTOM_PART_PREFIX = "custom:"
 # its pieces (a collective to combine them in the training job is one the agent must never add). A
 # collector writes the table's names whatever the sharding, through :func:`per_rank`: on a sharded run a
 # part that a per-rank form declares (``pieces_of``) goes out under that form's name instead. The server
-# combines a step's ranks from these declarations alone (server/ranks.py): each per-rank statistic's
+# combines a step's ranks from these declarations alone (server/storage/ranks.py): each per-rank statistic's
 # distinct pieces into the full parameters' values of its part (``combine``), their totals over the
 # parameters into step parts (``total``), the combined row's derived signals from those by agent/derived.py,
 # and any other signal of the combined row (``combined``) from rank 0, the same on every rank (clip_max_norm).

@@ -159,7 +159,7 @@ def case_redos(port: int, name_length: int) -> None:
 def _fill_heatmap_run(port: int, steps: int, layers: int) -> int:
     import numpy as np
 
-    from gradwatch.server.numbers import pack_f32_b64
+    from gradwatch.server.wire.numbers import pack_f32_b64
 
     rnd = np.random.default_rng(0)
     names = [f"blocks.{i // 6}.p{i % 6}.weight" for i in range(layers)]

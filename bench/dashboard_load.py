@@ -152,10 +152,10 @@ def build_rank_run(db_url: str, ranks: int, steps: int, batch_steps: int = 2000)
     """A run of ``ranks`` ranks through the server's write path (rollups included, rules off)."""
     import numpy as np
 
-    from gradwatch.server.db import open_database, upgrade
-    from gradwatch.server.ingest import ingest_batch
-    from gradwatch.server.schemas import IngestBatchIn, MetaIn, StepIn
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.storage.db import open_database, upgrade
+    from gradwatch.server.ingest.write import ingest_batch
+    from gradwatch.server.wire.schemas import IngestBatchIn, MetaIn, StepIn
+    from gradwatch.server.operations.settings import Settings
 
     from query import LAYERS, SPARSE_STATS
 
@@ -208,8 +208,8 @@ def build_rank_run(db_url: str, ranks: int, steps: int, batch_steps: int = 2000)
 def find_rank_run(db_url: str, ranks: int):
     from sqlalchemy import select
 
-    from gradwatch.server.db import open_database
-    from gradwatch.server.models import Run
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.storage.models import Run
 
     database = open_database(db_url)
     with database.sessionmaker() as session:
@@ -324,7 +324,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write every visit's figures here")
     ap.add_argument("--verbose", action="store_true", help="print each visit's callbacks and chart draw times")
     args = ap.parse_args()
-    from gradwatch.server.settings import normalize_db_url
+    from gradwatch.server.operations.settings import normalize_db_url
 
     many = args.ranks > 1
     args.db = args.db or f"sqlite:///{ROOT / 'bench-data' / ('dashboard-load-ranks.db' if many else 'dashboard-load.db')}"

@@ -34,9 +34,9 @@ Target: >= 1,000,000 values/s per server process with p99 < 200 ms.
 
 ``--ranks N``: one run of N ranks instead of N runs (each rank a thread, default telemetry, 150 layers,
 ``--steps-per-s`` steps/s each; rank 0 sends every ``--interval``, the agent's cadence, the others at the
-pace the server's replies ask, which follows its measured lock hold: server/pacing.py). ``--sharded`` makes
+pace the server's replies ask, which follows its measured lock hold: server/ingest/pacing.py). ``--sharded`` makes
 it an FSDP run: each rank sends its shard's norms (``*_local``) and its layout, and the server combines
-every step once its last rank arrives (server/ranks.py), then runs the rules on the combined row as well
+every step once its last rank arrives (server/storage/ranks.py), then runs the rules on the combined row as well
 as the cross-rank ones (F1, F3, F5) on every batch. Reported besides: how many steps got their combined
 row (must be every step every rank sent). Target (issue 17): 256 ranks keep up, p99 < 200 ms.
 ``--timeline CSV`` writes every batch (when it was due, its latency, rank, steps, pace) to see when a tail came.
@@ -86,7 +86,7 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
     """
     import numpy as np
 
-    from gradwatch.server.numbers import pack_f32_b64
+    from gradwatch.server.wire.numbers import pack_f32_b64
 
     rnd = np.random.default_rng(agent * 1_000_003 + first)
     # each statistic's usual range in a healthy run (update ratio ~1e-3, activations of unit scale, ...)
@@ -143,7 +143,7 @@ def make_batch(agent: int, first: int, n: int, stats: str, encoding: str = "f32"
 
 
 def count_values(body: dict) -> int:
-    from gradwatch.server.numbers import unpack_f32_b64
+    from gradwatch.server.wire.numbers import unpack_f32_b64
 
     n = 0
     for s in body["steps"]:
@@ -179,9 +179,9 @@ def combined_steps(db: str, project: str = "bench") -> tuple[int, int]:
     """(steps with their combined row, distinct steps the ranks sent) of ``project``'s runs."""
     from sqlalchemy import func, select
 
-    from gradwatch.server.db import open_database
-    from gradwatch.server.models import Project, Run, Step
-    from gradwatch.server.ranks import COMBINED_RANK
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.storage.models import Project, Run, Step
+    from gradwatch.server.storage.ranks import COMBINED_RANK
 
     database = open_database(db)
     with database.sessionmaker() as s:
@@ -197,9 +197,9 @@ def stored_values(db: str, project: str = "bench", ranks_only: bool = False) -> 
     (``ranks_only``: the ranks' own rows, not the server's combined ones)."""
     from sqlalchemy import func, select
 
-    from gradwatch.server.db import open_database
-    from gradwatch.server.models import STEP_COLUMNS, LayerStat, Project, Run, Step
-    from gradwatch.server.numbers import extra_measured, unpack_extra
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.storage.models import STEP_COLUMNS, LayerStat, Project, Run, Step
+    from gradwatch.server.wire.numbers import extra_measured, unpack_extra
 
     database = open_database(db)
     with database.sessionmaker() as s:
@@ -222,10 +222,10 @@ def in_process_split(db: str, batches: int, steps_per_batch: int, stats: str, en
     """Where a batch's time goes, without HTTP: parse + validate, then the write path with and
     without the rule engine (``ingest_batch(evaluate_rules=False)``), on one core."""
     from gradwatch.server.api.ingest import decode_body
-    from gradwatch.server.db import open_database, upgrade
-    from gradwatch.server.ingest import ingest_batch
-    from gradwatch.server.schemas import IngestBatchIn
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.storage.db import open_database, upgrade
+    from gradwatch.server.ingest.write import ingest_batch
+    from gradwatch.server.wire.schemas import IngestBatchIn
+    from gradwatch.server.operations.settings import Settings
 
     raws = [json.dumps(make_batch(0, b * steps_per_batch, steps_per_batch, stats, encoding)).encode()
             for b in range(batches)]
@@ -259,7 +259,7 @@ class FreshDatabase:
     URL gives a new database next to the one named, dropped again by ``close()``."""
 
     def __init__(self, db: str | None, tmp: str, prefix: str):
-        from gradwatch.server.settings import normalize_db_url
+        from gradwatch.server.operations.settings import normalize_db_url
 
         self._admin = self._name = None
         if db and not db.startswith("sqlite"):
@@ -288,7 +288,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def lock_hold(port: int) -> tuple[float, float]:
-    """A server's (average, paced) hold of a run's lock, seconds, from its /metrics (server/pacing.py)."""
+    """A server's (average, paced) hold of a run's lock, seconds, from its /metrics (server/ingest/pacing.py)."""
     import re
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -621,7 +621,7 @@ def main() -> int:
               f"{sent_batches[0] / wall:,.0f} batches/s sent")
     if args.ranks:
         print("lock hold ms      " + "; ".join(f"average {a * 1000:.1f}, paced {p * 1000:.1f}" for a, p in holds)
-              + "   (each server's, at the end: server/pacing.py)")
+              + "   (each server's, at the end: server/ingest/pacing.py)")
     if combined is not None:
         print(f"combined rows     {combined[0]:,} of {combined[1]:,} steps "
               f"({'all' if combined[0] == combined[1] else 'MISSING ' + format(combined[1] - combined[0], ',')})")

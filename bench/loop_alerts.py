@@ -38,12 +38,12 @@ def main() -> int:
     args = ap.parse_args()
 
     from gradwatch.server.api.ingest import _loop_alerts
-    from gradwatch.server.db import open_database, upgrade
-    from gradwatch.server.ingest import ingest_batch
-    from gradwatch.server.models import Alert
-    from gradwatch.server.schemas import IngestBatchIn
+    from gradwatch.server.storage.db import open_database, upgrade
+    from gradwatch.server.ingest.write import ingest_batch
+    from gradwatch.server.storage.models import Alert
+    from gradwatch.server.wire.schemas import IngestBatchIn
     from sqlalchemy import func, select
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.operations.settings import Settings
 
     tmp = tempfile.mkdtemp(prefix="gw-loop-alerts-")
     fresh = FreshDatabase(args.db, tmp, "loop_alerts")

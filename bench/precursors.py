@@ -27,7 +27,7 @@ sys.path.insert(0, str(checkout.shim(ROOT)))   # gradwatch.* is this checkout's 
 
 
 def batch_of(lo: int, n: int, layers: int, names, rng, grow_from: int, run: str):
-    from gradwatch.server.schemas import IngestBatchIn, MetaIn, StepIn
+    from gradwatch.server.wire.schemas import IngestBatchIn, MetaIn, StepIn
     idx = np.arange(lo, lo + n)
     gn = np.abs(1.0 + 0.2 * rng.standard_normal((n, layers))).astype("<f4")
     grow = idx >= grow_from
@@ -55,11 +55,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
-    from gradwatch.server.db import open_database, upgrade
+    from gradwatch.server.storage.db import open_database, upgrade
     from gradwatch.server.forensics.precursors import find_precursors, summary
-    from gradwatch.server.ingest import ingest_batch
-    from gradwatch.server.models import Run
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.ingest.write import ingest_batch
+    from gradwatch.server.storage.models import Run
+    from gradwatch.server.operations.settings import Settings
 
     (ROOT / "bench-data").mkdir(exist_ok=True)
     run_name = f"precursors-{int(time.time())}"

@@ -4,7 +4,7 @@
     createdb -h 127.0.0.1 -U postgres gw_bench && .venv/bin/python bench/query.py --db postgresql://postgres@127.0.0.1:5432/gw_bench
     .venv/bin/python bench/query.py --steps 200000 --reuse   # smaller run / keep the data
 
-The run is written in-process through ``server.ingest.ingest_batch`` (the
+The run is written in-process through ``server.ingest.write.ingest_batch`` (the
 server's own write path, 1,000-step batches, validation and rules skipped), then a real
 ``gradwatch serve`` answers HTTP queries on loopback:
 
@@ -38,10 +38,10 @@ SPARSE_STATS = ("weight_norm", "update_ratio", "act_mean", "act_std", "act_absma
 
 
 def build_run(db_url: str, steps: int, batch_steps: int = 1000) -> int:
-    from gradwatch.server.db import open_database, upgrade
-    from gradwatch.server.ingest import ingest_batch
-    from gradwatch.server.schemas import IngestBatchIn, MetaIn, StepIn
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.storage.db import open_database, upgrade
+    from gradwatch.server.ingest.write import ingest_batch
+    from gradwatch.server.wire.schemas import IngestBatchIn, MetaIn, StepIn
+    from gradwatch.server.operations.settings import Settings
 
     upgrade(db_url)
     database = open_database(db_url)
@@ -94,9 +94,9 @@ def compare_layouts(db_url: str, steps: int) -> None:
     """Write ``steps`` x 150 grad norms in three layouts; time writes and a 500-column heatmap."""
     from sqlalchemy import text
 
-    from gradwatch.server.db import open_database
-    from gradwatch.server.ingest import bulk_insert
-    from gradwatch.server.rollups import layer_partials
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.ingest.write import bulk_insert
+    from gradwatch.server.storage.rollups import layer_partials
 
     database = open_database(db_url)
     rng = np.random.default_rng(1)
@@ -157,8 +157,8 @@ def compare_layouts(db_url: str, steps: int) -> None:
         bulk_insert(s, "lay_rollup", ("level", "bucket", "data"), parts)
 
     def q_rollup(s):
-        from gradwatch.server.models import ROLLUP_LEVELS
-        from gradwatch.server.rollups import layer_partial_arrays
+        from gradwatch.server.storage.models import ROLLUP_LEVELS
+        from gradwatch.server.storage.rollups import layer_partial_arrays
 
         level = max([lv for lv in ROLLUP_LEVELS if lv <= bucket] or [1])
         rows = s.execute(text(f"SELECT bucket, data FROM lay_rollup WHERE level = {level} ORDER BY bucket")).all()
@@ -201,8 +201,8 @@ def compare_layouts(db_url: str, steps: int) -> None:
 def find_run(db_url: str):
     from sqlalchemy import select
 
-    from gradwatch.server.db import open_database
-    from gradwatch.server.models import Run
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.storage.models import Run
 
     database = open_database(db_url)
     with database.sessionmaker() as session:
@@ -241,11 +241,11 @@ def main() -> int:
     ap.add_argument("--layouts", type=int, metavar="STEPS", default=0,
                     help="instead: compare storage layouts on STEPS x 150 values (e.g. 20000)")
     args = ap.parse_args()
-    from gradwatch.server.settings import normalize_db_url
+    from gradwatch.server.operations.settings import normalize_db_url
 
     db = normalize_db_url(args.db)
     if args.layouts:
-        from gradwatch.server.db import upgrade
+        from gradwatch.server.storage.db import upgrade
 
         upgrade(db)
         compare_layouts(db, args.layouts)

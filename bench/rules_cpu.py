@@ -36,12 +36,12 @@ def worker(batches: int, steps_per_batch: int) -> None:
     bench_ingest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_ingest)
 
-    from gradwatch.server.db import open_database, upgrade
-    from gradwatch.server.ingest import _keys_present, _wire_step, ingest_batch
-    from gradwatch.server.models import Run
+    from gradwatch.server.storage.db import open_database, upgrade
+    from gradwatch.server.ingest.write import _keys_present, _wire_step, ingest_batch
+    from gradwatch.server.storage.models import Run
     from gradwatch.server.rules.engine import evaluate_batch
-    from gradwatch.server.schemas import IngestBatchIn
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.wire.schemas import IngestBatchIn
+    from gradwatch.server.operations.settings import Settings
 
     tmp = tempfile.mkdtemp()
     db = f"sqlite:///{tmp}/rules.db"

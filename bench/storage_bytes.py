@@ -58,7 +58,7 @@ def table_bytes(url: str, *, full: bool = True) -> dict[str, int]:
     """Bytes of each run table (and its indexes) as the database holds them."""
     from sqlalchemy import create_engine, text
 
-    from gradwatch.server.settings import normalize_db_url
+    from gradwatch.server.operations.settings import normalize_db_url
 
     engine = create_engine(normalize_db_url(url), isolation_level="AUTOCOMMIT")
     out = {}
@@ -82,10 +82,10 @@ def table_bytes(url: str, *, full: bool = True) -> dict[str, int]:
 
 def build_sharded(url: str, ranks: int, steps: int, batch_steps: int = 100) -> int:
     """A ``ranks``-rank FSDP run of ``steps`` steps, each rank's batches as the agent sends them."""
-    from gradwatch.server.db import open_database, upgrade
-    from gradwatch.server.ingest import ingest_batch
-    from gradwatch.server.schemas import IngestBatchIn
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.storage.db import open_database, upgrade
+    from gradwatch.server.ingest.write import ingest_batch
+    from gradwatch.server.wire.schemas import IngestBatchIn
+    from gradwatch.server.operations.settings import Settings
 
     upgrade(url)
     database = open_database(url)
@@ -109,7 +109,7 @@ def build_sharded(url: str, ranks: int, steps: int, batch_steps: int = 100) -> i
 
 
 def compact_all(url: str, run_id: int, layer_level: int = 4096) -> dict:
-    from gradwatch.server.db import open_database
+    from gradwatch.server.storage.db import open_database
     from gradwatch.server.lifecycle.retention import compact_run
     from gradwatch.server.lifecycle.retention_config import RetentionPolicy
 

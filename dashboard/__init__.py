@@ -62,7 +62,7 @@ def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=Non
     delete takes for each of its bounded transactions (server/lifecycle/delete.py).
 
     ``deliveries_queued``: called (from any thread) after the dashboard queues a webhook delivery.
-    ``live_news``: the server's :class:`~gradwatch.server.live_news.LiveNews` (None: run pages poll).
+    ``live_news``: the server's :class:`~gradwatch.server.ingest.live_news.LiveNews` (None: run pages poll).
     """
     import dash
     from dash import dcc, html
@@ -114,7 +114,7 @@ def create_dash(sessionmaker, settings, *, deliveries_queued=None, live_news=Non
         """The frame around every page; a function so that it can name the signed-in project."""
         right = []
         if getattr(settings, "auth", False):
-            # /login and /logout are server routes (server/auth.py) in front of the Dash mount.
+            # /login and /logout are server routes (server/access/auth.py) in front of the Dash mount.
             project = gateway.signed_in_project()
             right = [html.Span(f"project {project}" if project else "", className="gw-muted", id="nav-project"),
                      html.A("log out", href="/logout", className="gw-nav-link", id="nav-logout")]

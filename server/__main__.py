@@ -1,4 +1,4 @@
 """``python -m gradwatch.server …`` is the ``gradwatch`` console script."""
-from .cli import main
+from gradwatch.server.cli import main
 
 raise SystemExit(main())

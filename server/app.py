@@ -8,15 +8,15 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .admission import HeavyReadBusy, HeavyReadGate, HoldUntilSent, set_heavy_reads
-from .api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
-from .db import Database, open_database, schema_problem
-from .live_news import DASHBOARD_THREADS, LiveNews
-from .metrics import IngestMetrics, RetentionCounters
-from .schemas import IngestBatchIn
-from .settings import Settings
-from .pacing import LockHoldMeter
-from .write_gate import FifoGate, default_permits
+from gradwatch.server.queries.admission import HeavyReadBusy, HeavyReadGate, HoldUntilSent, set_heavy_reads
+from gradwatch.server.api import alerts, health, ingest, runs, silences, webhooks, metrics as metrics_api
+from gradwatch.server.storage.db import Database, open_database, schema_problem
+from gradwatch.server.ingest.live_news import DASHBOARD_THREADS, LiveNews
+from gradwatch.server.operations.metrics import IngestMetrics, RetentionCounters
+from gradwatch.server.wire.schemas import IngestBatchIn
+from gradwatch.server.operations.settings import Settings
+from gradwatch.server.ingest.pacing import LockHoldMeter
+from gradwatch.server.ingest.write_gate import FifoGate, default_permits
 
 log = logging.getLogger("gradwatch.server")
 
@@ -48,11 +48,11 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
         check_schema(database, settings)
         import os
 
-        from .routing.config import routing_of
-        from .routing.dispatch import flush_due, route_timer_alerts
-        from .routing.groups import mark_delivered, next_flush_at
-        from .routing.receivers.email import EmailSender, SmtpSettings
-        from .webhooks.worker import DeliveryWorker
+        from gradwatch.server.routing.config import routing_of
+        from gradwatch.server.routing.dispatch import flush_due, route_timer_alerts
+        from gradwatch.server.routing.groups import mark_delivered, next_flush_at
+        from gradwatch.server.routing.receivers.email import EmailSender, SmtpSettings
+        from gradwatch.server.webhooks.worker import DeliveryWorker
 
         routing_of(settings)      # a bad routing file stops the server here, saying where
         worker = DeliveryWorker(database.sessionmaker, settings, route=route_timer_alerts, flush=flush_due,
@@ -61,7 +61,7 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
         app.state.delivery_worker = worker
         await worker.start()
         _finish_deletes(database, app.state.write_gate)
-        from .lifecycle.retention import RetentionJob, retention_configured
+        from gradwatch.server.lifecycle.retention import RetentionJob, retention_configured
 
         retention = None
         if retention_configured(os.environ):     # docs/deployment.md, "Retention"
@@ -84,14 +84,14 @@ def create_app(settings: Settings, *, database: Optional[Database] = None, mount
     app.state.metrics = IngestMetrics()
     app.state.live_news = LiveNews()
     app.state.retention_counters = RetentionCounters()   # on /metrics, whether or not the job runs
-    app.state.lock_hold = LockHoldMeter()   # the ranks' pace follows it (server/pacing.py)
+    app.state.lock_hold = LockHoldMeter()   # the ranks' pace follows it (server/ingest/pacing.py)
     app.state.write_gate = FifoGate(settings.write_concurrency or default_permits(database.engine.dialect.name))
-    # one memory budget for the heavy reads (heatmaps) of this process, whoever asks (server/admission.py)
+    # one memory budget for the heavy reads (heatmaps) of this process, whoever asks (server/queries/admission.py)
     app.state.heavy_reads = HeavyReadGate(settings.heavy_read_budget_bytes)
     set_heavy_reads(app.state.heavy_reads)
     app.add_middleware(HoldUntilSent)     # a heatmap's share is held until its answer is sent
     if settings.auth:
-        from .auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
+        from gradwatch.server.access.auth import Auth, AuthMiddleware, add_login_routes, load_session_secret
 
         auth = Auth(database.sessionmaker, lambda: load_session_secret(settings, database.sessionmaker))
         app.state.auth = auth
@@ -130,8 +130,8 @@ def _finish_deletes(database: Database, gate) -> None:
 
     from sqlalchemy import select
 
-    from .lifecycle.delete import purge_pending
-    from .models import Run
+    from gradwatch.server.lifecycle.delete import purge_pending
+    from gradwatch.server.storage.models import Run
 
     with database.sessionmaker() as session:
         if session.scalar(select(Run.id).where(Run.deleted_at.is_not(None)).limit(1)) is None:
@@ -198,5 +198,5 @@ def _mount_dashboard(app: FastAPI, database: Database, settings: Settings) -> No
 
         app.router.routes.append(Mount("/", app=unavailable))
         return
-    # more threads than a2wsgi's 10: the run pages' live callbacks park in them (server/live_news.py)
+    # more threads than a2wsgi's 10: the run pages' live callbacks park in them (server/ingest/live_news.py)
     app.mount("/", WSGIMiddleware(dash_app.server, workers=DASHBOARD_THREADS))

@@ -3,13 +3,13 @@
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its
 parser and sets ``func``; adding a subcommand is one function plus one line
 in ``SUBCOMMANDS`` (or a module's own ``add_subparser``, listed with
-:func:`_module`, like ``gradwatch.server.demo``).
+:func:`_module`, like ``gradwatch.server.commands.demo``).
 
 This module imports the standard library only, at import and while building the
 parser: the same ``gradwatch`` runs on a training node that has the agent only
 (``gradwatch sync``), on a monitoring host without torch, and in development. A
 command whose packages are missing says in one line which extra installs them
-(:mod:`gradwatch.server.extras`).
+(:mod:`gradwatch.server.commands.extras`).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Callable, Optional
 
-from .extras import install_hint
-from .ports import DEFAULT_PORT, port_problem
+from gradwatch.server.commands.extras import install_hint
+from gradwatch.server.operations.ports import DEFAULT_PORT, port_problem
 
 
 def _eprint(*args) -> None:
@@ -47,21 +47,42 @@ def add_serve(subparsers) -> None:
 
 
 def _prepare_schema(settings) -> None:
-    from .db import prepare_schema
+    from gradwatch.server.storage.db import prepare_schema
 
     prepare_schema(settings.database_url, upgrade_old=settings.embedded_db or settings.migrate)
+
+
+def check_operator_env(settings, env=None) -> None:
+    """Every other operator setting read from the environment, checked before the server starts
+    (the retention job's pacing and policy, SMTP, the routing file): ``SettingsError`` naming the
+    setting, the value and what it may be, instead of a thread that spins or a notification that
+    fails later. Here, at the top, because it reads the settings of rooms below operations/
+    (lifecycle, routing), which import the settings themselves."""
+    from gradwatch.server.lifecycle.retention_config import JobSettings, RetentionConfigError, load_retention
+    from gradwatch.server.operations.settings import SettingsError
+    from gradwatch.server.routing.config import RoutingConfigError, routing_of
+    from gradwatch.server.routing.receivers.email import SmtpSettings
+
+    env = os.environ if env is None else env
+    try:
+        JobSettings.from_env(env)
+        load_retention(env)
+        SmtpSettings.from_env(env)
+        routing_of(settings)
+    except (RetentionConfigError, RoutingConfigError, ValueError) as e:
+        raise SettingsError(str(e)) from None
 
 
 def run_serve(args) -> int:
     import uvicorn
 
-    from .app import check_schema, create_app, SchemaOutOfDate
-    from .db import open_database
-    from .settings import Settings
+    from gradwatch.server.app import check_schema, create_app, SchemaOutOfDate
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.operations.settings import Settings
 
     settings = Settings.from_env(db=args.db, host=args.host, port=args.port, webhooks=args.webhook,
                                  rules_file=args.rules, routing_file=args.routing, migrate=args.migrate)
-    settings.check_operator_env()     # every setting checked before anything starts (SettingsError: one line)
+    check_operator_env(settings)     # every setting checked before anything starts (SettingsError: one line)
     _prepare_schema(settings)
     database = open_database(settings.database_url)
     try:
@@ -124,8 +145,8 @@ def add_db(subparsers) -> None:
 
 
 def run_db_upgrade(args) -> int:
-    from .db import upgrade
-    from .settings import Settings
+    from gradwatch.server.storage.db import upgrade
+    from gradwatch.server.operations.settings import Settings
 
     settings = Settings.from_env(db=args.db)
     upgrade(settings.database_url, args.revision)
@@ -134,8 +155,8 @@ def run_db_upgrade(args) -> int:
 
 
 def run_db_check(args) -> int:
-    from .db import make_engine, schema_problem
-    from .settings import Settings
+    from gradwatch.server.storage.db import make_engine, schema_problem
+    from gradwatch.server.operations.settings import Settings
 
     settings = Settings.from_env(db=args.db)
     engine = make_engine(settings.database_url)
@@ -171,8 +192,8 @@ def add_token(subparsers) -> None:
 
 
 def _token_db(args):
-    from .db import open_database
-    from .settings import Settings
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.operations.settings import Settings
 
     settings = Settings.from_env(db=args.db)
     _prepare_schema(settings)
@@ -180,7 +201,7 @@ def _token_db(args):
 
 
 def run_token_create(args) -> int:
-    from .tokens import create_token
+    from gradwatch.server.access.tokens import create_token
 
     database = _token_db(args)
     try:
@@ -195,7 +216,7 @@ def run_token_create(args) -> int:
 
 
 def run_token_list(args) -> int:
-    from .tokens import list_tokens
+    from gradwatch.server.access.tokens import list_tokens
 
     database = _token_db(args)
     try:
@@ -215,7 +236,7 @@ def _utc(ts: float) -> str:
 
 
 def run_token_delete(args) -> int:
-    from .tokens import delete_token
+    from gradwatch.server.access.tokens import delete_token
 
     database = _token_db(args)
     try:
@@ -256,10 +277,10 @@ def _module(module: str, name: str, help: str) -> Callable:
 
 SUBCOMMANDS: list[Callable] = [
     add_serve, add_db, add_token,
-    _module(".demo", "demo", "run the server, the dashboard and a demo training job that goes bad"),
+    _module(".commands.demo", "demo", "run the server, the dashboard and a demo training job that goes bad"),
     _module(".rules.cli", "rules", "the rule catalogue and a rule configuration's effective values"),
-    _module(".export", "export", "a run's data as CSV / JSON lines / Parquet"),
-    _module(".spool_sync", "sync", "upload an agent's offline spool"),
+    _module(".commands.export", "export", "a run's data as CSV / JSON lines / Parquet"),
+    _module(".commands.spool_sync", "sync", "upload an agent's offline spool"),
     _module(".webhooks.cli", "webhooks", "webhook endpoints and deliveries"),
     _module(".importers.cli", "import", "runs logged by TensorBoard or W&B, turned into gradwatch runs"),
     _module(".routing.cli", "silence", "silences: mute alerts matching labels until they expire"),
@@ -292,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001 - one readable line for the errors a user can fix
         from sqlalchemy.exc import ArgumentError, OperationalError
 
-        from .settings import SettingsError
+        from gradwatch.server.operations.settings import SettingsError
 
         if isinstance(e, SettingsError):
             _eprint(f"gradwatch: refusing to start: {e}")

@@ -178,11 +178,11 @@ class LiveServer:
 
         Not a ``gradwatch db upgrade`` subprocess: that paid a Python start and gradwatch's imports
         (1.7 s on a quiet machine, 4-5 s under load) before every one of the suite's ~200 server
-        starts, to run the same :func:`gradwatch.server.db.upgrade` this calls (0.2-0.9 s; see
+        starts, to run the same :func:`gradwatch.server.storage.db.upgrade` this calls (0.2-0.9 s; see
         docs/testing.md "Cuts"). The CLI path itself is tested for real on both databases in
         tests/cli/test_cli_serve_db.py and tests/server/test_server_cli.py.
         """
-        from gradwatch.server.db import upgrade
+        from gradwatch.server.storage.db import upgrade
 
         upgrade(self.db_url)
 
@@ -237,7 +237,7 @@ class LiveServer:
 def create_token(db_url: str, project: str, data_dir=None) -> str:
     """A project API token, made in this process by the function ``gradwatch token create`` calls.
 
-    :func:`gradwatch.server.tokens.create_token` in a write session, committed, on the test's real
+    :func:`gradwatch.server.access.tokens.create_token` in a write session, committed, on the test's real
     database: the same rows the command writes. Not the command itself: a subprocess paid a Python
     start and gradwatch's imports (4-5 s under load) for each of 36 tokens a run, in tests whose
     subject is what the server does with a token, not how the operator makes it (docs/testing.md
@@ -246,8 +246,8 @@ def create_token(db_url: str, project: str, data_dir=None) -> str:
     ``data_dir`` is unused (kept so the call sites read as before: the command took it for
     ``GRADWATCH_DATA_DIR``).
     """
-    from gradwatch.server.db import open_database, prepare_schema
-    from gradwatch.server.tokens import create_token as make
+    from gradwatch.server.storage.db import open_database, prepare_schema
+    from gradwatch.server.access.tokens import create_token as make
 
     # as the command does (server/cli.py _token_db): an empty database is given the schema first
     prepare_schema(db_url, upgrade_old=False)

@@ -46,7 +46,7 @@ def ema_divergence(ema: Any, names: Sequence[str], params: Sequence[torch.Tensor
     """(||θ_ema − θ||, ||θ||) as two 0-d device tensors over the matched parameters, or None.
     ``per_param`` (sharded runs): also the per-tensor norms of this rank's pieces and the indices of the
     matched parameters, ``(num, den, diff_norms, weight_norms, index)``, for the server to combine the
-    ranks' pieces into the full parameters' divergence (server/ranks.py).
+    ranks' pieces into the full parameters' divergence (server/storage/ranks.py).
 
     ``matcher`` (one per monitor) remembers which EMA tensor goes with which parameter, so
     that a sampled step whose EMA holds the same tensor objects as last time skips the

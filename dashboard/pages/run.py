@@ -13,7 +13,7 @@ Data flow (all ids start with ``run-``):
   reads the heatmaps. Each stage's response is drawn while the next one is on
   the server.
 - ``run-interval`` ticks; :func:`wait_news` waits on the server until the
-  run has steps after ``run-live.cursor`` (a long poll, server/live_news.py)
+  run has steps after ``run-live.cursor`` (a long poll, server/ingest/live_news.py)
   and sets ``run-news``; :func:`append_live` then asks for the steps after the
   cursor only and appends them with ``Patch`` (the
   history is never fetched again). After many appended points it redraws once
@@ -40,7 +40,7 @@ from gradwatch.dashboard.rewind_cards import rewind_list
 from gradwatch.dashboard.ticks import pause_while_running
 
 # The live tick: wait_news parks up to about a second on the server while nothing is new
-# (server/live_news.py), so a short tick costs no queries; it is only the gap after the charts are
+# (server/ingest/live_news.py), so a short tick costs no queries; it is only the gap after the charts are
 # patched before the next wait. A page the server cannot park (too many pages waiting) polls every
 # POLL_MS instead, as every page did before the long poll.
 LIVE_MS = 20
@@ -263,7 +263,7 @@ def load_charts(head, run_id, smoothing):
 )
 def wait_news(tick, run_id, live):
     """Park on the server until the run holds steps after the page's cursor (a long poll, about a
-    second; server/live_news.py), then tell :func:`append_live` to fetch them; it also answers after
+    second; server/ingest/live_news.py), then tell :func:`append_live` to fetch them; it also answers after
     the wait without news, so the alert marks stay current. Only a counter comes back: the chart
     state this callback read may be stale by then (a zoom meanwhile), append_live reads it fresh.
     The tick after it: LIVE_MS while the server parks this page, POLL_MS when it could not."""

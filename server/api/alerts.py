@@ -5,13 +5,13 @@ from typing import Annotated, Any, Optional
 
 from fastapi import APIRouter, Body, HTTPException, Query, Request
 
-from .. import queries
-from ..rules.alerts import acknowledge_alert
-from ..rules.catalogue import RULES_BY_ID, describe
-from ..rules.config import RuleConfigError, get_rule_config, set_rule_override
-from ..schemas import AlertListOut, AlertOut
-from ..scope import in_scope
-from .deps import ReadScopeDep, SessionDep, SettingsDep, check_scope
+from gradwatch.server import queries
+from gradwatch.server.rules.alerts import acknowledge_alert
+from gradwatch.server.rules.catalogue import RULES_BY_ID, describe
+from gradwatch.server.rules.config import RuleConfigError, get_rule_config, set_rule_override
+from gradwatch.server.wire.schemas import AlertListOut, AlertOut
+from gradwatch.server.access.scope import in_scope
+from gradwatch.server.api.deps import ReadScopeDep, SessionDep, SettingsDep, check_scope
 
 router = APIRouter(tags=["alerts"])
 
@@ -52,7 +52,7 @@ def alert_incident(alert_id: int, session: SessionDep, scope: ReadScopeDep) -> d
     the checkpoints and the one to roll back to; what ``/incidents/<alert_id>`` shows."""
     from gradwatch.agent.nonfinite import encode_json
 
-    from ..forensics.incident import get_incident
+    from gradwatch.server.forensics.incident import get_incident
 
     found = get_incident(session, alert_id=alert_id)
     if found is None or not in_scope(scope, (found["run"] or {}).get("project")):
@@ -63,7 +63,7 @@ def alert_incident(alert_id: int, session: SessionDep, scope: ReadScopeDep) -> d
 
 
 def _alert_run(session, alert_id: int) -> int:
-    from ..models import Alert
+    from gradwatch.server.storage.models import Alert
 
     alert = session.get(Alert, alert_id)
     if alert is None:

@@ -6,9 +6,9 @@ from typing import Annotated, Iterator, Optional
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
 
-from ..db import Database
-from ..scope import in_scope, other_project
-from ..settings import Settings
+from gradwatch.server.storage.db import Database
+from gradwatch.server.access.scope import in_scope, other_project
+from gradwatch.server.operations.settings import Settings
 
 
 def get_settings(request: Request) -> Settings:
@@ -33,7 +33,7 @@ def get_read_scope(request: Request) -> Optional[str]:
     """The project a read is limited to: None when auth is off (everything readable)."""
     if getattr(request.app.state, "auth", None) is None:
         return None
-    from ..auth import project_of
+    from gradwatch.server.access.auth import project_of
 
     project = project_of(request)
     if project is None:  # the middleware lets no such request through; be safe anyway

@@ -3,8 +3,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from ..schemas import HealthOut
-from .deps import DatabaseDep, SessionDep
+from gradwatch.server.wire.schemas import HealthOut
+from gradwatch.server.api.deps import DatabaseDep, SessionDep
 
 router = APIRouter(tags=["health"])
 

@@ -12,13 +12,13 @@ from pydantic import ValidationError
 from sqlalchemy import bindparam, select
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
-from ..ingest import ingest_batch
-from ..lifecycle.delete import RunDeleted
-from ..models import Alert
-from ..pacing import reply_pace
-from ..queries import alert_out
-from ..schemas import AlertOut, IngestBatchIn, IngestResult
-from .deps import SettingsDep, check_scope, get_read_scope
+from gradwatch.server.ingest.write import ingest_batch
+from gradwatch.server.lifecycle.delete import RunDeleted
+from gradwatch.server.storage.models import Alert
+from gradwatch.server.ingest.pacing import reply_pace
+from gradwatch.server.queries import alert_out
+from gradwatch.server.wire.schemas import AlertOut, IngestBatchIn, IngestResult
+from gradwatch.server.api.deps import SettingsDep, check_scope, get_read_scope
 
 try:  # 3-5x faster JSON parsing when installed (server extra)
     import orjson as _orjson
@@ -175,7 +175,7 @@ async def ingest(request: Request, settings: SettingsDep) -> IngestResult:
     result = IngestResult(run_id=outcome.run_id, accepted=outcome.accepted, duplicate=outcome.duplicate,
                           step_shift=outcome.step_shift, already_stored=outcome.already_stored,
                           # rank 0 only: the headline charts read it, and a watched 256-rank run sending
-                          # 10 batches/s per rank would be a load no page is worth (server/live_news.py)
+                          # 10 batches/s per rank would be a load no page is worth (server/ingest/live_news.py)
                           live=rank == 0 and app.state.live_news.watching(outcome.run_id),
                           pace=reply_pace(world_size, rank, app.state.lock_hold.seconds,
                                           run_age_s=time.time() - outcome.run_started_at))

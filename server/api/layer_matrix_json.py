@@ -28,8 +28,8 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from ..numbers import encode_float
-from ..queries import LayerMatrix
+from gradwatch.server.wire.numbers import encode_float
+from gradwatch.server.queries import LayerMatrix
 
 # cells encoded at a time: ~16,000 floats are ~0.3 MB of JSON and 1–2 ms of one core
 BLOCK_CELLS = 16_384

@@ -4,9 +4,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from ..health_metrics import render_run_health
-from ..metrics import database_lines, lock_hold_lines
-from .deps import SessionDep, SettingsDep
+from gradwatch.server.api.health_metrics import render_run_health
+from gradwatch.server.operations.metrics import database_lines, lock_hold_lines
+from gradwatch.server.api.deps import SessionDep, SettingsDep
 
 router = APIRouter(tags=["metrics"])
 
@@ -14,7 +14,7 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(request: Request, session: SessionDep, settings: SettingsDep) -> PlainTextResponse:
     """Ingest rate (counters), batch latency, rows written, open alerts, webhook delivery failures;
-    per-run health (server/health_metrics.py).
+    per-run health (server/api/health_metrics.py).
 
     The counts are open to any scraper (a load balancer, Prometheus). The per-run families name runs and
     their losses: with auth on they are served only to a scrape that sends a project token

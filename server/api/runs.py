@@ -7,16 +7,16 @@ from typing import Annotated, Iterator, Optional
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse as _StdJSONResponse, StreamingResponse
 
-from .. import queries
-from ..lifecycle import delete as lifecycle_delete, sizes
-from ..numbers import encode_float
-from ..schemas import (
+from gradwatch.server import queries
+from gradwatch.server.lifecycle import delete as lifecycle_delete, sizes
+from gradwatch.server.wire.numbers import encode_float
+from gradwatch.server.wire.schemas import (
     CheckpointListOut, DeletedRunOut, DeleteOut, EventListOut, LayerMatrixOut, RewindListOut,
     RunDetailOut, RunListOut, SeriesMultiOut, SeriesOut, StorageOut,
 )
-from ..scope import in_scope
-from .deps import ReadScopeDep, SessionDep, SettingsDep
-from .layer_matrix_json import layer_matrix_json
+from gradwatch.server.access.scope import in_scope
+from gradwatch.server.api.deps import ReadScopeDep, SessionDep, SettingsDep
+from gradwatch.server.api.layer_matrix_json import layer_matrix_json
 
 router = APIRouter(tags=["runs"])
 
@@ -33,7 +33,7 @@ class JSONResponse(_StdJSONResponse):
         return orjson.dumps(content)
 
 StepParam = Annotated[Optional[int], Query(ge=0, le=2**62)]
-# -1: a sharded run's combined row (server/ranks.py): the full parameters' norms and the global grad norm
+# -1: a sharded run's combined row (server/storage/ranks.py): the full parameters' norms and the global grad norm
 RankParam = Annotated[int, Query(ge=-1, le=1_000_000)]
 RunId = Annotated[int, Path(ge=0, le=2**62)]
 

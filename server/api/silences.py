@@ -11,10 +11,10 @@ from typing import Annotated, Any, Optional
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
-from ..models import Project
-from ..schemas import Name
-from ..routing import silences as data
-from .deps import ReadScopeDep, SessionDep, check_scope
+from gradwatch.server.storage.models import Project
+from gradwatch.server.wire.schemas import Name
+from gradwatch.server.routing import silences as data
+from gradwatch.server.api.deps import ReadScopeDep, SessionDep, check_scope
 
 router = APIRouter(tags=["silences"])
 

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal, Optional
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
-from ..models import Project
-from ..webhooks import endpoints as ep_data
-from ..scope import in_scope
-from .deps import ReadScopeDep, SessionDep, SettingsDep, check_scope
+from gradwatch.server.storage.models import Project
+from gradwatch.server.webhooks import endpoints as ep_data
+from gradwatch.server.access.scope import in_scope
+from gradwatch.server.api.deps import ReadScopeDep, SessionDep, SettingsDep, check_scope
 
 router = APIRouter(tags=["webhooks"])
 

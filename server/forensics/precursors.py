@@ -60,8 +60,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import layer_stat
-from gradwatch.server.models import Alert, LayerStat, Run, Step
-from gradwatch.server.numbers import null_mask
+from gradwatch.server.storage.models import Alert, LayerStat, Run, Step
+from gradwatch.server.wire.numbers import null_mask
 from gradwatch.server.queries._shared import _fetch_blobs
 from gradwatch.server.rules import registry as rule_registry
 from gradwatch.server.rules.stats import MAD_TO_SIGMA, enc

@@ -29,9 +29,9 @@ from typing import Any, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert, Project, Run, RunEvent
+from gradwatch.server.storage.models import Alert, Project, Run, RunEvent
 from gradwatch.server.queries.events import rewind_key, stored_trigger
-from gradwatch.server.rewind_text import acted_on_text, rewind_text
+from gradwatch.server.queries.rewind_text import acted_on_text, rewind_text
 from gradwatch.server.routing.config import Receiver, routing_of
 from gradwatch.server.routing.labels import alert_labels
 from gradwatch.server.routing.notifications import enqueue_notification

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert, RunEvent
+from gradwatch.server.storage.models import Alert, RunEvent
 from gradwatch.server.rules import registry
 
 CHECKPOINT_KIND = "checkpoint"

@@ -66,7 +66,7 @@ def _eprint(*args) -> None:
 
 def run_tensorboard(args) -> int:
     def sources():
-        from . import tensorboard_reader as tb
+        from gradwatch.server.importers import tensorboard_reader as tb
 
         return [(tb.run_name(d, args.logdir), sum(os.path.getsize(f) for f in tb.event_files(d)),
                  lambda on_bytes, d=d: tb.read_run(d, args.logdir, on_bytes=on_bytes))
@@ -76,7 +76,7 @@ def run_tensorboard(args) -> int:
 
 def run_wandb(args) -> int:
     def sources():
-        from . import wandb_reader
+        from gradwatch.server.importers import wandb_reader
 
         wandb_reader.check_installed()     # the install hint before anything else when wandb is missing
         return [(os.path.basename(os.path.dirname(os.path.abspath(f))), os.path.getsize(f),
@@ -86,8 +86,8 @@ def run_wandb(args) -> int:
 
 
 def _run(args, sources) -> int:
-    from .source import ImportProblem
-    from .tagmap import MapError, TagMap
+    from gradwatch.server.importers.source import ImportProblem
+    from gradwatch.server.importers.tagmap import MapError, TagMap
 
     try:
         tagmap = TagMap.build(args.map)
@@ -100,7 +100,7 @@ def _run(args, sources) -> int:
     except ImportProblem as e:
         _eprint(f"gradwatch import: {e}")
         return EXIT_FAILED
-    from .progress import Progress
+    from gradwatch.server.importers.progress import Progress
 
     imported_any = False
     try:
@@ -120,7 +120,7 @@ def _run(args, sources) -> int:
 
 
 def _open_sink(args):
-    from .sinks import DatabaseSink, HttpSink
+    from gradwatch.server.importers.sinks import DatabaseSink, HttpSink
 
     if args.server:
         return HttpSink(args.server, token=args.token or os.environ.get("GRADWATCH_TOKEN") or None)
@@ -128,8 +128,8 @@ def _open_sink(args):
 
 
 def _import_one(args, src, tagmap, sink, *, several: bool) -> bool:
-    from .progress import Progress
-    from .source import batches, prepare
+    from gradwatch.server.importers.progress import Progress
+    from gradwatch.server.importers.source import batches, prepare
 
     prepared = prepare(src, tagmap)
     project = args.project or src.project or "default"

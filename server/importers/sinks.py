@@ -15,9 +15,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .source import ImportProblem
-from ..extras import pip_command
-from ..http_json import request_json
+from gradwatch.server.importers.source import ImportProblem
+from gradwatch.server.commands.extras import pip_command
+from gradwatch.server.commands.http_json import request_json
 
 SERVER_HINT = pip_command("server")
 
@@ -44,12 +44,12 @@ class AlertLine:
 
 
 class DatabaseSink:
-    """Writes with ``server.ingest.ingest_batch`` in one transaction per batch, as the API does."""
+    """Writes with ``server.ingest.write.ingest_batch`` in one transaction per batch, as the API does."""
 
     def __init__(self, url: Optional[str]):
         try:
-            from gradwatch.server.db import open_database, prepare_schema, schema_problem
-            from gradwatch.server.settings import Settings
+            from gradwatch.server.storage.db import open_database, prepare_schema, schema_problem
+            from gradwatch.server.operations.settings import Settings
         except ImportError as e:
             raise ImportProblem(f"--db writes through the server's ingest code, which needs the server extra "
                                 f"({e.name} is missing): {SERVER_HINT}, or send to a server with --server URL") from None
@@ -79,8 +79,8 @@ class DatabaseSink:
         from sqlalchemy.exc import IntegrityError, OperationalError
 
         from gradwatch.server.api.ingest import format_validation_error
-        from gradwatch.server.ingest import ingest_batch
-        from gradwatch.server.schemas import IngestBatchIn
+        from gradwatch.server.ingest.write import ingest_batch
+        from gradwatch.server.wire.schemas import IngestBatchIn
 
         try:
             batch = IngestBatchIn.model_validate(body)

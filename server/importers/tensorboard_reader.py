@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from .source import ImportProblem, SourceRun
-from ..extras import pip_command
+from gradwatch.server.importers.source import ImportProblem, SourceRun
+from gradwatch.server.commands.extras import pip_command
 
 INSTALL_HINT = pip_command("import")
 # bytes around each record's payload in an event file: 8 of length, 4 + 4 of CRC

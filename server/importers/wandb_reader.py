@@ -25,8 +25,8 @@ import zlib
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .source import ImportProblem, SourceRun
-from ..extras import pip_command
+from gradwatch.server.importers.source import ImportProblem, SourceRun
+from gradwatch.server.commands.extras import pip_command
 
 INSTALL_HINT = pip_command("import")
 

@@ -110,7 +110,7 @@ def schema_objects() -> dict[str, str]:
     the migrations one by one on a scratch SQLite file (a few seconds, once per restore)."""
     from alembic.script import ScriptDirectory
 
-    from ..db import alembic_config, upgrade
+    from gradwatch.server.storage.db import alembic_config, upgrade
 
     with tempfile.TemporaryDirectory(prefix="gradwatch-schema-") as tmp:
         url = f"sqlite:///{Path(tmp) / 'reference.db'}"
@@ -130,7 +130,7 @@ def schema_objects() -> dict[str, str]:
 def known_revisions() -> set[str]:
     from alembic.script import ScriptDirectory
 
-    from ..db import alembic_config
+    from gradwatch.server.storage.db import alembic_config
 
     return {r.revision for r in ScriptDirectory.from_config(alembic_config("sqlite://")).walk_revisions()}
 

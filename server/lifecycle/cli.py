@@ -159,14 +159,14 @@ def _fail(msg: str) -> int:
 
 
 def _database(url: str):
-    from ..db import open_database
-    from ..settings import Settings
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.operations.settings import Settings
 
     return open_database(Settings.from_env(db=url).database_url)
 
 
 def _stall_seconds(url: Optional[str] = None) -> float:
-    from ..settings import Settings
+    from gradwatch.server.operations.settings import Settings
 
     return Settings.from_env(db=url).stall_seconds
 
@@ -176,7 +176,7 @@ def _stall_seconds(url: Optional[str] = None) -> float:
 def _list_rows(args) -> list[dict]:
     older = parse_age(args.older_than) if args.older_than else None
     if args.db:
-        from . import delete, sizes
+        from gradwatch.server.lifecycle import delete, sizes
 
         database = _database(args.db)
         try:
@@ -184,7 +184,7 @@ def _list_rows(args) -> list[dict]:
                 refs = delete.select_runs(session, project=args.project, name=args.name, status=args.status,
                                           older_than_s=older, stall_seconds=_stall_seconds(args.db))
                 size = sizes.run_bytes(session, [r.id for r in refs])
-                from ..models import Run
+                from gradwatch.server.storage.models import Run
                 from sqlalchemy import select
                 steps = dict(session.execute(select(Run.id, Run.last_step).where(Run.id.in_([r.id for r in refs]))).all())
         finally:
@@ -277,7 +277,7 @@ def run_runs_delete(args) -> int:
         if not _confirm(args, "these runs"):
             return 1
     if args.db:
-        from . import delete
+        from gradwatch.server.lifecycle import delete
 
         database = _database(args.db)
         stall = _stall_seconds(args.db)
@@ -329,7 +329,7 @@ def run_projects_delete(args) -> int:
         if not _confirm(args, f"project {args.project!r} with all its runs"):
             return 1
     if args.db:
-        from . import delete
+        from gradwatch.server.lifecycle import delete
 
         database = _database(args.db)
         try:
@@ -355,8 +355,8 @@ def run_projects_delete(args) -> int:
 # ----------------------------------------------------------------------------- backup / restore
 
 def run_backup(args) -> int:
-    from ..settings import Settings
-    from .backup import backup
+    from gradwatch.server.operations.settings import Settings
+    from gradwatch.server.lifecycle.backup import backup
 
     url = Settings.from_env(db=args.db).database_url
     try:
@@ -368,8 +368,8 @@ def run_backup(args) -> int:
 
 
 def run_restore(args) -> int:
-    from ..settings import Settings
-    from .backup import restore
+    from gradwatch.server.operations.settings import Settings
+    from gradwatch.server.lifecycle.backup import restore
 
     url = Settings.from_env(db=args.db).database_url
     try:

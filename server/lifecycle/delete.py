@@ -7,13 +7,13 @@ A delete has two phases.
    the run's project and run names and the agent sessions that wrote it. From this commit on, every read
    treats the run as gone (404) and ingest refuses its batches with 410 Gone.
 2. **Purge** (:func:`purge_run`): the run's rows are removed table by table, a bounded number of rows per
-   transaction, each transaction taken through the ingest write gate (server/write_gate.py) so that a
+   transaction, each transaction taken through the ingest write gate (server/ingest/write_gate.py) so that a
    batch of another run waits for one small delete, never for the whole run. The chunk size adapts so
    that a transaction takes about :data:`CHUNK_SECONDS`. The ``runs`` row goes last and the tombstone's
    ``purged_at`` is set. A server stopped half-way finishes the purge at its next start
    (:func:`purge_pending`): the marked run stays hidden meanwhile.
 
-Which tables hold a run's rows is read from the SQLAlchemy metadata (server/models.py), not listed here,
+Which tables hold a run's rows is read from the SQLAlchemy metadata (server/storage/models.py), not listed here,
 so a table added later is covered without touching this module:
 
 - every table with a ``run_id`` column (``steps``, ``layer_stats``, rollups, ``alerts``, ``rule_states``,
@@ -41,9 +41,9 @@ from typing import Callable, ContextManager, Iterable, Optional
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..models import DeletedRun, Project, Run
-from . import sizes
-from .owned import Owned, owned_tables, owned_where, project_tables
+from gradwatch.server.storage.models import DeletedRun, Project, Run
+from gradwatch.server.lifecycle import sizes
+from gradwatch.server.lifecycle.owned import Owned, owned_tables, owned_where, project_tables
 
 log = logging.getLogger("gradwatch.lifecycle")
 
@@ -57,7 +57,7 @@ PROGRESS_LOG_SECONDS = 5.0      # a long delete logs its progress this often (lo
 FIRST_CHUNK_ROWS = 2000
 MAX_CHUNK_ROWS = 200_000
 MIN_CHUNK_ROWS = 100
-# the key of runs.config that lists the agent sessions that wrote the run (server/resume.py)
+# the key of runs.config that lists the agent sessions that wrote the run (server/ingest/resume.py)
 _SESSIONS_KEY = "_step_shift"
 
 
@@ -312,7 +312,7 @@ def delete_runs(database, *, runs: list[RunRef], force: bool, stall_seconds: flo
     """Mark ``runs`` deleted (one transaction) and purge each; ``dry_run``: only say what would go.
 
     Raises :class:`RunStillSending` (nothing deleted) for a run still sending without ``force``.
-    ``database``: server/db.py ``Database``.
+    ``database``: server/storage/db.py ``Database``.
     """
     started = time.perf_counter()
     gate = gate if gate is not None else contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""Which tables hold a run's rows, and a project's: read from the SQLAlchemy metadata (server/models.py).
+"""Which tables hold a run's rows, and a project's: read from the SQLAlchemy metadata (server/storage/models.py).
 
 Not listed by hand: a table added later is covered without touching this module (see server/lifecycle/delete.py's docstring
 for the rules). Both the purge (delete.py) and the size estimates (sizes.py) walk this list; it lives in a
@@ -11,7 +11,7 @@ from typing import Optional
 
 from sqlalchemy import Table
 
-from ..models import Base, Run
+from gradwatch.server.storage.models import Base, Run
 
 # tables with a run_id column that a delete keeps: the tombstones are the record of the delete
 KEPT_TABLES = ("deleted_runs",)

@@ -10,7 +10,7 @@ are kept. In a sharded run the ranks' own per-layer rows of combined steps may g
 (``rank_layer_steps``).
 
 Every delete is one transaction of at most ``batch_rows`` rows, behind the process's ingest write gate
-(``server/write_gate.py``) and followed by a pause, so ingest waits for one small delete at most
+(``server/ingest/write_gate.py``) and followed by a pause, so ingest waits for one small delete at most
 (docs/performance.md, "Storage: bytes per step, before and after retention": ingest p99 side by side with
 and without the job).
 
@@ -33,16 +33,17 @@ from typing import Any, Callable, ContextManager, Iterable, Optional
 import numpy as np
 from sqlalchemy import func, select, text
 
-from ..metrics import RetentionCounters
-from ..models import ROLLUP_LEVELS, Project, RankLayout, Run, Step
-from ..numbers import NULL_F32_BITS, measured_mask
-from ..rollups import layer_partial_arrays, step_partial_columns
-from .retention_config import (RECORD_KEY, CompactionRecord, JobSettings, RetentionConfigError, RetentionPolicy,
-                               load_retention)
+from gradwatch.server.operations.metrics import RetentionCounters
+from gradwatch.server.storage.models import ROLLUP_LEVELS, Project, RankLayout, Run, Step
+from gradwatch.server.wire.numbers import NULL_F32_BITS, measured_mask
+from gradwatch.server.storage.rollups import layer_partial_arrays, step_partial_columns
+from gradwatch.server.lifecycle.retention_config import (JobSettings, RetentionConfigError, RetentionPolicy,
+                                                         load_retention)
+from gradwatch.server.storage.compaction import RECORD_KEY, CompactionRecord
 
 log = logging.getLogger("gradwatch.server.retention")
 
-COMBINED_RANK = -1    # server/ranks.py: the combined row of a sharded run
+COMBINED_RANK = -1    # server/storage/ranks.py: the combined row of a sharded run
 # bytes a deleted row is reckoned to have freed besides its blob (key columns, row header, index entry),
 # from the storage figures of docs/architecture.md ("Why this layout"): a steps row is ~83 B on SQLite,
 # ~190 B on PostgreSQL with its index; a blob row's overhead ~40 / ~60 B
@@ -165,7 +166,7 @@ def _delete_windows(writer: _Writer, dialect: str, *, table: str, keys: dict[str
 # ----------------------------------------------------------------------------------- merging partials
 
 def merge_step_blobs(blobs: list[bytes]) -> bytes:
-    """One step partial (server/rollups.py) equal, for every reader, to the partials ``blobs`` of one bucket:
+    """One step partial (server/storage/rollups.py) equal, for every reader, to the partials ``blobs`` of one bucket:
     min / max over them, counts added, the last value that of the partial with the latest last_step."""
     width = max(len(b) for b in blobs) // 48
     cols = step_partial_columns(blobs, list(range(width)))          # per signal: (r, 6)
@@ -368,7 +369,7 @@ def compact_run(database, *, run_id: int, policy: RetentionPolicy, now: Optional
                                    lo=old_before // level, hi=-(-raw_before // level), batch_rows=batch_rows,
                                    merge=merge_layer_blobs, counters=counters, job=job)
     if rank_before > raw_before:
-        # the ranks' own per-layer rows of steps whose combined row exists (server/ranks.py)
+        # the ranks' own per-layer rows of steps whose combined row exists (server/storage/ranks.py)
         combined = (f" AND step IN (SELECT step FROM steps WHERE run_id = :run_id AND rank = {COMBINED_RANK}"
                     " AND step >= :lo AND step < :hi)")
         for stat in layer_stats:

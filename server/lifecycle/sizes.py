@@ -31,8 +31,8 @@ from typing import Iterable, Optional
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from ..models import Run
-from .owned import owned_tables, owned_where
+from gradwatch.server.storage.models import Run
+from gradwatch.server.lifecycle.owned import owned_tables, owned_where
 
 TABLE_STATS_SECONDS = 600.0
 # a running run's counts are taken again after this long (its rows keep growing)

@@ -1,10 +1,10 @@
-"""Alembic environment: used by ``gradwatch db upgrade`` (server/db.py builds the config)."""
+"""Alembic environment: used by ``gradwatch db upgrade`` (server/storage/db.py builds the config)."""
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import create_engine
 
-from gradwatch.server.models import Base
+from gradwatch.server.storage.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,10 +1,10 @@
 """The read path: every SELECT the API and the dashboard use, one module per concern.
 
-Keyword-only functions that take a Session and return the API's read models (server/schemas.py: an alert
+Keyword-only functions that take a Session and return the API's read models (server/wire/schemas.py: an alert
 is ``AlertOut``, a run ``RunOut``, a series ``SeriesOut``; docs/architecture.md, "The read path"); a heatmap
 is a ``LayerMatrix`` of numpy cells; the by-rank reads return dataclasses that have no response model (their
 routes write the JSON). Floats are Python floats and may be ``nan`` / ``inf`` / ``-inf``; ``None`` means "not
-measured". The JSON answers turn them into wire strings (server/numbers.py); the dashboard uses them as
+measured". The JSON answers turn them into wire strings (server/wire/numbers.py); the dashboard uses them as
 they are.
 
 - ``runs.py``: the runs list, one run, a run's project;
@@ -28,13 +28,13 @@ Example::
 """
 from __future__ import annotations
 
-from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal
-from .alerts import alert_out, early_warnings, get_alert, list_alerts
-from .by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank_matrix, rank_coverage, rank_meta
-from .events import list_checkpoints, list_events, list_rewinds
-from .layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
-from .runs import get_run, list_runs, run_project
-from .series import get_series, get_series_multi, list_signals, raw_steps_from
+from gradwatch.server.queries._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal
+from gradwatch.server.queries.alerts import alert_out, early_warnings, get_alert, list_alerts
+from gradwatch.server.queries.by_rank import MAX_RANK_READ, RankCoverage, RankInfo, RankMatrix, get_rank_matrix, rank_coverage, rank_meta
+from gradwatch.server.queries.events import list_checkpoints, list_events, list_rewinds
+from gradwatch.server.queries.layers import COARSER_LEVEL_KEEPS, LayerMatrix, get_layer_matrix, layer_names_for, list_layer_stats
+from gradwatch.server.queries.runs import get_run, list_runs, run_project
+from gradwatch.server.queries.series import get_series, get_series_multi, list_signals, raw_steps_from
 
 __all__ = [
     "MAX_MATRIX_CELLS", "MAX_MATRIX_READ", "MAX_RANK_READ", "MAX_SERIES_POINTS", "COARSER_LEVEL_KEEPS",

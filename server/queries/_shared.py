@@ -7,8 +7,8 @@ from typing import Optional
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..lifecycle.retention_config import CompactionRecord
-from ..models import Run
+from gradwatch.server.storage.compaction import CompactionRecord
+from gradwatch.server.storage.models import Run
 
 
 class UnknownSignal(ValueError):

@@ -7,10 +7,10 @@ from typing import Any, Optional, Sequence
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from ..models import Alert, Project, Run
-from ..rules.registry import ids_of_family
-from ..schemas import AlertOut
-from ..rules.spec import EARLY_WARNING
+from gradwatch.server.storage.models import Alert, Project, Run
+from gradwatch.server.rules.registry import ids_of_family
+from gradwatch.server.wire.schemas import AlertOut
+from gradwatch.server.rules.spec import EARLY_WARNING
 
 
 _SEVERITY_ORDER = {"critical": 2, "warning": 1}

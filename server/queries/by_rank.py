@@ -12,17 +12,17 @@ from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import step_signal
 
-from ..lifecycle.retention_config import CompactionRecord
-from ..models import ROLLUP_LEVELS, RankLayout, Run, Step, StepRollup
-from ..ranks import RANK_META_KEYS
-from ..rollups import choose_level, merge_rank_step_partials
-from ._shared import MAX_MATRIX_CELLS, RequestTooLarge, UnknownSignal, _bounds, _fetch_blob_rows
-from .series import _series_points, _signal_source
+from gradwatch.server.storage.compaction import CompactionRecord
+from gradwatch.server.storage.models import ROLLUP_LEVELS, RankLayout, Run, Step, StepRollup
+from gradwatch.server.storage.ranks import RANK_META_KEYS
+from gradwatch.server.storage.rollups import choose_level, merge_rank_step_partials
+from gradwatch.server.queries._shared import MAX_MATRIX_CELLS, RequestTooLarge, UnknownSignal, _bounds, _fetch_blob_rows
+from gradwatch.server.queries.series import _series_points, _signal_source
 
 
 @dataclass
 class RankInfo:
-    rank: int               # -1: the combined row of a sharded run (server/ranks.py)
+    rank: int               # -1: the combined row of a sharded run (server/storage/ranks.py)
     steps: int              # steps stored for this rank in the range asked for
     first_step: Optional[int]
     last_step: Optional[int]

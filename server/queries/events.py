@@ -6,9 +6,9 @@ from typing import Any, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..models import Alert, RunEvent
-from ..rewind_text import rewind_text
-from ..schemas import CheckpointOut, EventOut, RewindOut
+from gradwatch.server.storage.models import Alert, RunEvent
+from gradwatch.server.queries.rewind_text import rewind_text
+from gradwatch.server.wire.schemas import CheckpointOut, EventOut, RewindOut
 
 
 def list_events(session: Session, *, run_id: int, kind: Optional[str] = None, limit: int = 1000) -> list[EventOut]:

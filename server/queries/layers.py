@@ -12,13 +12,13 @@ from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import layer_stat
 
-from ..admission import heatmap_cost, heavy_reads
-from ..lifecycle.retention_config import CompactionRecord
-from ..models import ROLLUP_LEVELS, LayerRollup, LayerStat, Run
-from ..numbers import measured_mask
-from ..rollups import _layer_bits as layer_bits, choose_level, layer_partial_arrays
-from ._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, RequestTooLarge, _bounds, _compaction, _fetch_blobs
-from ..schemas import RunDetailOut
+from gradwatch.server.queries.admission import heatmap_cost, heavy_reads
+from gradwatch.server.storage.compaction import CompactionRecord
+from gradwatch.server.storage.models import ROLLUP_LEVELS, LayerRollup, LayerStat, Run
+from gradwatch.server.wire.numbers import measured_mask
+from gradwatch.server.storage.rollups import _layer_bits as layer_bits, choose_level, layer_partial_arrays
+from gradwatch.server.queries._shared import MAX_MATRIX_CELLS, MAX_MATRIX_READ, RequestTooLarge, _bounds, _compaction, _fetch_blobs
+from gradwatch.server.wire.schemas import RunDetailOut
 
 
 @dataclass
@@ -133,7 +133,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
         level = coarser[0]
         bucket = max(bucket, level)
     # the memory this read holds is admitted against the process's budget for heavy reads first: a
-    # queue, then HeavyReadBusy (429/503 with Retry-After) when the budget stays taken (server/admission.py)
+    # queue, then HeavyReadBusy (429/503 with Retry-After) when the budget stays taken (server/queries/admission.py)
     cells = min(max_steps, math.ceil((end - start + 1) / bucket)) * min(max_layers, width)
     gate = heavy_reads()
     cost = heatmap_cost(read * width, cells, from_partials=bool(level))
@@ -150,7 +150,7 @@ def get_layer_matrix(session: Session, *, run_id: int, stat: str, start: Optiona
 
 def _drop_page_cache(session: Session) -> None:
     """SQLite: the connection's page cache given back (``PRAGMA shrink_memory``). Each pooled connection
-    keeps up to ``cache_size`` (64 MB, server/db.py) of the pages it read: four heatmaps of a 53,000-step
+    keeps up to ``cache_size`` (64 MB, server/storage/db.py) of the pages it read: four heatmaps of a 53,000-step
     × 150-layer run, each read through another connection, left the process 40 MB larger each, pages
     that ``malloc_trim`` cannot give back while SQLite holds them. What the next read needs again comes
     back from the OS's file cache."""

@@ -9,10 +9,10 @@ from typing import Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..models import Project, Run
-from ..schemas import RunDetailOut, RunOut
-from ..settings import DEFAULT_STALL_SECONDS
-from .alerts import alert_counts
+from gradwatch.server.storage.models import Project, Run
+from gradwatch.server.wire.schemas import RunDetailOut, RunOut
+from gradwatch.server.operations.settings import DEFAULT_STALL_SECONDS
+from gradwatch.server.queries.alerts import alert_counts
 
 
 def _status(run: Run, now: float, stall_seconds: float) -> str:

@@ -11,11 +11,11 @@ from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import EXTRA_BASE, STEP_SIGNAL_NAMES, is_step_signal, step_signal
 
-from ..models import CustomScalar, Step, StepRollup
-from ..numbers import column_value, extra_value
-from ..rollups import choose_level, merge_step_partials
-from ..schemas import SeriesOut, SeriesPointOut
-from ._shared import MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal, _bounds, _compaction, _fetch_blobs
+from gradwatch.server.storage.models import CustomScalar, Step, StepRollup
+from gradwatch.server.wire.numbers import column_value, extra_value
+from gradwatch.server.storage.rollups import choose_level, merge_step_partials
+from gradwatch.server.wire.schemas import SeriesOut, SeriesPointOut
+from gradwatch.server.queries._shared import MAX_SERIES_POINTS, RequestTooLarge, UnknownSignal, _bounds, _compaction, _fetch_blobs
 
 _INF = math.inf
 
@@ -86,7 +86,7 @@ def get_series(session: Session, *, run_id: int, signal: str, start: Optional[in
     there are more than ``max_points`` of them). Raises ``UnknownSignal``.
 
     Buckets of at least 16 steps are read from the rollups
-    (server/rollups.py): the bucket size is then a multiple of the rollup
+    (server/storage/rollups.py): the bucket size is then a multiple of the rollup
     level and bucket boundaries are aligned to it.
     """
     _signal_source(signal)  # validate before touching the database

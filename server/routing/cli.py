@@ -48,10 +48,10 @@ def _created_by(value) -> str:
 
 
 def run(args) -> int:
-    from gradwatch.server.db import open_database
-    from gradwatch.server.models import Project
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.storage.models import Project
     from gradwatch.server.routing import silences as data
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.operations.settings import Settings
 
     settings = Settings.from_env(db=args.db)
     database = open_database(settings.database_url)

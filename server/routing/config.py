@@ -51,7 +51,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from gradwatch.server.config_files import read_when_changed
+from gradwatch.server.operations.config_files import read_when_changed
 from gradwatch.server.routing.inhibit import DEFAULT_INHIBITIONS, InhibitRule
 from gradwatch.server.routing.labels import LABELS
 from gradwatch.server.routing.matchers import Matcher, parse_matchers

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert, Project, Run
+from gradwatch.server.storage.models import Alert, Project, Run
 from gradwatch.server.routing import groups
 from gradwatch.server.routing.config import routing_of
 from gradwatch.server.routing.labels import alert_labels

@@ -31,9 +31,9 @@ from typing import Any, Optional
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.db import dialect_insert
-from gradwatch.server.models import Alert, NotificationGroup, NotificationGroupAlert, Project, Run
-from gradwatch.server.ranks import rank_progress
+from gradwatch.server.storage.db import dialect_insert
+from gradwatch.server.storage.models import Alert, NotificationGroup, NotificationGroupAlert, Project, Run
+from gradwatch.server.storage.ranks import rank_progress
 from gradwatch.server.routing.config import Receiver, Route, RoutingConfig
 from gradwatch.server.routing.inhibit import find_inhibitor
 from gradwatch.server.routing.labels import alert_labels

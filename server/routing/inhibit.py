@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert
+from gradwatch.server.storage.models import Alert
 from gradwatch.server.routing.labels import alert_labels
 from gradwatch.server.routing.matchers import Matcher, matches_all, parse_matchers
 

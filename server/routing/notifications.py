@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert, NotificationGroup, WebhookDelivery
+from gradwatch.server.storage.models import Alert, NotificationGroup, WebhookDelivery
 from gradwatch.server.routing.config import Receiver
 from gradwatch.server.rules.catalogue import SEVERITY_RANK
 from gradwatch.server.webhooks import outbox

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Optional
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import NotificationGroup, Silence
-from gradwatch.server.projects import project_row
+from gradwatch.server.storage.models import NotificationGroup, Silence
+from gradwatch.server.storage.projects import project_row
 from gradwatch.server.routing.matchers import matches_all, parse_matchers
 
 MAX_DURATION_S = 366 * 24 * 3600.0

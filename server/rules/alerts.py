@@ -25,7 +25,7 @@ from typing import Any, Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Alert
+from gradwatch.server.storage.models import Alert
 from gradwatch.server.rules.spec import SEVERITY_RANK, Hit, RuleSpec
 from gradwatch.server.rules.stats import enc
 

@@ -59,8 +59,8 @@ def run(args) -> int:
         settings = _FileSettings(args.rules, float(os.environ["GRADWATCH_STALL_SECONDS"])
                                  if os.environ.get("GRADWATCH_STALL_SECONDS") else None)
         if args.db:
-            from gradwatch.server.db import open_database
-            from gradwatch.server.settings import normalize_db_url
+            from gradwatch.server.storage.db import open_database
+            from gradwatch.server.operations.settings import normalize_db_url
 
             database = open_database(normalize_db_url(args.db))
             try:

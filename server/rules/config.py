@@ -41,9 +41,9 @@ from typing import Any, Optional
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Project, RuleOverride
-from gradwatch.server.config_files import read_when_changed
-from gradwatch.server.projects import project_row
+from gradwatch.server.storage.models import Project, RuleOverride
+from gradwatch.server.operations.config_files import read_when_changed
+from gradwatch.server.storage.projects import project_row
 from gradwatch.server.rules.catalogue import RULES, SEVERITIES, find_rule
 from gradwatch.server.rules.spec import RuleSpec
 

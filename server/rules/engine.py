@@ -20,11 +20,11 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.db import json_dumps, json_loads
+from gradwatch.server.storage.db import json_dumps, json_loads
 from gradwatch.agent.signals import EXTRA_BASE, is_step_signal, step_signal
-from gradwatch.server.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
-from gradwatch.server.numbers import column_value, extra_value
-from gradwatch.server.ranks import all_ranks_sent, among_ranks, rank_hosts, steps_sent
+from gradwatch.server.storage.models import STEP_COLUMNS, Alert, Project, Run, RuleState, Step
+from gradwatch.server.wire.numbers import column_value, extra_value
+from gradwatch.server.storage.ranks import all_ranks_sent, among_ranks, rank_hosts, steps_sent
 from gradwatch.server.rules.alerts import Episode
 from gradwatch.server.rules.batch import Batch, Context, keys_present
 from gradwatch.server.rules.config import effective_config, smallest_setting

@@ -46,8 +46,8 @@ def add_subparser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from gradwatch.server.db import open_database
-    from gradwatch.server.settings import Settings
+    from gradwatch.server.storage.db import open_database
+    from gradwatch.server.operations.settings import Settings
     from gradwatch.server.webhooks import endpoints as ep
 
     settings = Settings.from_env(db=args.db)

@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import Project, WebhookDelivery, WebhookEndpoint
-from gradwatch.server.projects import project_row
+from gradwatch.server.storage.models import Project, WebhookDelivery, WebhookEndpoint
+from gradwatch.server.storage.projects import project_row
 from gradwatch.server.rules.catalogue import RULES_BY_ID, SEVERITIES
 from gradwatch.server.webhooks.formats import FORMATS, alert_payload
 from gradwatch.server.webhooks.outbox import dashboard_url, new_delivery

@@ -54,7 +54,7 @@ def rewind_payload(rewind: dict[str, Any], *, text: str, trigger: Optional[dict[
                    incident_url: Optional[str], created_at: float) -> dict[str, Any]:
     """The generic JSON body of a rewind notification (docs/webhooks.md, "Rewinds"): ``event`` is
     ``"rewind"``; ``alert_id`` / ``rule`` / ``name`` are the trigger alert's (null when the event named
-    none the server has), ``message`` the sentence (server/rewind_text.py), ``rewind`` the event's data."""
+    none the server has), ``message`` the sentence (server/queries/rewind_text.py), ``rewind`` the event's data."""
     trigger = trigger or {}
     return {
         "event": "rewind",

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from gradwatch.server.models import WebhookDelivery, WebhookEndpoint
+from gradwatch.server.storage.models import WebhookDelivery, WebhookEndpoint
 from gradwatch.server.rules.catalogue import SEVERITY_RANK
 from gradwatch.server.webhooks.formats import guess_format, render
 

@@ -350,7 +350,7 @@ class BatchLog:
 
 def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_goes_at_once(shared_server, tmp_path):
     """A run of many ranks: the ingest reply asks every rank but rank 0 to send at most every
-    ``rank_pace`` seconds (server/pacing.py: 1024 ranks -> 8 s at least), and the agent does, every step still
+    ``rank_pace`` seconds (server/ingest/pacing.py: 1024 ranks -> 8 s at least), and the agent does, every step still
     arriving; a non-finite step is sent at once whatever the pace. The rank is given by hand (no
     1024-process job here): the header is what the agent sends as its rank and world size.
 
@@ -358,7 +358,7 @@ def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_go
     pace each rank took from the replies, rank 3 sending fewer batches than rank 0 over the same steps,
     and the non-finite step's batch ending at that step while the loop goes on (a batch sent at a tick
     of the pace would carry the steps made while it waited)."""
-    from gradwatch.server.pacing import rank_pace
+    from gradwatch.server.ingest.pacing import rank_pace
 
     least = rank_pace(1024, 3)   # the pace at the least hold; a measured hold only lengthens it
     assert least == 8.0 and rank_pace(1024, 0) == 0.0 and rank_pace(2, 1) < 0.5
@@ -411,7 +411,7 @@ def test_the_server_paces_the_ranks_of_a_large_run_and_a_nonfinite_step_still_go
 
 
 class PacingServer:
-    """A transport that answers every batch with ``pace`` (as server/pacing.py would) and notes the wall
+    """A transport that answers every batch with ``pace`` (as server/ingest/pacing.py would) and notes the wall
     time each batch was posted at."""
 
     def __init__(self, pace: float):

@@ -14,7 +14,7 @@ import torch
 from gradwatch import agent
 from gradwatch.agent.transport import Delivery
 from agent_helpers import RecordingTransport, batches, checklist_step, decode_step
-from gradwatch.server.numbers import NULL_F32_BITS, null_mask, unpack_f32_b64, unpack_layer_values
+from gradwatch.server.wire.numbers import NULL_F32_BITS, null_mask, unpack_f32_b64, unpack_layer_values
 
 
 class RawTransport(RecordingTransport):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gradwatch.server.forensics.rollback import SKIP_MAX, SKIP_MIN, anomaly_step, rollback_plan
-from gradwatch.server.models import Alert
+from gradwatch.server.storage.models import Alert
 
 CKPTS = [(100, "c100"), (200, "c200"), (300, "c300")]
 

@@ -10,11 +10,11 @@ from flask import Flask
 from sqlalchemy import select
 
 from gradwatch.dashboard import gateway
-from gradwatch.server.db import open_database, upgrade
-from gradwatch.server.ingest import ingest_batch
-from gradwatch.server.models import Project
-from gradwatch.server.schemas import IngestBatchIn
-from gradwatch.server.settings import Settings
+from gradwatch.server.storage.db import open_database, upgrade
+from gradwatch.server.ingest.write import ingest_batch
+from gradwatch.server.storage.models import Project
+from gradwatch.server.wire.schemas import IngestBatchIn
+from gradwatch.server.operations.settings import Settings
 
 
 def test_another_project_is_neither_read_nor_created(db_url, tmp_path):

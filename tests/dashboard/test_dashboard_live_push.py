@@ -1,4 +1,4 @@
-"""The live push (server/live_news.py): an open run page waits on the server for new steps, the
+"""The live push (server/ingest/live_news.py): an open run page waits on the server for new steps, the
 server says "live" to the run's rank 0 while a page watches, and the agent then sends faster.
 
 Real parts: a ``gradwatch serve`` process, Chromium on the run page, batches over HTTP and a real

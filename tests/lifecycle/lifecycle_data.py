@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
-from gradwatch.server.models import Base
+from gradwatch.server.storage.models import Base
 from tests.conftest import http_json
 from tests.server.gw_payloads import N_PARAMS, batch, step
 

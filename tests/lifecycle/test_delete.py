@@ -169,7 +169,7 @@ def test_run_list_and_detail_carry_bytes_and_storage_the_database_size(server_fa
 
 
 def test_a_delete_cut_short_is_finished_at_the_next_start(server_factory, db_url):
-    from gradwatch.server.db import open_database
+    from gradwatch.server.storage.db import open_database
     from gradwatch.server.lifecycle.delete import mark_runs, select_runs
 
     srv = server_factory(db_url)

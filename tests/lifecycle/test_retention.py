@@ -2,7 +2,7 @@
 
 A run's raw rows go and its charts still draw from the rollups it keeps, with the same values at the
 rollup level: each chart is read before and after through the query functions the dashboard calls
-(server/queries.py, via dashboard/gateway.py), and the loss series against the values the test sent.
+(server/queries/, via dashboard/gateway/), and the loss series against the values the test sent.
 Alerts, events and metadata survive; a run still receiving keeps its recent raw steps and goes on; in a
 sharded run the ranks' own per-layer rows of combined steps go. The job runs inside ``gradwatch serve``.
 """
@@ -17,10 +17,10 @@ import pytest
 from sqlalchemy import func, select
 
 from gradwatch.server import queries
-from gradwatch.server.db import open_database
+from gradwatch.server.storage.db import open_database
 from gradwatch.server.lifecycle.retention_config import (LEVELS, RetentionConfigError, RetentionPolicy,
                                                          load_retention, parse_retention_toml, policy_from_env)
-from gradwatch.server.models import ROLLUP_LEVELS, Alert, LayerRollup, LayerStat, Run, RunEvent, Step
+from gradwatch.server.storage.models import ROLLUP_LEVELS, Alert, LayerRollup, LayerStat, Run, RunEvent, Step
 from tests.conftest import http_json, wait_until
 from tests.lifecycle.lifecycle_data import fill_run
 from tests.server.gw_payloads import N_PARAMS, batch, expected_bucket, step, wire
@@ -56,7 +56,7 @@ def _send(srv, *, project: str, run: str, lo: int, hi: int, sent: dict) -> None:
 
 
 def _charts(db_url: str, run_id: int, *, start: int, end: int) -> dict:
-    """What the run page draws, read as dashboard/gateway.py reads it, at rollup levels the policy keeps."""
+    """What the run page draws, read as dashboard/gateway/ reads it, at rollup levels the policy keeps."""
     database = open_database(db_url)
     try:
         with database.sessionmaker() as s:
@@ -89,7 +89,7 @@ def _same(a, b) -> bool:
 
 def _close(a, b, rel: float = 1e-6) -> bool:
     """``_same`` but floats within ``rel``: a merged partial stores a bucket's per-layer sum as one float32
-    (server/rollups.py), where the partials it replaces each stored theirs (the mean moves by ~1e-8)."""
+    (server/storage/rollups.py), where the partials it replaces each stored theirs (the mean moves by ~1e-8)."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float):
@@ -181,7 +181,7 @@ def test_retention_compacts_old_runs_and_keeps_what_the_charts_draw(server_facto
     database.dispose()
 
     # export writes steps, not buckets: the old run's raw tail only, from the database and from the server
-    from gradwatch.server.export import DatabaseSource, HttpSource, collect
+    from gradwatch.server.commands.export import DatabaseSource, HttpSource, collect
     for source in (DatabaseSource(db_url), HttpSource(srv.url)):
         try:
             table = collect(source, source.find_run(str(old), None))

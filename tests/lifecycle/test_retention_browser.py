@@ -7,8 +7,8 @@ import math
 import pytest
 from sqlalchemy import func, select
 
-from gradwatch.server.db import open_database
-from gradwatch.server.models import Step
+from gradwatch.server.storage.db import open_database
+from gradwatch.server.storage.models import Step
 from tests.conftest import save_screenshot, wait_until
 from tests.dashboard.conftest import WAIT, approx_list, graph, severe_console_entries, trace, wait_trace
 from tests.dashboard.runs_feed import PARAM_NAMES, ingest, make_steps

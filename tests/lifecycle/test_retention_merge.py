@@ -1,7 +1,7 @@
 """Retention's merge of a bucket's partials (server/lifecycle/retention.py) against a brute force.
 
 A run's steps are cut into batches as ingest receives them, each batch makes its partials
-(server/rollups.py), and the partials of each (level, bucket) are merged into one; the merged partial
+(server/storage/rollups.py), and the partials of each (level, bucket) are merged into one; the merged partial
 must hold what walking every raw value of the bucket gives (tests/server/test_rollup_partials.py's
 references): min, max, sum (float32), counts, NaN counts, the last value and its step.
 """
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from gradwatch.server.lifecycle.retention import merge_layer_blobs, merge_step_blobs
-from gradwatch.server.models import ROLLUP_LEVELS
-from gradwatch.server.numbers import NULL_F32_BITS
-from gradwatch.server.rollups import layer_partial_arrays, layer_partials, step_partials
+from gradwatch.server.storage.models import ROLLUP_LEVELS
+from gradwatch.server.wire.numbers import NULL_F32_BITS
+from gradwatch.server.storage.rollups import layer_partial_arrays, layer_partials, step_partials
 from tests.server.test_rollup_partials import NAN_BITS, S, _f32, _reference_layer, _reference_steps, _same
 
 

@@ -12,7 +12,7 @@ import sqlite3
 
 import pytest
 
-from gradwatch.server.db import open_database
+from gradwatch.server.storage.db import open_database
 from gradwatch.server.lifecycle import sizes
 from tests.conftest import http_json
 from tests.server.gw_payloads import batch, step

@@ -160,7 +160,7 @@ def test_every_extra_requirement_has_its_install_hint():
     import re
     import tomllib
 
-    from gradwatch.server.extras import MODULE_EXTRA
+    from gradwatch.server.commands.extras import MODULE_EXTRA
 
     # distribution name -> import name where they differ
     import_name = {"uvicorn[standard]": "uvicorn", "psycopg[binary]": "psycopg", "google-re2": "re2"}
@@ -177,7 +177,7 @@ def test_a_monitoring_host_runs_the_server_without_torch(server_venv, tmp_path):
     no_torch = server_venv.run("-c", "import torch", cwd=tmp_path)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
     # imports warning-free, the dashboard's pages included (create_app mounts them)
-    code = ("import sys; from gradwatch.server.settings import Settings; from gradwatch.server.app import create_app; "
+    code = ("import sys; from gradwatch.server.operations.settings import Settings; from gradwatch.server.app import create_app; "
             f"create_app(Settings.from_env(db='sqlite:///{tmp_path / 'w.db'}'))")
     warn = server_venv.run("-W", "error", "-c", code, cwd=tmp_path)
     assert warn.returncode == 0, warn.stderr

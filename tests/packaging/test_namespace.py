@@ -24,7 +24,7 @@ def test_the_whole_product_loaded_holds_no_module_under_a_bare_name():
     code = ("import sys\n"
             "from gradwatch import agent\n"
             "import gradwatch.agent.monitor, gradwatch.agent.integrations.callback, gradwatch.agent.sync\n"
-            "from gradwatch.server.settings import Settings\n"
+            "from gradwatch.server.operations.settings import Settings\n"
             "from gradwatch.server.app import create_app\n"
             "import tempfile, os\n"
             "create_app(Settings.from_env(db='sqlite:///' + os.path.join(tempfile.mkdtemp(), 'x.db')))\n"

@@ -10,11 +10,11 @@ from typing import Any, Iterable, Optional
 import pytest
 from sqlalchemy import select
 
-from gradwatch.server.db import open_database, upgrade
-from gradwatch.server.ingest import ingest_batch
-from gradwatch.server.models import Alert, Run
-from gradwatch.server.schemas import IngestBatchIn
-from gradwatch.server.settings import Settings
+from gradwatch.server.storage.db import open_database, upgrade
+from gradwatch.server.ingest.write import ingest_batch
+from gradwatch.server.storage.models import Alert, Run
+from gradwatch.server.wire.schemas import IngestBatchIn
+from gradwatch.server.operations.settings import Settings
 
 _counter = itertools.count()
 

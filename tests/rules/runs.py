@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import tests.rules.channels  # noqa: F401  (declares the channels)
 import tests.rules.faults  # noqa: F401  (declares the faults)
 from gradwatch.server.rules.catalogue import RULES_BY_ID
-from gradwatch.server.schemas import StepIn
+from gradwatch.server.wire.schemas import StepIn
 from tests.rules.generator import (BN, BN_NAMES, FAULT_TYPES, LAYERS, MODULE_NAMES, MODULES,  # noqa: F401
                                    PARAM_NAMES, random_faults, wire_run)
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from gradwatch.server.ingest import _wire_step
-from gradwatch.server.models import Alert, Run
+from gradwatch.server.ingest.write import _wire_step
+from gradwatch.server.storage.models import Alert, Run
 from gradwatch.server.rules.batch import Batch, Context, keys_present
 from gradwatch.server.rules.registry import rule_classes
 from tests.rules.conftest import RulesDB, run_name
@@ -186,7 +186,7 @@ def test_a_value_exactly_at_the_threshold_and_one_float_past_it(rule_id, key, st
     (B1: a streak of values below; the one at the threshold breaks it). Cut invariance cannot see a
     comparison off by one float; this does."""
     from gradwatch.server.rules.catalogue import RULES_BY_ID
-    from gradwatch.server.schemas import StepIn
+    from gradwatch.server.wire.schemas import StepIn
 
     cls = next(c for c in rule_classes("batch") if c.id == rule_id)
     cfg = RULES_BY_ID[rule_id].defaults()

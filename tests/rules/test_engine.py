@@ -12,7 +12,7 @@ import random
 import pytest
 from sqlalchemy import select
 
-from gradwatch.server.models import RuleState, Run
+from gradwatch.server.storage.models import RuleState, Run
 from tests.rules.conftest import RulesDB, run_name, step
 
 

@@ -81,7 +81,7 @@ def test_the_budget_runs_out_on_its_clock():
     """The checks share one budget (``--timeout``); driven by an injected clock, not by waiting."""
     import pytest
 
-    from gradwatch.server.healthcheck import Unhealthy, _Budget
+    from gradwatch.server.operations.healthcheck import Unhealthy, _Budget
     now = [10.0]
     budget = _Budget(1.0, clock=lambda: now[0])
     assert budget.left("api") == 1.0

@@ -5,9 +5,9 @@ import math
 import random
 
 from gradwatch.agent.signals import STEP_SIGNALS as DECLARED
-from gradwatch.server.ingest import _keys_present, _wire_step
+from gradwatch.server.ingest.write import _keys_present, _wire_step
 from gradwatch.server.rules.batch import keys_present
-from gradwatch.server.schemas import IngestBatchIn
+from gradwatch.server.wire.schemas import IngestBatchIn
 
 STEP_SIGNALS = [s.name for s in DECLARED]
 _BOOLS = {s.name for s in DECLARED if s.kind == "bool"}
@@ -59,8 +59,8 @@ def test_keys_present_sees_a_signal_set_only_on_the_last_step():
 
 
 def test_wire_step_holds_exactly_the_step_fields_the_rules_read():
-    from gradwatch.server.ingest import _WIRE_KEYS
-    from gradwatch.server.schemas import StepIn
+    from gradwatch.server.ingest.write import _WIRE_KEYS
+    from gradwatch.server.wire.schemas import StepIn
 
     assert set(StepIn.model_fields) == set(_WIRE_KEYS)
     body = {"batch_id": "b", "project": "p", "run": "r",

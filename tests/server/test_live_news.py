@@ -1,4 +1,4 @@
-"""LiveNews, the live push's hand-over (server/live_news.py): real threads, no mocks.
+"""LiveNews, the live push's hand-over (server/ingest/live_news.py): real threads, no mocks.
 
 Time is LiveNews's injected ``clock`` (a list the test moves), not the wall clock: a parked wait ends
 when news comes, when a recheck says so, or when the test moves the clock past its timeout, never
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 
-from gradwatch.server import live_news
-from gradwatch.server.live_news import LiveNews
+from gradwatch.server.ingest import live_news
+from gradwatch.server.ingest.live_news import LiveNews
 from tests.conftest import wait_until
 
 HANG_S = 60.0     # a hang bound, not a timing: every wait below ends at an event or a clock move

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import create_engine, inspect, text
 
-from gradwatch.server.db import alembic_config, upgrade
+from gradwatch.server.storage.db import alembic_config, upgrade
 
 BULK = ("steps", "custom_scalars", "layer_stats", "step_rollups", "layer_rollups")
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from gradwatch.agent.signals import ROLLUP_WIDTH
-from gradwatch.server.models import ROLLUP_LEVELS
-from gradwatch.server.numbers import NULL_F32_BITS
-from gradwatch.server.rollups import layer_partial_arrays, layer_partial_width, layer_partials, step_partials
+from gradwatch.server.storage.models import ROLLUP_LEVELS
+from gradwatch.server.wire.numbers import NULL_F32_BITS
+from gradwatch.server.storage.rollups import layer_partial_arrays, layer_partial_width, layer_partials, step_partials
 
 S = ROLLUP_WIDTH
 NAN_BITS = 0x7FC00000
@@ -166,7 +166,7 @@ def test_levels_must_divide():
 def test_stats_sampled_together_give_the_partials_each_would_alone():
     """``layer_partials_by_stat`` reduces stats that share their steps side by side; each stat's
     partials must be exactly what it gets on its own, whatever its width."""
-    from gradwatch.server.rollups import layer_partials_by_stat
+    from gradwatch.server.storage.rollups import layer_partials_by_stat
 
     rng = np.random.default_rng(5)
     every = np.arange(1000, 1178, dtype=np.int64)

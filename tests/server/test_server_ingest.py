@@ -9,7 +9,7 @@ import base64
 import numpy as np
 import pytest
 
-from gradwatch.server.numbers import NULL_F32_BITS
+from gradwatch.server.wire.numbers import NULL_F32_BITS
 
 from gw_payloads import batch, post_json_text, post_raw, step
 

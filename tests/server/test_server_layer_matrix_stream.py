@@ -22,10 +22,10 @@ import pytest
 from starlette.responses import JSONResponse
 
 from gradwatch.server.api.layer_matrix_json import BLOCK_CELLS, layer_matrix_json
-from gradwatch.server.numbers import NULL_F32_BITS, encode_float
+from gradwatch.server.wire.numbers import NULL_F32_BITS, encode_float
 from gradwatch.server.queries import LayerMatrix
 from gradwatch.server.queries.layers import _bits_of, _finish_matrix, _matrix, _raw_cells, _reduce_columns
-from gradwatch.server.rollups import _layer_bits, raw_layer_partials
+from gradwatch.server.storage.rollups import _layer_bits, raw_layer_partials
 
 AGGS = ("max", "min", "mean", "last")
 

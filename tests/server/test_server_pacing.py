@@ -1,4 +1,4 @@
-"""The ingest reply's ``pace`` follows the measured hold of the run's lock (server/pacing.py), on both
+"""The ingest reply's ``pace`` follows the measured hold of the run's lock (server/ingest/pacing.py), on both
 databases: a real server, real batches of one rank of a large run."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gw_payloads import batch, step
 from sqlalchemy import create_engine, text
 
 from gradwatch.agent.pacing import FIRST_HOLD_FACTOR
-from gradwatch.server.pacing import (LEAST_HOLD_S, MAX_PACE_S, RUN_BATCHES_PER_S, RUN_LOCK_SHARE, YOUNG_RUN_S,
+from gradwatch.server.ingest.pacing import (LEAST_HOLD_S, MAX_PACE_S, RUN_BATCHES_PER_S, RUN_LOCK_SHARE, YOUNG_RUN_S,
                                      rank_pace)
 
 
@@ -40,7 +40,7 @@ def test_the_pace_of_a_large_runs_ranks_is_the_one_the_measured_lock_hold_gives(
     st, out = srv.post("/api/v1/ingest", batch([step(0)], run="solo"))
     assert st == 200 and out["pace"] == 0.0, out
     # a young 64-rank run (its first batch just now): at least the pace of batches FIRST_HOLD_FACTOR times
-    # as dear as the least, whatever the measured hold (server/pacing.py, YOUNG_RUN_S)
+    # as dear as the least, whatever the measured hold (server/ingest/pacing.py, YOUNG_RUN_S)
     st, out = srv.post("/api/v1/ingest", batch([step(0)], run="mid", rank=5, world_size=64))
     assert st == 200, out
     floor = rank_pace(64, 5, hold_s=FIRST_HOLD_FACTOR * LEAST_HOLD_S)

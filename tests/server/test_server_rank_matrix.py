@@ -10,11 +10,11 @@ import pytest
 from gw_payloads import batch, step
 
 from gradwatch.server import queries
-from gradwatch.server.db import open_database, upgrade
-from gradwatch.server.ingest import ingest_batch
-from gradwatch.server.rollups import choose_level
-from gradwatch.server.schemas import IngestBatchIn
-from gradwatch.server.settings import Settings
+from gradwatch.server.storage.db import open_database, upgrade
+from gradwatch.server.ingest.write import ingest_batch
+from gradwatch.server.storage.rollups import choose_level
+from gradwatch.server.wire.schemas import IngestBatchIn
+from gradwatch.server.operations.settings import Settings
 
 
 def _rank_body(rank: int, steps: list[dict], world: int = 3, **over) -> dict:

@@ -12,10 +12,10 @@ import pytest
 from gw_payloads import batch, post_raw, step
 
 from gradwatch.server import queries
-from gradwatch.server.db import open_database, upgrade
-from gradwatch.server.ingest import ingest_batch
-from gradwatch.server.schemas import IngestBatchIn
-from gradwatch.server.settings import Settings
+from gradwatch.server.storage.db import open_database, upgrade
+from gradwatch.server.ingest.write import ingest_batch
+from gradwatch.server.wire.schemas import IngestBatchIn
+from gradwatch.server.operations.settings import Settings
 
 
 def _peak_rss_mb(pid: int) -> float:

@@ -143,7 +143,7 @@ def _expected_cells(samples, value, origin, bs, k, agg):
 
 
 def test_heatmap_of_a_sampled_statistic_matches_brute_force(live_server):
-    """Buckets holding one sample are stored as compact partials (server/rollups.py); a heatmap mixes
+    """Buckets holding one sample are stored as compact partials (server/storage/rollups.py); a heatmap mixes
     them with full ones and must give what the raw samples give, at every level and aggregation."""
     srv = live_server
     samples = set(_sampled_steps())

@@ -14,9 +14,9 @@ from sqlalchemy import create_engine, text
 
 from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_SIGNALS, ROLLUP_WIDTH, step_signal
 from gradwatch.server import queries
-from gradwatch.server.db import alembic_config, open_database, upgrade
-from gradwatch.server.models import StepRollup
-from gradwatch.server.rollups import step_partials
+from gradwatch.server.storage.db import alembic_config, open_database, upgrade
+from gradwatch.server.storage.models import StepRollup
+from gradwatch.server.storage.rollups import step_partials
 
 N = 2000
 SIGNAL = EXTRA_SIGNALS[0].name     # the first signal without a column of its own

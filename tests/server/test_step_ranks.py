@@ -1,5 +1,5 @@
 """``step_ranks``: the count of ranks that stored each step of a multi-rank run, kept by ingest
-(server/ranks.py ``count_sent``), equal to the count of the steps' rows it replaced, and filled from the
+(server/storage/ranks.py ``count_sent``), equal to the count of the steps' rows it replaced, and filled from the
 stored steps by migration 0010. Real databases, both backends."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from alembic import command
 from gw_payloads import batch, step
 from sqlalchemy import create_engine, text
 
-from gradwatch.server.db import alembic_config, open_database, upgrade
-from gradwatch.server.ingest import ingest_batch
-from gradwatch.server.ranks import steps_sent
-from gradwatch.server.schemas import IngestBatchIn
-from gradwatch.server.settings import Settings
+from gradwatch.server.storage.db import alembic_config, open_database, upgrade
+from gradwatch.server.ingest.write import ingest_batch
+from gradwatch.server.storage.ranks import steps_sent
+from gradwatch.server.wire.schemas import IngestBatchIn
+from gradwatch.server.operations.settings import Settings
 
 
 def _counts(url: str) -> dict[tuple[int, int], int]:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gradwatch.server.write_gate import FifoGate
+from gradwatch.server.ingest.write_gate import FifoGate
 
 
 def test_waiters_enter_in_arrival_order_and_never_more_than_the_permits():
@@ -71,8 +71,8 @@ def test_permits_must_be_positive():
 
 
 def test_default_permits_are_one_on_sqlite_and_two_on_postgresql():
-    from gradwatch.server.write_gate import default_permits
-    from gradwatch.server.db import make_engine
+    from gradwatch.server.ingest.write_gate import default_permits
+    from gradwatch.server.storage.db import make_engine
     for url, permits in (("sqlite:////tmp/gw-permits.db", 1), ("postgresql+psycopg://postgres@127.0.0.1:5432/gw", 2)):
         engine = make_engine(url)   # no connection made: only the dialect is read
         try:

@@ -6,7 +6,7 @@ Create Date: 2026-12-01
 
 The first 14 step signals have a column each (0001). Every signal declared in
 agent/signals.py after them is stored in this one blob column, at the slot its
-permanent id names (server/numbers.py, ``pack_extra``), so a new per-step
+permanent id names (server/wire/numbers.py, ``pack_extra``), so a new per-step
 signal needs no migration and no rewrite of existing rows: rows written before
 it have no slot for it and read as "not measured". Adding a nullable column
 rewrites nothing on either database (SQLite: ALTER TABLE ADD COLUMN;

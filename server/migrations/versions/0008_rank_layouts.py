@@ -8,7 +8,7 @@ FSDP / DTensor ranks each hold a piece of every sharded parameter, so the norms
 a rank measures are of its pieces only. Each such rank sends its layout once
 (``meta.param_shards``); the server keeps it per (run, rank) and combines the
 ranks' per-piece norms into the full parameters' and the global grad norm
-(server/ranks.py). A small table (a row per rank), created empty: nothing
+(server/storage/ranks.py). A small table (a row per rank), created empty: nothing
 existing is rewritten on either database.
 """
 from alembic import op

@@ -7,7 +7,7 @@ Create Date: 2026-12-03
 The batch that completes a step of a run of several ranks (its last rank arriving) combines the
 ranks' partial norms and runs the cross-rank rules on it. It used to find out by counting the step's
 rows in ``steps``, one index range per rank (256 at 256 ranks, every batch); now ingest keeps the count
-(server/ranks.py ``count_sent``). The table is filled here from the steps already stored, for the runs
+(server/storage/ranks.py ``count_sent``). The table is filled here from the steps already stored, for the runs
 of more than one rank, so a run that goes on after the upgrade completes its next steps as before.
 """
 from alembic import op

@@ -7,12 +7,12 @@ from typing import Optional
 
 from sqlalchemy import select
 
-from gradwatch.server.models import Alert, Project, Run
-from gradwatch.server.ranks import rank_hosts, rank_progress
+from gradwatch.server.storage.models import Alert, Project, Run
+from gradwatch.server.storage.ranks import rank_hosts, rank_progress
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import TimerRule
 from gradwatch.server.rules.spec import Float, Hit, Int
-from gradwatch.server.settings import DEFAULT_STALL_SECONDS
+from gradwatch.server.operations.settings import DEFAULT_STALL_SECONDS
 
 
 @register

@@ -4,7 +4,7 @@ The agent sends one ``resume_state`` event per process (``agent/resume.py``): th
 growth tracker, the optimizer's state and step counters, whether the EMA shadow equals the weights,
 the BatchNorm layers at their init values, the LR and a hash of the RNG state, all as they were right
 after the checkpoint was loaded. Ingest adds the run's stored state before it (``data["before"]``,
-``server/resume.py``). Each rule compares one part and names what was forgotten with the checklist's
+``server/ingest/resume.py``). Each rule compares one part and names what was forgotten with the checklist's
 fix; a process whose run has nothing stored before it (a fresh run) is no resume and says nothing.
 A clean resume clears the rule's open alert (``clear_steps`` 1): the next resume got it right.
 
@@ -36,7 +36,7 @@ def _close(a: Optional[float], b: Optional[float], rel: float) -> bool:
 class ResumeRule(BatchRule):
     """A verdict per ``resume_state`` event: a Hit, False (restored), or None (nothing to compare).
 
-    ``needs``: the stored signal each rule compares the snapshot with (``server/resume.py`` reads it)."""
+    ``needs``: the stored signal each rule compares the snapshot with (``server/ingest/resume.py`` reads it)."""
 
     family = "G"
     checklist = "7.3"

@@ -51,12 +51,12 @@ from gradwatch.agent.derived import DERIVE
 from gradwatch.agent.signals import (EXTRA_BASE, LAYER_PART_PREFIX, LAYER_STATS, PIECES, STEP_SIGNAL_NAMES,
                                      STEP_SIGNALS, step_signal)
 
-from .models import LayerStat, RankLayout, Run, Step, StepRanks
-from .numbers import NULL_F32_BITS, extra_values, null_mask
-from .schemas import StepIn
+from gradwatch.server.storage.models import LayerStat, RankLayout, Run, Step, StepRanks
+from gradwatch.server.wire.numbers import NULL_F32_BITS, extra_values, null_mask
+from gradwatch.server.wire.schemas import StepIn
 
 COMBINED_RANK = -1
-# what the server keeps of each rank's meta, per rank (runs.config["_ranks"], server/ingest.py: the run
+# what the server keeps of each rank's meta, per rank (runs.config["_ranks"], server/ingest/write.py: the run
 # header's hosts and devices); the rest of a rank's meta is merged run-wide into runs.config["_meta"]
 RANK_META_KEYS = ("host", "local_rank", "device", "pid")
 

@@ -29,8 +29,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .models import ROLLUP_LEVELS
-from .numbers import NULL_F32_BITS, measured_mask
+from gradwatch.server.storage.models import ROLLUP_LEVELS
+from gradwatch.server.wire.numbers import NULL_F32_BITS, measured_mask
 
 def _group_starts(buckets: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(np.diff(buckets)) + 1))

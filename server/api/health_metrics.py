@@ -33,8 +33,8 @@ from typing import Optional
 
 from sqlalchemy.orm import Session
 
-from . import queries
-from .settings import DEFAULT_STALL_SECONDS
+from gradwatch.server import queries
+from gradwatch.server.operations.settings import DEFAULT_STALL_SECONDS
 
 HEALTH_VALUE = {"ok": 0, "warning": 1, "critical": 2}
 STATUSES = ("running", "stalled", "finished", "crashed")

@@ -13,7 +13,7 @@ from typing import Iterable
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from .models import Alert, WebhookDelivery
+from gradwatch.server.storage.models import Alert, WebhookDelivery
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -110,7 +110,7 @@ class RetentionCounters:
 
 
 def lock_hold_lines(average: float, paced: float) -> Iterable[str]:
-    """How long ingest transactions hold their run's lock (server/pacing.py): the moving average, and the
+    """How long ingest transactions hold their run's lock (server/ingest/pacing.py): the moving average, and the
     figure the ranks' pace is computed from now (``rank_pace`` of it is what the replies ask), in full
     precision."""
     yield ("# HELP gradwatch_ingest_lock_hold_seconds How long an ingest transaction holds its run's lock: "

@@ -26,22 +26,22 @@ from sqlalchemy.orm import Session
 
 from gradwatch.agent.signals import COLUMN_SIGNALS, EXTRA_BASE, EXTRA_SIGNALS, ROLLUP_WIDTH, STEP_SIGNAL_NAMES
 
-from .forensics.rollback import advise_rollback
-from .forensics.rewinds import record_rewinds
-from .lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
-from .lifecycle.retention_config import raw_floor
-from .db import dialect_insert
-from .models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
-from .numbers import NULL_F32_BITS, encode_json, extra_values, null_mask, pack_extra
-from .projects import get_or_create_project
-from .ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
-from .rollups import layer_partials_by_stat, step_partials
-from .forensics.precursors import attach_precursors
-from .resume import add_history, apply_shift, session_shift
-from .rules.engine import evaluate_batch
-from .schemas import EventIn, IngestBatchIn
-from .settings import Settings
-from .routing.dispatch import route_alerts
+from gradwatch.server.forensics.rollback import advise_rollback
+from gradwatch.server.forensics.rewinds import record_rewinds
+from gradwatch.server.lifecycle.delete import next_run_id, refuse_if_deleted, run_deleted_error
+from gradwatch.server.storage.compaction import raw_floor
+from gradwatch.server.storage.db import dialect_insert
+from gradwatch.server.storage.models import STEP_COLUMNS, IngestBatch, Project, Run, RunEvent, Step
+from gradwatch.server.wire.numbers import NULL_F32_BITS, encode_json, extra_values, null_mask, pack_extra
+from gradwatch.server.storage.projects import get_or_create_project
+from gradwatch.server.storage.ranks import COMBINED_RANK, RANK_META_KEYS, combine_steps, count_sent, record_layout
+from gradwatch.server.storage.rollups import layer_partials_by_stat, step_partials
+from gradwatch.server.forensics.precursors import attach_precursors
+from gradwatch.server.ingest.resume import add_history, apply_shift, session_shift
+from gradwatch.server.rules.engine import evaluate_batch
+from gradwatch.server.wire.schemas import EventIn, IngestBatchIn
+from gradwatch.server.operations.settings import Settings
+from gradwatch.server.routing.dispatch import route_alerts
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class IngestOutcome:
     step_shift: int = 0
     already_stored: int = 0
     # perf_counter() when the run's row lock was granted: the caller times the hold up to its commit
-    # (server/pacing.py: the ranks' pace follows it)
+    # (server/ingest/pacing.py: the ranks' pace follows it)
     locked_at: float = 0.0
     # the run's first batch (wall clock): a young run's ranks are paced as for their dearest batches
     run_started_at: float = 0.0

@@ -14,7 +14,7 @@
   from another port of the same host is same-site for the browser, so the
   cookie's ``SameSite=Lax`` alone lets it post with the victim's session.
 
-Tokens are looked up by SHA-256 (server/tokens.py) and cached briefly.
+Tokens are looked up by SHA-256 (server/access/tokens.py) and cached briefly.
 The cookie is ``<base64 project>.<token id>.<expiry>.<HMAC-SHA256>`` keyed by
 ``GRADWATCH_SESSION_SECRET`` when it is set or, without it, by a random key
 kept in the database (table ``server_secrets``), created by the first replica
@@ -39,8 +39,8 @@ from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse
 
-from .settings import Settings
-from .tokens import lookup_token, token_project, touch_token
+from gradwatch.server.operations.settings import Settings
+from gradwatch.server.access.tokens import lookup_token, token_project, touch_token
 
 log = logging.getLogger("gradwatch.auth")
 
@@ -56,7 +56,7 @@ def load_session_secret(settings: Settings, sessionmaker) -> bytes:
         return settings.session_secret.encode()
     from sqlalchemy.exc import IntegrityError
 
-    from .models import ServerSecret
+    from gradwatch.server.storage.models import ServerSecret
 
     with sessionmaker() as session:
         row = session.get(ServerSecret, "session")

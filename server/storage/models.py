@@ -109,9 +109,9 @@ class Step(Base):
     mem_peak: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     ema_divergence: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     input_nonfinite: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
-    # NaN encoding (server/numbers.py): bit i set = the column signal of id i was NaN (its column is NULL).
+    # NaN encoding (server/wire/numbers.py): bit i set = the column signal of id i was NaN (its column is NULL).
     nan_mask: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # Every step signal declared after the columns above, by id (server/numbers.py, pack_extra);
+    # Every step signal declared after the columns above, by id (server/wire/numbers.py, pack_extra);
     # NULL when the step measured none of them. A new signal needs no migration (0005).
     extra: Mapped[Optional[bytes]] = mapped_column(LargeBinary, nullable=True)
 
@@ -125,7 +125,7 @@ class RankLayout(Base):
 
     ``shards[i] = [index, count]`` for ``runs.param_names[i]`` (``agent/capture/shards.py``): the
     parameter is cut into ``count`` disjoint pieces and this rank holds piece ``index``. The server
-    combines the ranks' per-piece norms with it (``server/ranks.py``). A row per (run, rank) that sent
+    combines the ranks' per-piece norms with it (``server/storage/ranks.py``). A row per (run, rank) that sent
     a layout; unsharded runs (single process, DDP) have none (migration 0008).
     """
 
@@ -141,7 +141,7 @@ class RankLayout(Base):
 class StepRanks(Base):
     """How many ranks of a run of several ranks have stored each step (their rows in ``steps``).
 
-    Kept by ingest in the batch's own transaction (``server/ranks.py`` ``count_sent``): each batch adds
+    Kept by ingest in the batch's own transaction (``server/storage/ranks.py`` ``count_sent``): each batch adds
     its rank to the steps it has just stored and reads the counts back in the same statement, so the one
     batch that completes a step (its count reaching the world size) knows it without counting the
     steps' rows, which read one index range per rank (at 256 ranks 12 % of a batch's time). The run's
@@ -200,7 +200,7 @@ class StepRollup(Base):
     ``data`` is float64[6, W], one column per step signal id (W is the widest id + 1
     when the partial was written, ``agent.signals.ROLLUP_WIDTH``; a partial narrower
     than a signal's id holds nothing of it): min, max (NaN skipped), count
-    (measured, NaN included), nonfinite, last_step, last_value (server/rollups.py).
+    (measured, NaN included), nonfinite, last_step, last_value (server/storage/rollups.py).
     """
 
     __tablename__ = "step_rollups"
@@ -218,7 +218,7 @@ class LayerRollup(Base):
     """Partial per-layer aggregates of one statistic over one rollup bucket, from one batch.
 
     ``data`` is a float64 last_step header then float32[6, n_layers]: min, max,
-    sum, count (finite or inf), nan count, last value (server/rollups.py).
+    sum, count (finite or inf), nan count, last value (server/storage/rollups.py).
     """
 
     __tablename__ = "layer_rollups"

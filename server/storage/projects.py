@@ -12,8 +12,8 @@ from typing import Optional
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from .db import dialect_insert
-from .models import Project
+from gradwatch.server.storage.db import dialect_insert
+from gradwatch.server.storage.models import Project
 
 # built once: it runs on every ingest batch
 _PROJECT_BY_NAME = select(Project).where(Project.name == bindparam("name"))

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 
 from pydantic import BaseModel, Field, field_validator
 
-from .ports import DEFAULT_PORT  # one definition, read by the standard-library-only CLI too
+from gradwatch.server.operations.ports import DEFAULT_PORT  # one definition, read by the standard-library-only CLI too
 
 DEFAULT_HOST = "127.0.0.1"
 # Seconds without data before a running run reads as stalled (and F2 fires): the one definition, read by
@@ -55,7 +55,7 @@ def env_number(env: Mapping[str, str], name: str, default: float, *, lo: float, 
     >>> env_number({"GRADWATCH_RETENTION_INTERVAL": "nan"}, "GRADWATCH_RETENTION_INTERVAL", 600, lo=1, hi=86400)
     Traceback (most recent call last):
     ...
-    gradwatch.server.settings.SettingsError: GRADWATCH_RETENTION_INTERVAL='nan': expected a number from 1 to 86400
+    gradwatch.server.operations.settings.SettingsError: GRADWATCH_RETENTION_INTERVAL='nan': expected a number from 1 to 86400
     """
     raw = env.get(name)
     if raw is None or str(raw).strip() == "":
@@ -110,11 +110,11 @@ class Settings(BaseModel):
     # Ingest limits: compressed body and decompressed body, in bytes.
     max_body_bytes: int = 32 * 1024 * 1024
     max_decoded_bytes: int = 64 * 1024 * 1024
-    # batches of one process inside their write transaction at once (server/write_gate.py);
+    # batches of one process inside their write transaction at once (server/ingest/write_gate.py);
     # 0: the database's default (1 on SQLite, 2 on PostgreSQL)
     write_concurrency: int = Field(default=0, ge=0, le=64)
     session_secret: str = ""
-    # bytes the heavy reads (per-layer heatmaps) of this process may hold at once (server/admission.py);
+    # bytes the heavy reads (per-layer heatmaps) of this process may hold at once (server/queries/admission.py);
     # GRADWATCH_HEAVY_READ_BUDGET_MB
     heavy_read_budget_bytes: int = Field(default=384 * 1024 * 1024, ge=16 * 1024 * 1024)
 
@@ -189,20 +189,3 @@ class Settings(BaseModel):
             heavy_read_budget_bytes=env_number(env, "GRADWATCH_HEAVY_READ_BUDGET_MB", 384, lo=16, hi=1 << 20,
                                                whole=True) * 1024 * 1024,
         )
-
-    def check_operator_env(self, env: Optional[Mapping[str, str]] = None) -> None:
-        """Every other operator setting read from the environment, checked before the server starts
-        (the retention job's pacing and policy, SMTP, the routing file): ``SettingsError`` naming the
-        setting, the value and what it may be, instead of a thread that spins or a notification that
-        fails later."""
-        env = os.environ if env is None else env
-        from .lifecycle.retention_config import JobSettings, RetentionConfigError, load_retention
-        from .routing.config import RoutingConfigError, routing_of
-        from .routing.receivers.email import SmtpSettings
-        try:
-            JobSettings.from_env(env)
-            load_retention(env)
-            SmtpSettings.from_env(env)
-            routing_of(self)
-        except (RetentionConfigError, RoutingConfigError, ValueError) as e:
-            raise SettingsError(str(e)) from None

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Protocol
 
 from gradwatch.agent.signals import STEP_SIGNAL_NAMES, STEP_SIGNALS
-from gradwatch.server.http_json import request_json
+from gradwatch.server.commands.http_json import request_json
 
 CHUNK_STEPS = 50_000            # steps per read (queries and the API return them unbucketed)
 # typed by the signal table: counts are integers and bools booleans in Parquet, both integers in CSV
@@ -79,7 +79,7 @@ class DatabaseSource:
     """Reads through ``server.queries`` on a database URL."""
 
     def __init__(self, url: str):
-        from .db import open_database, schema_problem
+        from gradwatch.server.storage.db import open_database, schema_problem
 
         self.database = open_database(url)
         try:
@@ -95,7 +95,7 @@ class DatabaseSource:
         self.database.dispose()
 
     def find_run(self, ref: str, project: Optional[str]) -> RunRef:
-        from . import queries
+        from gradwatch.server import queries
 
         with self.database.sessionmaker() as session:
             if ref.isdigit():
@@ -107,13 +107,13 @@ class DatabaseSource:
         return _pick_run(ref, project, [RunRef(r.id, r.name, r.project, r.world_size, r.last_step) for r in runs])
 
     def signals(self, run: RunRef) -> list[str]:
-        from . import queries
+        from gradwatch.server import queries
 
         with self.database.sessionmaker() as session:
             return queries.list_signals(session, run_id=run.id)
 
     def points(self, run: RunRef, signal: str, rank: int, start: int, end: int):
-        from . import queries
+        from gradwatch.server import queries
 
         with self.database.sessionmaker() as session:
             start = max(start, queries.raw_steps_from(session, run_id=run.id))
@@ -289,7 +289,7 @@ def add_subparser(subparsers) -> None:
 def _open_source(args) -> Source:
     if args.server:
         return HttpSource(args.server, token=args.token or os.environ.get("GRADWATCH_TOKEN") or None)
-    from .settings import Settings
+    from gradwatch.server.operations.settings import Settings
 
     settings = Settings.from_env(db=args.db)
     url = settings.database_url

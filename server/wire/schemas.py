@@ -1,7 +1,7 @@
 """Request and response models (the wire format: docs/wire-format.md).
 
 Separate from the ORM models. Floats on the wire may be numbers, the strings
-``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` or null (server/numbers.py).
+``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` or null (server/wire/numbers.py).
 Per-layer arrays are validated and packed to float32 blobs here, so the
 ingest path never walks them again.
 """
@@ -17,14 +17,14 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from gradwatch.agent.signals import STEP_SIGNALS
 
-from .numbers import F32_PREFIX, pack_layer_values, decode_float, encode_float, unpack_f32_b64
+from gradwatch.server.wire.numbers import F32_PREFIX, pack_layer_values, decode_float, encode_float, unpack_f32_b64
 
 _WIRE_FLOAT_SCHEMA = {
     "anyOf": [{"type": "number"}, {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}, {"type": "null"}]
 }
 WireFloat = Annotated[Optional[float], BeforeValidator(decode_float), WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
 # A float of a response: a Python float in the model (``nan`` / ``inf`` kept: the dashboard reads the model as it
-# is), its wire string in JSON (server/numbers.py). An already encoded string passes as it is.
+# is), its wire string in JSON (server/wire/numbers.py). An already encoded string passes as it is.
 OutFloat = Annotated[Union[float, str, None], PlainSerializer(encode_float, when_used="json"),
                      WithJsonSchema(_WIRE_FLOAT_SCHEMA)]
 
@@ -224,11 +224,11 @@ class IngestResult(BaseModel):
     # steps of the batch not written: steps of those numbers were stored already (never overwritten)
     already_stored: int = 0
     # an open run page is watching the run: the agent sends every live_flush_interval meanwhile
-    # (server/live_news.py)
+    # (server/ingest/live_news.py)
     live: bool = False
     # the least seconds this rank's agent should leave between batches (0: its own flush_interval): a
     # run of many ranks is paced so that its batches together hold the run's lock a bounded share of the
-    # time (server/pacing.py, rank_pace)
+    # time (server/ingest/pacing.py, rank_pace)
     pace: float = 0.0
     # Only when the batch asked (``alerts_after``): the run's alerts created or changed since then, newest
     # first, and the cursor to send next (docs/alerts-in-the-loop.md, "On the wire").
@@ -384,7 +384,7 @@ class CheckpointListOut(BaseModel):
 # (``gave_up``). ``trigger``: the alert it acted on, with the stored alert's rule, name and first step when the
 # server has that alert (``alert_id``), else as the agent sent it. ``ranks``: the ranks that reported it (under
 # DDP every rank rewinds at the same step); ``time``: when the server stored the first report; ``text``: the
-# sentence every view shows (server/rewind_text.py).
+# sentence every view shows (server/queries/rewind_text.py).
 class RewindOut(BaseModel):
     """One rewind as ``GET /api/v1/runs/{id}/rewinds`` lists it (server/queries/events.py, ``list_rewinds``)."""
     step: int

@@ -1,6 +1,6 @@
 """A resumed run on the server: where a process's steps go, and the stored state a resume is checked against.
 
-Called by ingest (``server/ingest.py``) inside the batch's transaction, with the run's row locked.
+Called by ingest (``server/ingest/write.py``) inside the batch's transaction, with the run's row locked.
 
 **Step numbers.** Each agent process sends a ``session`` id, its ``step_origin`` and ``step_start``
 (``agent/resume.py``). At a session's first batch the server decides its *shift* once and keeps it
@@ -30,8 +30,8 @@ from sqlalchemy.orm import Session
 from gradwatch.agent.nonfinite import encode_float
 from gradwatch.agent.signals import EXTRA_BASE, step_signal
 
-from .models import LayerStat, Run, Step
-from .numbers import extra_value, unpack_layer_values
+from gradwatch.server.storage.models import LayerStat, Run, Step
+from gradwatch.server.wire.numbers import extra_value, unpack_layer_values
 
 SHIFTS_KEY = "_step_shift"
 MAX_SESSIONS = 1024        # sessions remembered per run (one per process and rank); the oldest go first

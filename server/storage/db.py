@@ -16,7 +16,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
 try:  # JSON columns (rule states, alert evidence) are read and written on every batch: orjson is 5-10x faster
@@ -156,7 +156,7 @@ def schema_state(engine: Engine, url: str) -> str:
     revision this server does not know)."""
     from sqlalchemy import inspect
 
-    from .models import Base
+    from gradwatch.server.storage.models import Base
 
     current, heads = current_revisions(engine), head_revisions(url)
     if current == heads:

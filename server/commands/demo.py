@@ -19,9 +19,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .extras import install_hint
-from .ports import DEFAULT_PORT, port_problem
-from .processes import Terminated, module_command, popen, raise_on_sigterm, stop
+from gradwatch.server.commands.extras import install_hint
+from gradwatch.server.operations.ports import DEFAULT_PORT, port_problem
+from gradwatch.server.commands.processes import Terminated, module_command, popen, raise_on_sigterm, stop
 
 
 def add_subparser(subparsers) -> None:
@@ -62,7 +62,7 @@ def _get_json(url: str, timeout: float = 10.0):
 def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
     """The API answers and the dashboard is mounted (the image's health check: a server that failed
     to load the dashboard serves the API alone, and the demo's URL would lead nowhere)."""
-    from .healthcheck import Unhealthy, check
+    from gradwatch.server.operations.healthcheck import Unhealthy, check
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -136,7 +136,7 @@ def run(args) -> int:
     data_dir = _data_dir()
     # one default database for demo, serve, export and import (issue 42: the demo wrote demo.db and a `gradwatch
     # serve` after it showed an empty runs list); the demo's runs live in the project "demo"
-    from .settings import Settings
+    from gradwatch.server.operations.settings import Settings
 
     db = args.db or Settings.from_env(env=dict(os.environ, GRADWATCH_DATA_DIR=str(data_dir))).database_url
     base = f"http://{args.host}:{args.port}"
