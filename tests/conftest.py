@@ -234,7 +234,7 @@ class LiveServer:
         return http_json("POST", self.url + path, body, **kw)
 
 
-def create_token(db_url: str, project: str, data_dir=None) -> str:
+def create_token(db_url: str, project: str) -> str:
     """A project API token, made in this process by the function ``gradwatch token create`` calls.
 
     :func:`gradwatch.server.access.tokens.create_token` in a write session, committed, on the test's real
@@ -243,8 +243,6 @@ def create_token(db_url: str, project: str, data_dir=None) -> str:
     subject is what the server does with a token, not how the operator makes it (docs/testing.md
     "Cuts"). The command is run for real by :func:`create_token_with_cli`, in
     tests/server/test_server_auth.py on both databases, and in tests/cli and tests/deploy.
-    ``data_dir`` is unused (kept so the call sites read as before: the command took it for
-    ``GRADWATCH_DATA_DIR``).
     """
     from gradwatch.server.storage.db import open_database, prepare_schema
     from gradwatch.server.access.tokens import create_token as make

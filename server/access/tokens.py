@@ -14,6 +14,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from gradwatch.server.storage.models import ApiToken, Project
+from gradwatch.server.storage.projects import get_or_create_project
 
 TOKEN_PREFIX = "gw_"
 
@@ -33,8 +34,6 @@ class TokenRecord:
 
 def create_token(session: Session, *, project: str, name: str = "", now: Optional[float] = None) -> str:
     """Create the project if needed and a new token for it; returns the secret (shown once)."""
-    from gradwatch.server.storage.projects import get_or_create_project
-
     now = time.time() if now is None else now
     proj = get_or_create_project(session, name=project, now=now)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)

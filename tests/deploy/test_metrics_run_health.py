@@ -92,7 +92,7 @@ def test_label_values_are_escaped(server_factory, sqlite_url):
 def test_with_auth_on_run_names_and_losses_need_a_project_token(server_factory, db_url, tmp_path):
     """Hostile-input report: /metrics served every project's run names and last losses to anyone."""
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
-    ops, other = create_token(db_url, "ops", tmp_path), create_token(db_url, "secret-lab", tmp_path)
+    ops, other = create_token(db_url, "ops"), create_token(db_url, "secret-lab")
     steps = [{"step": i, "time": 1e9 + i, "loss": 1.0, "grad_norm": 0.5} for i in range(3)]
     for token, project, run in ((ops, "ops", "visible"), (other, "secret-lab", "hidden-run")):
         status, body = srv.post("/api/v1/ingest", {**_batch(run, steps), "project": project},

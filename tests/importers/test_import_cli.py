@@ -188,7 +188,7 @@ def test_wandb_offline_run_to_a_server_stores_the_logged_numbers_and_raises_the_
 
 def test_a_server_with_auth_on_takes_the_projects_token(logs, server_factory, sqlite_url, tmp_path):
     srv = server_factory(sqlite_url, env={"GRADWATCH_AUTH": "on"})
-    token = create_token(sqlite_url, "secured", srv.data_dir)
+    token = create_token(sqlite_url, "secured")
     args = ("import", "tensorboard", str(logs["tensorboard"]), "--server", srv.url, "--project", "secured")
     refused = gradwatch(*args, data_dir=tmp_path)
     assert refused.returncode == 1 and "pass --token or set GRADWATCH_TOKEN" in refused.stderr, refused.stderr

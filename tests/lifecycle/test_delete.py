@@ -128,8 +128,8 @@ def test_a_run_still_sending_is_refused_unless_forced_and_its_late_batches_are_r
 
 def test_another_projects_token_cannot_delete(server_factory, db_url, tmp_path):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
-    mine = create_token(db_url, "mine", srv.data_dir)
-    theirs = create_token(db_url, "theirs", srv.data_dir)
+    mine = create_token(db_url, "mine")
+    theirs = create_token(db_url, "theirs")
     run_id = fill_run(srv, project="mine", run="r", steps=20, token=mine)
     stored = rows_of_run(db_url, run_id)["steps"]
     assert stored > 0

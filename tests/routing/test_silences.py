@@ -68,8 +68,8 @@ def test_silences_api_and_cli_expiry_restores_notifications(server_factory, db_u
 
 def test_silences_are_scoped_by_project_token(server_factory, sqlite_url, tmp_path):
     srv = server_factory(sqlite_url, env={"GRADWATCH_AUTH": "on"})
-    nlp = {"Authorization": f"Bearer {create_token(sqlite_url, 'nlp', srv.data_dir)}"}
-    vision = {"Authorization": f"Bearer {create_token(sqlite_url, 'vision', srv.data_dir)}"}
+    nlp = {"Authorization": f"Bearer {create_token(sqlite_url, 'nlp')}"}
+    vision = {"Authorization": f"Bearer {create_token(sqlite_url, 'vision')}"}
     status, own = http_json("POST", srv.url + "/api/v1/silences", {"project": "nlp", "matchers": ["run=a"],
                                                                    "duration_s": 600}, headers=nlp)
     assert status == 201, own

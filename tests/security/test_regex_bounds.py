@@ -39,7 +39,7 @@ def _nan(srv, headers, project, run):
 
 def test_catastrophic_patterns_match_in_linear_time_and_bad_ones_are_refused(server_factory, db_url, tmp_path):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
-    auth = {"Authorization": f"Bearer {create_token(db_url, 'beta', tmp_path)}"}
+    auth = {"Authorization": f"Bearer {create_token(db_url, 'beta')}"}
     for pattern in CATASTROPHIC:
         st, body = _silence(srv, auth, pattern)
         assert st == 201, (pattern, body)

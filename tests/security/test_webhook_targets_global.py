@@ -27,7 +27,7 @@ def _hooks(srv, auth):
 
 def test_non_global_targets_are_refused_and_global_ones_accepted(server_factory, db_url, tmp_path):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
-    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha', tmp_path)}"}
+    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha')}"}
     for url in NOT_GLOBAL:
         st, out = srv.post("/api/v1/webhooks", {"project": "alpha", "url": url}, headers=auth)
         assert st == 422, (url, out)
@@ -41,7 +41,7 @@ def test_non_global_targets_are_refused_and_global_ones_accepted(server_factory,
 
 def test_the_operator_may_allow_a_shared_range(server_factory, db_url, tmp_path):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on", "GRADWATCH_WEBHOOK_ALLOW": "100.64.0.0/10"})
-    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha', tmp_path)}"}
+    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha')}"}
     st, out = srv.post("/api/v1/webhooks", {"project": "alpha", "url": "http://100.100.100.200/hook"}, headers=auth)
     assert st == 201, out
     st, out = srv.post("/api/v1/webhooks", {"project": "alpha", "url": "http://[2002:7f00:1::]/hook"}, headers=auth)
@@ -52,7 +52,7 @@ def test_nothing_is_delivered_once_the_allow_list_no_longer_admits_the_target(se
                                                                               webhook_receiver):
     env = {"GRADWATCH_AUTH": "on", "GRADWATCH_WEBHOOK_ALLOW": "127.0.0.1"}
     srv = server_factory(db_url, env=env)
-    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha', tmp_path)}"}
+    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha')}"}
     st, ep = srv.post("/api/v1/webhooks", {"project": "alpha", "url": f"{webhook_receiver.url}/x"}, headers=auth)
     assert st == 201, ep
     srv.stop()

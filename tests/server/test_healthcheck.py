@@ -43,7 +43,7 @@ def test_behind_auth_with_and_without_a_token(server_factory, sqlite_url):
     assert "dashboard page ok (auth on: at /favicon.ico)" in done.stdout
     assert "layout behind login (set GRADWATCH_HEALTHCHECK_TOKEN" in done.stdout
 
-    token = create_token(sqlite_url, "healthcheck", srv.data_dir)
+    token = create_token(sqlite_url, "healthcheck")
     done = healthcheck(srv.url, token=token)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "gradwatch healthy: api ok (sqlite), dashboard page ok, layout ok\n"

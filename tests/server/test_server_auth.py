@@ -30,7 +30,7 @@ def test_tokens_scope_ingest_and_reads_and_dashboard_needs_login(server_factory,
     # other by the same function in this process (as the other tests make theirs): both are accepted
     # and stored alike
     tok_a = create_token_with_cli(db_url, "alpha", tmp_path)
-    tok_b = create_token(db_url, "beta", tmp_path)
+    tok_b = create_token(db_url, "beta")
     auth_a = {"Authorization": f"Bearer {tok_a}"}
     auth_b = {"Authorization": f"Bearer {tok_b}"}
 
@@ -98,8 +98,8 @@ def test_sessions_end_with_their_token_and_cookie_writes_must_come_from_the_dash
     from another port of the same host acknowledged an alert with the victim's cookie; a login form there
     switched the victim's session."""
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on"})
-    tok = create_token(db_url, "alpha", tmp_path)
-    other = create_token(db_url, "mallory", tmp_path)
+    tok = create_token(db_url, "alpha")
+    other = create_token(db_url, "mallory")
     auth = {"Authorization": f"Bearer {tok}"}
     st, _, _ = raw_request(srv, "POST", "/api/v1/ingest", json.dumps(batch(
         [step(0, loss="NaN")], project="alpha", run="r")), {**auth, "Content-Type": "application/json"})
@@ -138,8 +138,8 @@ def test_sessions_end_with_their_token_and_cookie_writes_must_come_from_the_dash
 def test_another_projects_resources_are_answered_as_missing_without_naming_it(server_factory, db_url, tmp_path,
                                                                               webhook_receiver):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on", "GRADWATCH_WEBHOOK_ALLOW": "127.0.0.1"})
-    alpha = {"Authorization": f"Bearer {create_token(db_url, 'alpha-secret-name', tmp_path)}"}
-    beta = {"Authorization": f"Bearer {create_token(db_url, 'beta', tmp_path)}"}
+    alpha = {"Authorization": f"Bearer {create_token(db_url, 'alpha-secret-name')}"}
+    beta = {"Authorization": f"Bearer {create_token(db_url, 'beta')}"}
     status, body = srv.post("/api/v1/ingest", batch([step(0, loss="NaN")], project="alpha-secret-name", run="r"),
                             headers=alpha)
     assert status == 200, body

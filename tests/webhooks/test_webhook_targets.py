@@ -54,7 +54,7 @@ def _add(srv, headers, url, project="alpha"):
 
 def test_project_tokens_cannot_target_internal_addresses(server_factory, db_url, tmp_path, webhook_receiver):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on", "GRADWATCH_WEBHOOK_URLS": webhook_receiver.url})
-    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha', tmp_path)}"}
+    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha')}"}
     for url in [u.format(port=srv.port) for u in INTERNAL] + ["http://user:pw@example.com/hook"]:
         st, err = _add(srv, auth, url)
         assert st == 422, (url, err)
@@ -69,7 +69,7 @@ def test_project_tokens_cannot_target_internal_addresses(server_factory, db_url,
 def test_an_operator_allow_list_admits_an_internal_target_and_the_log_shows_no_reply_body(
         server_factory, db_url, tmp_path, talker):
     srv = server_factory(db_url, env={"GRADWATCH_AUTH": "on", "GRADWATCH_WEBHOOK_ALLOW": "127.0.0.1"})
-    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha', tmp_path)}"}
+    auth = {"Authorization": f"Bearer {create_token(db_url, 'alpha')}"}
     st, ep = _add(srv, auth, f"http://127.0.0.1:{talker.port}/hook")
     assert st == 201, ep
     st, _ = _add(srv, auth, f"http://localhost:{talker.port}/hook")     # allowed by address, after resolving
