@@ -60,9 +60,14 @@ def test_a_poisoned_ddp_rank_is_one_critical_alert_naming_it(server_factory, db_
 
 @pytest.mark.slow
 def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_url, tmp_path):
-    """Rank 1 sleeps 30 ms more per step (its data loader, say). With ranks that do not wait for each
-    other every step (``local``: a process group, no per-step collective) its step time is ~7x the
-    other's: one F3 on rank 1, naming this host. A healthy run of the same job: no F3.
+    """Rank 1 sleeps 200 ms more per step (its data loader, say). With ranks that do not wait for each
+    other every step (``local``: a process group, no per-step collective) its step time is several times
+    the other's: one F3 on rank 1, naming this host. A healthy run of the same job: no F3.
+
+    Why 200 ms: F3 needs 20 slow steps in a row, and a step of the fast rank that a loaded machine
+    delays past 1.2x the slow one's breaks the streak. With 30 ms (as before), a fresh-clone run beside
+    two CPU hogs and two other test suites (load 5-12 on 2 cores) saw no F3 at all; 200 ms is beyond
+    the scheduling delays such a machine adds to a 20 ms step.
 
     Under DDP the same sleep shows on every rank: the all-reduce makes the fast rank wait for the slow
     one, so the ends of the steps, and the step times between them, are the same on both ranks. Each
@@ -76,7 +81,7 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
     host = socket.gethostname()
     slow = f"slow-{uuid.uuid4().hex[:6]}"
     torchrun("local", tmp_path / "slow", nproc=2, server=srv, run=slow,
-             extra=["--steps", "40", "--base-s", "0.02", "--slow-rank", "1", "--slow-s", "0.03"])
+             extra=["--steps", "50", "--base-s", "0.02", "--slow-rank", "1", "--slow-s", "0.2"])
     rid = run_id(srv, slow)
     (f3,) = _alerts(srv, rid, "F3")
     assert f3["rank"] == 1 and f3["evidence"]["host"] == host and f3["evidence"]["steps"] == 20, f3
@@ -90,7 +95,7 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
 
     ddp = f"ddp-slow-{uuid.uuid4().hex[:6]}"
     torchrun("ddp", tmp_path / "ddp", nproc=2, server=srv, run=ddp,
-             extra=["--steps", "40", "--slow-rank", "1", "--slow-s", "0.03"])
+             extra=["--steps", "50", "--slow-rank", "1", "--slow-s", "0.2"])
     rid = run_id(srv, ddp)
     t0, t1 = series(srv, rid, "step_time", 0), series(srv, rid, "step_time", 1)
     d0, d1 = series(srv, rid, "data_time", 0), series(srv, rid, "data_time", 1)
@@ -103,7 +108,7 @@ def test_a_slowed_rank_is_a_straggler_naming_rank_and_host(server_factory, db_ur
     # collective, as in the local run, rank 0's step would be shorter than rank 1's sleep)
     assert sum(t0[s] for s in steps) > sum(lateness), ([t0[s] for s in steps], lateness)
     print(f"\n[straggler:ddp] rank 1 later to its forward by median {1000 * statistics.median(lateness):.1f} ms "
-          f"(sleeps 30 ms); step time rank 0 / rank 1: "
+          f"(sleeps 200 ms); step time rank 0 / rank 1: "
           f"{sum(t0[s] for s in steps) / sum(t1[s] for s in steps):.2f}")
     (f3,) = _alerts(srv, rid, "F3")
     assert f3["rank"] == 1 and f3["evidence"]["host"] == host, f3
