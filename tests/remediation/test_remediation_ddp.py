@@ -41,7 +41,11 @@ def torchrun(out: Path, server, *extra: str, timeout: int = 300) -> list[dict]:
 
 
 def test_both_ranks_restore_the_same_snapshot_at_the_same_step_when_one_hears_late(server, tmp_path):
-    ranks = torchrun(tmp_path / "late", server, "--poison-at", "150", "--late-rank", "1", "--late-s", "0.5")
+    # 1,000 steps, not the default 400: the alert on step 150 reaches rank 0 ~10-20 steps later on a quiet
+    # machine, but a fresh-clone run at load 5-12 ended its 400 steps before it arrived (no rank rewound);
+    # the length is a margin for a slow machine, the assertions are on what the ranks did
+    ranks = torchrun(tmp_path / "late", server, "--poison-at", "150", "--late-rank", "1", "--late-s", "0.5",
+                     "--steps", "1000")
     acted = [[a for a in r["after_rewind"] if a["data"]["action"] == "rewind"] for r in ranks]
     assert acted[0] and len(acted[0]) == len(acted[1]), acted
     for a0, a1 in zip(*acted):
