@@ -172,9 +172,6 @@ class Sender:
         self._events: list[dict] = []
         self._batch_id = uuid.uuid4().hex     # the id the batch being assembled will carry
         self._journaled = (0, 0)              # steps and events of it already in the journal
-        # True while the journal holds nothing but the batch being assembled: between a batch's swap and
-        # its safe arrival in the spool it still holds that batch, and nothing new may be added to it.
-        self._tail_free = True
         self._posting = False      # a POST is in flight and the thread journals meanwhile (_post)
         self._ship_due = False     # a critical or full batch taken during a POST: ship it right after
         self._backoff = 0.0
@@ -319,10 +316,18 @@ class Sender:
         at = self.clock()    # after the batch's round trip: the slot is counted from the present
         return at + seconds_to_slot(self.wall_clock(), pace, rank=rank, world_size=world)
 
-    def _drain_queue(self) -> bool:
-        """Take everything submitted so far; True when a stop marker was handled."""
+    def _drain_queue(self, journal_only: bool = False) -> bool:
+        """Take everything submitted so far; True when a stop marker was handled.
+
+        ``journal_only`` (a POST in flight, :meth:`_post`): take the step records and events at the head of
+        the queue only, up to the first flush or stop marker (the main loop's, after the POST) or until a
+        batch is full (the batch bound and the queue's drop count hold), and journal them."""
         held_since = time.perf_counter()
         while True:
+            if journal_only and (not self._queue or isinstance(self._queue[0], _Marker)
+                                 or len(self._steps) >= self.config.max_batch_steps):
+                self._write_journal()     # this thread is the only one that takes from the queue
+                return False
             try:
                 item = self._queue.popleft()
             except IndexError:
@@ -403,7 +408,6 @@ class Sender:
         steps, events, drops = self._steps, self._events, self._drops
         self._steps, self._events, self._drops = [], [], {}
         batch_id, self._batch_id = self._batch_id, uuid.uuid4().hex
-        self._tail_free = self._journaled == (0, 0)   # the journal still holds the batch being shipped
         events = events + [{"step": None, "kind": "dropped", "data": {"steps": n, "reason": reason}}
                            for reason, n in drops.items()]
         rest: dict = {"events": events}
@@ -475,14 +479,19 @@ class Sender:
             return True
         return False
 
+    def _tail_free(self) -> bool:
+        """Whether the journal holds nothing but the batch being assembled. Between a batch's swap
+        (:meth:`_ship`) and its safe arrival in the spool it still holds that batch, and nothing of the
+        next may be added: the journal's next write would empty it (:meth:`TailJournal.write`)."""
+        j = self.journal
+        return j is None or j.batch_id in (None, self._batch_id)
+
     def _release_tail(self) -> None:
         """The batch just shipped is the journal's no more: empty it (once) for the batch now assembled."""
-        if self._tail_free:
+        if self._tail_free():
             return
-        self._tail_free = True
         self._journaled = (0, 0)
-        if self.journal is not None:
-            self.journal.reset()
+        self.journal.reset()
 
     def _post(self, body: bytes):
         """``transport.post(body)``; with a crash-tail journal free for the next batch, the POST runs on a
@@ -493,7 +502,7 @@ class Sender:
         the open step (seen at load ~15: two steps, tests/checkpoints/test_crash_tail.py). Nothing
         is shipped while a POST is in flight (a critical step ships right after it), and no more
         than ``max_batch_steps`` are taken, so the batch bound and the queue's drop count hold."""
-        if self.journal is None or not self._tail_free or self._posting:
+        if self.journal is None or not self._tail_free() or self._posting:
             return self.transport.post(body)
         box: dict = {}
         done = threading.Event()
@@ -515,27 +524,12 @@ class Sender:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 self._idle = False
-                self._journal_taken()
+                self._drain_queue(journal_only=True)
         finally:
             self._posting = False
         if "error" in box:
             raise box["error"]
         return box["delivery"]
-
-    def _journal_taken(self) -> None:
-        """Take the step records and events at the head of the queue (up to a marker, or until a batch is
-        full) and journal them; called while a POST is in flight."""
-        while self._queue and len(self._steps) < self.config.max_batch_steps:
-            item = self._queue[0]          # this thread is the only one that takes from the queue
-            if isinstance(item, StepRecord):
-                self._queue.popleft()
-                self._take(item)
-            elif isinstance(item, dict):
-                self._queue.popleft()
-                self._events.append(item)
-            else:
-                break                      # a flush or stop marker: the main loop's, after the POST
-        self._write_journal()
 
     def _hold(self, body: bytes) -> None:
         self._held.append(body)

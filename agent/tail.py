@@ -72,6 +72,11 @@ class TailJournal:
     def on(self) -> bool:
         return not self._off
 
+    @property
+    def batch_id(self) -> Optional[str]:
+        """The batch whose steps the journal holds (None: empty)."""
+        return self._batch_id
+
     def _open(self) -> bool:
         if self._fd is not None:
             return True
