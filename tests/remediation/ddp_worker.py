@@ -5,7 +5,8 @@
 Every rank trains the same tiny MLP (DDP, gloo, CPU, Adam, no GradScaler) on its own batches; with
 ``--poison-at N`` rank 0's batch N holds an Inf, so the all-reduced gradients and every rank's weights go
 NaN. ``--late-rank K --late-s S``: rank K's agent reads every reply S seconds after its POST, so it hears
-the run's alerts long after the other ranks. ``--off``: no remediation. ``--count``: count the collectives
+the run's alerts long after the other ranks. ``--after-rewind N``: stop N steps after the first rewind
+(``--steps`` caps the loop), so a slow machine that hears the alert late still trains past it. ``--off``: no remediation. ``--count``: count the collectives
 the training loop issues (tests/distributed/worker.py's counter). Each rank writes ``OUT_DIR/rank<k>.json``:
 its losses, its rewinds, a hash of its parameters right after each rewind and at the end.
 """
@@ -72,6 +73,14 @@ def rank_transport(server: str, rank: int, late_rank: int, late_s: float):
     return LateTransport(transport, late_s) if rank == late_rank else transport
 
 
+def rewound_long_enough(after_rewind: list[dict], step: int, after: int) -> bool:
+    """With ``--after-rewind N``: the loop has run N steps past the first rewind. The ranks agree on the rewind
+    inside the gradient collective, so they all reach it at the same loop step and stop together (a rank
+    that stopped alone would leave the other waiting in a collective); ``--steps`` is then only the cap."""
+    first = next((a["loop_step"] for a in after_rewind if a["data"]["action"] == "rewind"), None)
+    return after > 0 and first is not None and step >= first + after
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -84,6 +93,7 @@ def main() -> None:
     ap.add_argument("--off", action="store_true")
     ap.add_argument("--count", action="store_true")
     ap.add_argument("--pace", type=float, default=0.003)
+    ap.add_argument("--after-rewind", type=int, default=0)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -121,6 +131,8 @@ def main() -> None:
             if rewind is not None and len(rewind.rewinds) > seen:
                 seen = len(rewind.rewinds)
                 after_rewind.append({"loop_step": step, "data": rewind.rewinds[-1], "hash": params_hash(model)})
+            if rewound_long_enough(after_rewind, step, args.after_rewind):
+                break
             if args.pace:
                 time.sleep(args.pace)
     finally:

@@ -5,7 +5,8 @@
 Every rank trains the same tiny MLP (``fully_shard`` on each Linear and on the root, gloo, CPU, Adam) on its
 own batches; with ``--poison-at N`` rank 0's batch N holds an Inf, so the reduce-scattered gradients and every
 rank's shards go NaN. ``--late-rank K --late-s S``: rank K's agent reads every reply S seconds after its POST, so it
-hears the run's alerts long after the other rank. ``--off``: no remediation. ``--count``: count the
+hears the run's alerts long after the other rank. ``--after-rewind N``: stop N steps after the first rewind
+(``--steps`` caps the loop). ``--off``: no remediation. ``--count``: count the
 collectives the training loop issues (tests/distributed/worker.py's counter). ``--refuse-at N``: rank
 ``--refuse-rank``'s snapshot copy at step N counts as non-finite.
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root: tests.* imports
 
 # the batches and the late rank's transport (its replies held a few seconds): the same as the DDP worker's
-from tests.remediation.ddp_worker import rank_batches, rank_transport  # noqa: E402
+from tests.remediation.ddp_worker import rank_batches, rank_transport, rewound_long_enough  # noqa: E402
 
 
 def local_state(model, opt) -> list[torch.Tensor]:
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--pace", type=float, default=0.003)
     ap.add_argument("--refuse-at", type=int, default=-1)
     ap.add_argument("--refuse-rank", type=int, default=1)
+    ap.add_argument("--after-rewind", type=int, default=0)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -133,6 +135,8 @@ def main() -> None:
             else:
                 # the state the run continues with at monitor.step (what a snapshot at that step holds)
                 history[monitor.step] = shards_hash(model, opt)
+            if rewound_long_enough(after_rewind, step, args.after_rewind):
+                break
             if args.pace:
                 time.sleep(args.pace)
     finally:
