@@ -14,8 +14,9 @@ seal it:
 Both take it out under one lock; whichever took it seals it, with everything
 the step has: the collectors' ``at_seal`` parts (the EMA divergence) are
 measured on either thread. While the sender thread seals, the training
-thread's next optimizer step and next seal wait (:meth:`Sealer.barrier`), so
-nothing changes the weights it reads and records stay in step order.
+thread's next step start, optimizer step and seal wait (:meth:`Sealer.seal_open`,
+:meth:`Sealer.barrier`), so nothing changes the weights it reads (nor swaps their
+storage, as an FSDP1 forward does) and records stay in step order.
 
 Imports torch, :mod:`agent.capture.ema_worker` (its timeout), :mod:`agent.registry` (the pid) and
 :mod:`agent.signals` (the custom scalars' part prefix).
@@ -73,17 +74,30 @@ class Sealer:
             self.open_since = time.monotonic()
 
     def seal_open(self) -> None:
-        """Seal the open record (if any) with everything, EMA divergence included."""
+        """Seal the open record (if any) with everything, EMA divergence included.
+
+        Where the sender thread took it (a stale step) and is sealing it right now, wait until it is
+        done: the step that begins here runs a forward next, and an FSDP1 forward swaps the weights'
+        storage for the gathered tensors while the sender thread may still be reading them."""
         if self.open_record is None:   # unlocked read: only the training thread ever sets it
             if self.stale_sealed:   # the sender sealed the last one: learn how long this gap was
                 self.stale_sealed = False
                 self._learn_gap()
+            self._await_sender()
             return
         with self.lock:
             rec, self.open_record = self.open_record, None
         if rec is not None:
             self._learn_gap()
             self.finish(rec, in_training_thread=True)
+        else:   # the sender thread took it between the read above and the lock
+            self._await_sender()
+
+    def _await_sender(self) -> None:
+        # the sender clears the event under the lock before it empties open_record, so a record found
+        # gone is either sealed and submitted (set) or still being sealed (clear)
+        if not self.stale_submitted.is_set() and process.pid == self.pid:
+            self.stale_submitted.wait(BARRIER_TIMEOUT)
 
     def barrier(self) -> None:
         """Return once nothing off the training thread reads the weights (the usual case: two flag reads).

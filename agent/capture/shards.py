@@ -47,18 +47,31 @@ def _dtensor_layout(p) -> tuple[int, int]:
     return index, count
 
 
-def _fsdp1_layouts(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
-    """FSDP1 (``FullyShardedDataParallel``): the flat parameter, and with ``use_orig_params=True`` the
-    original parameters viewing into it, hold this rank's piece of its process group's shards."""
+def _fsdp1_handles(model: torch.nn.Module) -> list:
+    """The flat-parameter handles of the model's FSDP1 (``FullyShardedDataParallel``) units."""
     module = sys.modules.get("torch.distributed.fsdp")   # only a job that imported FSDP can use it
     FullyShardedDataParallel = getattr(module, "FullyShardedDataParallel", None)
     if FullyShardedDataParallel is None:
-        return {}
+        return []
+    handles = (getattr(m, "_handle", None) for m in model.modules() if isinstance(m, FullyShardedDataParallel))
+    return [h for h in handles if h is not None]
+
+
+def forward_swaps_weights(model: torch.nn.Module) -> bool:
+    """Whether the model's forward and backward swap its parameters' storage while they run: a sharded
+    FSDP1 unit points its flat parameter (and the original parameters viewing into it) at the gathered
+    full tensor, then back at this rank's shard. Another thread reading the weights during a forward then
+    reads the wrong tensors (measured: the EMA worker thread, descheduled into the next forward, found
+    the flat parameter at its full 467 elements instead of the 234 of its shard, and the step lost its
+    EMA divergence). FSDP2 keeps its sharded DTensors and gathers into other tensors: False."""
+    return any(h.uses_sharded_strategy for h in _fsdp1_handles(model))
+
+
+def _fsdp1_layouts(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
+    """FSDP1 (``FullyShardedDataParallel``): the flat parameter, and with ``use_orig_params=True`` the
+    original parameters viewing into it, hold this rank's piece of its process group's shards."""
     out: dict[int, tuple[int, int]] = {}
-    for m in model.modules():
-        handle = getattr(m, "_handle", None) if isinstance(m, FullyShardedDataParallel) else None
-        if handle is None:
-            continue
+    for handle in _fsdp1_handles(model):
         if handle.uses_sharded_strategy:
             group = handle.process_group
             layout = (torch.distributed.get_rank(group), torch.distributed.get_world_size(group))

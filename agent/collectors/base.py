@@ -51,7 +51,7 @@ import torch
 from torch.nn.modules import module as _torch_module   # the global module hooks live here
 
 from gradwatch.agent.capture.activation_stats import CONTAINERS
-from gradwatch.agent.capture.shards import local_grads, local_tensors, shard_layout
+from gradwatch.agent.capture.shards import forward_swaps_weights, local_grads, local_tensors, shard_layout
 from gradwatch.agent.nonfinite import NULL_F32_BITS  # the wire's "not measured" float32 (docs/wire-format.md)
 from gradwatch.agent.signals import unknown_record_names
 
@@ -78,6 +78,8 @@ class Watched:
         # then every measurement reads the local shards, and the server combines the ranks' values.
         self.layout = shard_layout(model, self.params)
         self.local = self.layout is not None
+        # FSDP1: the forward swaps the weights' storage, so only the training thread may read them
+        self.forward_swaps_weights = self.local and forward_swaps_weights(model)
         self.param_id_list = [id(p) for p in self.params]
         self.all_index = list(range(len(self.params)))   # grad_index when every parameter has a grad (never modified)
         self.modules = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]

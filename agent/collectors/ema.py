@@ -79,11 +79,13 @@ class EmaDivergence(Collector):
         """Whether this sampled step's EMA divergence goes to the worker thread: CPU weights
         (on a GPU it is three fused kernel launches) and an optimizer whose steps the
         barrier hook sees (with neither a scaler nor an optimizer the agent cannot tell
-        when the weights change, so it computes inline). A worker that once ran late has
-        turned the EMA collector off, so this is never asked again."""
+        when the weights change, so it computes inline), and a forward that leaves the
+        weights where they are (FSDP1 swaps them for the gathered tensors while it runs,
+        and the job may still be running then). A worker that once ran late has turned
+        the EMA collector off, so this is never asked again."""
         w = self.watched
         return (self.worker is not None and bool(w.params) and w.params[0].is_cpu
-                and (w.scaler is not None or w.optimizer is not None))
+                and (w.scaler is not None or w.optimizer is not None) and not w.forward_swaps_weights)
 
     def _job(self, rec, submit: Callable[[Any], None]) -> None:
         """Worker thread: the divergence into the record, then seal and submit it (always)."""

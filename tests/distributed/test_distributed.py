@@ -30,11 +30,12 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def torchrun(mode: str, out: Path, *, nproc: int = 2, server=None, run: str = "", extra=(), timeout: int = 300):
-    """Run ``worker.py`` under torchrun; returns every rank's record (rank order)."""
+def torchrun(mode: str, out: Path, *, nproc: int = 2, server=None, run: str = "", extra=(), timeout: int = 300,
+             worker: Path = WORKER):
+    """Run ``worker.py`` (or ``worker``) under torchrun; returns every rank's record (rank order)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), mode, str(out), "--run-name", run or "none", *extra]
+           str(worker), mode, str(out), "--run-name", run or "none", *extra]
     if server is not None:
         cmd += ["--server", server.url]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -195,6 +196,21 @@ def test_fsdp1_and_tensor_parallel_values_equal_pytorch(server, tmp_path, mode):
     records = torchrun(mode, tmp_path / "run", server=server, run=name)
     assert all(rec["disabled"] == [] for rec in records)
     _report(mode, compare(server, name, records))
+
+
+@pytest.mark.parametrize("where", ["ema-worker", "stale-seal"])
+def test_fsdp1_ema_divergence_is_read_before_the_next_forward_swaps_the_weights(server, tmp_path, where):
+    """An FSDP1 forward points each flat parameter at its gathered full tensor while it runs. The agent's
+    threads that read the weights (the EMA worker; the sender sealing a stale step, here the step before
+    a 1 s pause) are descheduled until the next forward has done so (descheduled_worker.py): every step
+    still has its EMA divergence, equal to PyTorch's. Before: the worker read the full flat parameter, the
+    shapes did not match, and steps 1-4 went without one; the sender's stale seal lost step 0's."""
+    extra = ["--seal-grace", "0.3", "--base-s", "1.0"] if where == "stale-seal" else []
+    name = f"fsdp1-{where}-{uuid.uuid4().hex[:6]}"
+    records = torchrun("fsdp1", tmp_path / "run", server=server, run=name, extra=extra,
+                       worker=WORKER.with_name("descheduled_worker.py"))
+    assert all(rec["disabled"] == [] for rec in records)
+    _report(f"fsdp1 ({where})", compare(server, name, records))
 
 
 @pytest.mark.slow

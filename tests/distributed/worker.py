@@ -108,6 +108,9 @@ def main() -> None:
                          "collective), or after backward, before the optimizer step")
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--seal-grace", type=float, default=5.0,
+                    help="the agent's seal_grace (the default 5 s keeps the sender from sealing a step while "
+                         "the reference numbers are computed; a small one makes it seal during --base-s)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -175,7 +178,7 @@ def main() -> None:
                                weights_every=1, activations_every=1, ema_every=1, flush_interval=0.1,
                                # the reference numbers below take collectives of their own between steps;
                                # on a loaded machine they must not look like a stall (docs/agent.md)
-                               seal_grace=5.0,
+                               seal_grace=args.seal_grace,
                                spool_dir=os.path.join(args.out, "spool"))
     watched = [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Tanh, torch.nn.ReLU))]
     acts: dict[str, list] = {}
