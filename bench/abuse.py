@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -81,7 +82,8 @@ def attacks(run_id: int) -> list[tuple[str, str, str, bytes, dict]]:
 #   python bench/abuse.py --case heatmap [--parallel 20]     # 20 worst-case heatmaps at once
 #
 # Each starts its own server (--server-root: another checkout's, for before/after figures) and reports the
-# slowest /api/health answer while the case runs (polled every 20 ms from a thread of its own; the heatmap
+# slowest /api/health answer while the case runs (polled every 20 ms from a process of its own, or with
+# --probe-in-process from a thread of the bench's own process, as before; the heatmap
 # case polls 5 s of an idle server first, the machine's own floor), and for the heatmap case the server's
 # RSS (baseline, peak, after) and the answers' status codes.
 
@@ -95,13 +97,46 @@ def _request(port: int, method: str, path: str, body=None, timeout: float = 600.
     return out
 
 
-class HealthProbe:
-    """``/api/health`` every ``every_s`` on its own thread: the slowest answer while it runs."""
+_PROBE = r"""
+import http.client, json, sys, threading, time
+port, every = int(sys.argv[1]), float(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()   # stdin closed: stop
+times, failures = [], 0
+while not stop.is_set():
+    t = time.perf_counter()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("GET", "/api/health")
+        resp = conn.getresponse()
+        resp.read()
+        conn.close()
+        failures += resp.status != 200
+    except OSError:
+        failures += 1
+    times.append(time.perf_counter() - t)
+    stop.wait(every)
+print(json.dumps({"times": times, "failures": failures}))
+"""
 
-    def __init__(self, port: int, every_s: float = 0.02):
+
+PROBE_IN_PROCESS = False   # --probe-in-process
+
+
+class HealthProbe:
+    """``/api/health`` every ``every_s``: the slowest answer while it runs.
+
+    By default from a process of its own, as a load balancer's or an orchestrator's probe would be. In
+    the bench's own process (``in_process``, the way it was measured before) each poll also waits for
+    this process's GIL, which the 20 heatmap readers hold while they read their 17.9 MB answers, so a
+    slow poll there may be the bench's, not the server's."""
+
+    def __init__(self, port: int, every_s: float = 0.02, in_process: bool = False):
         self.port, self.every_s, self.times, self.failures = port, every_s, [], 0
+        self.in_process = in_process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._proc = None
 
     def _loop(self):
         while not self._stop.is_set():
@@ -116,12 +151,21 @@ class HealthProbe:
             self._stop.wait(self.every_s)
 
     def __enter__(self):
-        self._thread.start()
+        if self.in_process:
+            self._thread.start()
+        else:
+            self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, str(self.port), str(self.every_s)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        if self._proc is None:
+            self._stop.set()
+            self._thread.join()
+            return
+        out, _ = self._proc.communicate(b"", timeout=180)   # stdin closed: the probe stops and reports
+        got = json.loads(out)
+        self.times, self.failures = got["times"], got["failures"]
 
     def summary(self) -> str:
         if not self.times:
@@ -143,7 +187,7 @@ def case_redos(port: int, name_length: int) -> None:
         print(f"silence run=~\"{pattern}\": {st} {b[:160].decode(errors='replace')}")
     batch = {"batch_id": "redos-1", "project": "beta", "run": run,
              "steps": [{"step": 0, "time": 1.0, "loss": 1.0}, {"step": 1, "time": 2.0, "loss": "NaN"}]}
-    with HealthProbe(port) as probe:
+    with HealthProbe(port, in_process=PROBE_IN_PROCESS) as probe:
         time.sleep(0.2)
         t = time.perf_counter()
         status, body, _ = _request(port, "POST", "/api/v1/ingest", batch)
@@ -188,7 +232,7 @@ def case_heatmap(port: int, pid: int, parallel: int, steps: int, layers: int, ma
     status, body, _ = _request(port, "GET", path)
     print(f"one heatmap: {status}, {len(body) / 2**20:.1f} MB of JSON")
     time.sleep(2)
-    with HealthProbe(port) as idle:     # the machine's own floor: the same polls with nothing else asked
+    with HealthProbe(port, in_process=PROBE_IN_PROCESS) as idle:     # the machine's own floor: the same polls with nothing else asked
         time.sleep(5)
     print(f"idle server, {idle.summary()}")
     baseline = _rss_mb(pid)
@@ -217,7 +261,7 @@ def case_heatmap(port: int, pid: int, parallel: int, steps: int, layers: int, ma
             time.sleep(wait)
 
     threading.Thread(target=sampler, daemon=True).start()
-    with HealthProbe(port) as probe:
+    with HealthProbe(port, in_process=PROBE_IN_PROCESS) as probe:
         t = time.perf_counter()
         threads = [threading.Thread(target=reader) for _ in range(parallel)]
         for th in threads:
@@ -273,7 +317,11 @@ def main() -> int:
     ap.add_argument("--hostile-interval", type=float, default=0.1,
                     help="seconds between the hostile client's requests (0: as fast as answered)")
     ap.add_argument("--server-root", help="run the server of another checkout (before / after)")
+    ap.add_argument("--probe-in-process", action="store_true",
+                    help="poll /api/health from this process (as measured before), not from a process of its own")
     args = ap.parse_args()
+    global PROBE_IN_PROCESS
+    PROBE_IN_PROCESS = args.probe_in_process
     if args.case:
         return run_case(args)
 
