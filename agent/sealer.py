@@ -107,8 +107,7 @@ class Sealer:
         # A forked child never has a job in flight (the threads did not fork with it), even if it
         # inherited the flag of one.
         if self._weights_read and process.pid == self.pid:
-            if not self.stale_submitted.is_set():   # the sender thread is sealing a stale step
-                self.stale_submitted.wait(BARRIER_TIMEOUT)
+            self._await_sender()   # the sender thread may be sealing a stale step
             self.ema_worker.barrier()
 
     def _learn_gap(self) -> None:
