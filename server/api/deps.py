@@ -11,11 +11,13 @@ from gradwatch.server.access.scope import in_scope, other_project
 from gradwatch.server.operations.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+# async: they only read the app's state, so they run on the event loop instead of costing each request a
+# trip through the thread pool (each trip waits for the GIL, behind heatmaps being built: /api/health)
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_database(request: Request) -> Database:
+async def get_database(request: Request) -> Database:
     return request.app.state.database
 
 

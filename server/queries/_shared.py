@@ -44,7 +44,7 @@ def _fetch_blobs(session: Session, stmt) -> list[tuple[int, bytes]]:
     raw = conn.connection.driver_connection
     with raw.cursor(binary=True) as cur:
         cur.execute(sql, params)
-        return [(k, bytes(b)) for k, b in cur.fetchall()]
+        return [(k, bytes(b)) for k, b in _in_parts(cur)]
 
 
 def _fetch_blob_rows(session: Session, stmt) -> list[tuple[int, int, bytes]]:
@@ -57,7 +57,21 @@ def _fetch_blob_rows(session: Session, stmt) -> list[tuple[int, int, bytes]]:
     raw = conn.connection.driver_connection
     with raw.cursor(binary=True) as cur:
         cur.execute(compiled.string, compiled.construct_params())
-        return [(a, k, bytes(b)) for a, k, b in cur.fetchall()]
+        return [(a, k, bytes(b)) for a, k, b in _in_parts(cur)]
+
+
+# rows psycopg turns into Python objects in one call, which holds the GIL throughout: fetchall() of a
+# 53,000-row heatmap read held it long enough that /api/health, polled beside 20 such reads, waited over
+# 100 ms (docs/deployment.md, "Hostile input"); 2,048 rows are a few milliseconds
+FETCH_ROWS = 2048
+
+
+def _in_parts(cur):
+    while True:
+        part = cur.fetchmany(FETCH_ROWS)
+        if not part:
+            return
+        yield from part
 
 
 def _bounds(session: Session, col, where) -> tuple[Optional[int], Optional[int]]:

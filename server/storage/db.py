@@ -6,7 +6,8 @@ Nothing is created at import time: ``make_engine(settings)`` is called by
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,7 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -73,19 +75,84 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
                          json_serializer=json_dumps, json_deserializer=json_loads)
 
 
+class Ping:
+    """``SELECT 1`` on a connection of its own, in autocommit: what ``/api/health`` asks the database.
+
+    Through a pooled session the same question took four round trips on PostgreSQL (the pool's pre-ping,
+    ``BEGIN``, ``SELECT 1``, ``ROLLBACK``), each waiting for the database's backend to be scheduled. On
+    two busy cores (20 heatmap readers, two CPU hogs) 3–6 of ~450 polls took 100–170 ms, where the same
+    polls without the database stayed under 70 ms (docs/deployment.md, "Hostile input"). Here it is one.
+
+    A dead connection (the database restarted, a failover) is dropped and the question asked once more
+    on a new one; an error then is the answer. While one ping waits on the database, another caller
+    does not queue behind it: it asks through a pooled connection of its own, as before.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._conn = None        # a pooled DBAPI connection, kept; None until the first ping or after an error
+
+    def __call__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            with self._engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+            return
+        try:
+            for attempt in (0, 1):
+                try:
+                    if self._conn is None:
+                        self._conn = self._engine.raw_connection()
+                        if self._engine.dialect.name == "postgresql":
+                            self._conn.driver_connection.autocommit = True   # no BEGIN, no idle transaction
+                    cur = self._conn.cursor()     # SQLite: the connect hook set isolation_level None
+                    try:
+                        cur.execute("SELECT 1")
+                        cur.fetchall()
+                    finally:
+                        cur.close()
+                    return
+                except (self._engine.dialect.loaded_dbapi.Error, DBAPIError):   # the driver's, or the pool's wrapped
+                    self._drop(invalidate=True)
+                    if attempt:
+                        raise
+        finally:
+            self._lock.release()
+
+    def _drop(self, *, invalidate: bool = False) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.invalidate() if invalidate else conn.close()
+        except Exception:  # noqa: BLE001 - a connection already dead cannot be closed cleanly
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
 @dataclass(frozen=True)
 class Database:
-    """The engine plus two session factories: reads, and writes (SQLite: BEGIN IMMEDIATE)."""
+    """The engine plus two session factories: reads, and writes (SQLite: BEGIN IMMEDIATE); ``ping``
+    asks the database whether it answers (``/api/health``)."""
 
     engine: Engine
     sessionmaker: sessionmaker
     write_sessionmaker: sessionmaker
+    ping: Ping = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.ping is None:
+            object.__setattr__(self, "ping", Ping(self.engine))
 
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
 
     def dispose(self) -> None:
+        self.ping.close()
         self.engine.dispose()
 
 
