@@ -13,7 +13,8 @@ through cadence, within the overhead budget): the interval, how long an escalati
 the growth test that escalates. Beside the lead figures it prints the share of the controls' steps that
 would be sampled (each costs one measured forward: the overhead that cadence adds on a healthy run).
 ``--gates`` tries gates on H12's hits (a faster doubling time, the loss off its best, a higher danger level
-without the level prior) against the five AdamW controls that every setting of the grid warns on.
+without the level prior) against the five AdamW controls that every setting of the grid warns on, then a
+doubling-time limit per optimizer family (``by_optimizer``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import argparse
 import itertools
 import math
 from pathlib import Path
+from typing import Optional
 
 from gradwatch.server.rules.catalog.early_forecast import AttentionLogitForecast, forecast_step
 
@@ -129,6 +131,31 @@ def gates(tuning: list[dict], base: dict) -> None:
               f"p25 {s['p25']} >=20 {s['ge20']} >=50 {s['ge50']}", flush=True)
 
 
+def by_optimizer(adaptive: float, sgd: Optional[float]):
+    """A gate per case: the hit's doubling time at most ``adaptive`` steps for AdamW and RMSprop, at most
+    ``sgd`` for SGD with momentum (None: SGD ungated). On the tuning half, at H12's first hit, the true max
+    logit had grown over the last 25 steps ×46–881 in AdamW's divergent runs against ×2.4–7.8 in their
+    controls; RMSprop ×2.8–122 against ×3.2–3.7; SGD ×2.1–83 against ×1.1–3.2."""
+    def per_case(case: dict):
+        limit = sgd if case["case"]["optimizer"] == "sgd_momentum" else adaptive
+        return None if limit is None else fast(limit)
+    return per_case
+
+
+def family_gates(tuning: list[dict], base: dict) -> None:
+    """The doubling-time gate with a limit per optimizer family (``by_optimizer``), with the rate measured
+    over ``span`` 10 (H12's default) or 25 steps."""
+    for (adaptive, sgd), span in itertools.product(((4, 10), (5, 10), (5, None), (6, 10), (6, 15), (8, 10),
+                                                    (10, 10), (10, None)), (10, 25)):
+        cfg, per_case = dict(base, span=span), by_optimizer(adaptive, sgd)
+        leads = [lead(c["divergent"]["diverged_at"], first_hit(c["divergent"], cfg, CADENCE, per_case(c)))
+                 for c in tuning]
+        warned = sorted(c["case"]["id"] for c in tuning if first_hit(c["control"], cfg, CADENCE, per_case(c)) is not None)
+        s = summary(leads)
+        print(f"doubling <= {adaptive} (AdamW, RMSprop), <= {sgd} (SGD), span {span}: controls {len(warned):2d} {warned} | "
+              f"median {s['median']} p25 {s['p25']} >=20 {s['ge20']} >=50 {s['ge50']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
@@ -142,6 +169,7 @@ def main() -> None:
         return
     if args.gates:
         gates(tuning, base)
+        family_gates(tuning, base)
         return
     print("default", base, *evaluate(tuning, base))
     rows = []
