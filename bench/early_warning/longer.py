@@ -23,13 +23,13 @@ import multiprocessing as mp
 from pathlib import Path
 
 from .divergence import diverged_at
-from .report import load, split_cases
+from .report import h_warnings, load, split_cases
 from .space import CONTROL_DIVISOR, draw
 
 
 def _warned(control: dict) -> list[str]:
     """The H rules that warned (above info) on the recorded control."""
-    return sorted({a["rule"] for a in control["alerts"] if a["severity"] != "info" and a["rule"].startswith("H")})
+    return sorted({a["rule"] for a in h_warnings(control)})
 
 
 def run_on(args: tuple) -> dict:
@@ -40,7 +40,8 @@ def run_on(args: tuple) -> dict:
     out = train(case, lr / CONTROL_DIVISOR, steps, server=None, stop_after_divergence=True)
     losses = [v if v is not None else math.nan for v in out["losses"]]
     n = min(len(recorded), len(losses))
-    diffs = [abs(a - b) for a, b in zip(losses[:n], recorded[:n]) if a is not None and b is not None]
+    # both sides hold NaN where a loss was not finite (None in the files): compared where both are finite
+    diffs = [abs(a - b) for a, b in zip(losses[:n], recorded[:n]) if math.isfinite(a) and math.isfinite(b)]
     return {"id": case_id, "diverged_at": diverged_at(losses), "steps": len(losses),
             "max_diff_first": max(diffs, default=math.nan), "compared": n,
             "last_min_ratio": (sum(losses[-20:]) / 20) / min(losses) if len(losses) >= 20 else math.nan}

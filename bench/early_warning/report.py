@@ -112,12 +112,16 @@ def case_rows(cases: list[dict], rules=RULES) -> str:
     return "\n".join(lines)
 
 
+def h_warnings(run: dict) -> list[dict]:
+    """A run's alerts above info from the H rules."""
+    return [a for a in run["alerts"] if a["severity"] != "info" and a["rule"].startswith("H")]
+
+
 def h_controls(cases: list[dict]) -> tuple[int, float]:
     """Controls with an H alert above info, and H alerts above info per 1,000 healthy steps."""
     steps = sum(c["control"]["steps"] for c in cases)
-    loud = [a for c in cases for a in c["control"]["alerts"] if a["severity"] != "info" and a["rule"].startswith("H")]
-    warned = sum(1 for c in cases if any(a["severity"] != "info" and a["rule"].startswith("H")
-                                         for a in c["control"]["alerts"]))
+    loud = [a for c in cases for a in h_warnings(c["control"])]
+    warned = sum(1 for c in cases if h_warnings(c["control"]))
     return warned, 1000 * len(loud) / max(1, steps)
 
 

@@ -141,11 +141,10 @@ class Database:
     engine: Engine
     sessionmaker: sessionmaker
     write_sessionmaker: sessionmaker
-    ping: Ping = field(default=None)
+    ping: Ping = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.ping is None:
-            object.__setattr__(self, "ping", Ping(self.engine))
+        object.__setattr__(self, "ping", Ping(self.engine))    # frozen: set once, from the engine
 
     @property
     def dialect(self) -> str:
