@@ -12,7 +12,6 @@ cannot put 5 losses in a row 1.5x above the running minimum on a healthy run.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch

@@ -35,12 +35,17 @@ class TrueLogits(TorchFunctionMode):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if isinstance(x, torch.Tensor) and x.dim() >= 3 and dim in (-1, x.dim() - 1):
-                self.values.append(_max_finite(x))
+                self.note(x.detach())
         elif func is F.scaled_dot_product_attention:
-            self.values.append(self._sdpa(*args, **kwargs))
+            self.note(self._sdpa(*args, **kwargs))
         elif func is F.multi_head_attention_forward:
-            self.values.append(self._mha(*args, **kwargs))
+            self.note(self._mha(*args, **kwargs))
         return func(*args, **kwargs)
+
+    def note(self, scores: torch.Tensor) -> None:
+        """One attention call's scores (the softmax's input, masked entries -inf): its max is recorded.
+        A subclass records more of the same scores (entropy.py)."""
+        self.values.append(_max_finite(scores))
 
     @staticmethod
     def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
@@ -54,7 +59,7 @@ class TrueLogits(TorchFunctionMode):
                 s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
             if attn_mask is not None:
                 s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-            return _max_finite(s)
+            return s
 
     @staticmethod
     def _mha(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, *rest,
@@ -73,7 +78,7 @@ class TrueLogits(TorchFunctionMode):
                 s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
             elif is_causal:
                 s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
-            return _max_finite(s)
+            return s
 
     def take(self) -> list[float]:
         out, self.values = self.values, []

@@ -40,9 +40,11 @@ N_CASES = 100           # the sweep runs case ids 0 .. N_CASES - 1 (each in its 
 
 
 def train(case: Case, lr: float, steps: int, *, server: Optional[str] = None, run: str = "",
-          stop_after_divergence: bool = True, agent_config: Optional[dict] = None) -> dict:
+          stop_after_divergence: bool = True, agent_config: Optional[dict] = None,
+          oracle: Optional[TrueLogits] = None) -> dict:
     """One run: plain PyTorch (``server`` None) or through the agent. Stops 5 steps after the loss
-    diverges (the rule needs them) or at the first non-finite loss."""
+    diverges (the rule needs them) or at the first non-finite loss. The true max logits are recorded
+    through the agent, or in plain PyTorch when an ``oracle`` is given (entropy.py passes its own)."""
     torch.set_num_threads(1)
     model, batch, loss_fn = models.build(case)
     opt = models.optimizer(case, model, lr)
@@ -51,7 +53,8 @@ def train(case: Case, lr: float, steps: int, *, server: Optional[str] = None, ru
         from gradwatch import agent
         monitor = agent.attach(model, optimizer=opt, project=PROJECT, run=run, server=server,
                                **(agent_config or {}))
-    oracle = TrueLogits() if server is not None else None
+    if oracle is None and server is not None:
+        oracle = TrueLogits()
     losses: list[float] = []
     logits: list[list[float]] = []
     try:

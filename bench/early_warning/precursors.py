@@ -1,0 +1,335 @@
+"""Three more precursors tried as early-warning signals, on the tuning half only (issue 41, item 2): attention
+entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio ||dW|| / ||W|| (the
+checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
+(an oscillation across a sharp valley, the edge of stability). An analysis beside the protocol: it reruns each
+valid tuning case of a results file (its divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR)
+in plain PyTorch, with :class:`Entropy` (a subclass of this benchmark's oracle mode) and :class:`StepSignals`
+(optimizer step hooks) recording every step, and asks whether a rule on either signal, or a gate on H12 by
+it, warns earlier or on fewer controls than H12 alone. Held-out cases are never run: a signal that wins here
+is put in the agent first and reported on the held-out half through the real path (sweep.py + report.py),
+once.
+
+    .venv/bin/python -m bench.early_warning.precursors --results bench/early_warning/results-733fc4b.jsonl \\
+        --workers 2 --out /tmp/precursors.jsonl                 # runs (about 3 minutes), then the tables
+    .venv/bin/python -m bench.early_warning.precursors --load /tmp/precursors.jsonl     # the tables again
+
+Entropy, per attention call and step (the scores are the softmax's input, masked entries -inf, as oracle.py
+sees them): the normalised entropy of each query row, H / ln(n) over the row's n unmasked keys (rows with
+n >= 2), its mean over the call's rows, and the share of rows below 0.05, i.e. one-hot. A step's signal is
+taken over the calls: the lowest mean (the most collapsed layer), the mean of the means, the largest one-hot
+share. Update ratio, per step: ||dW|| / ||W|| of each weight matrix (parameters of 2 or more dimensions, as
+E3 judges weights and not biases or gains), the median over the matrices (E3's statistic) and the largest;
+and the cosine between the step's gradient and the last step's, over every parameter.
+
+The divergence step is this rerun's own (divergence.py on its losses): AdamW and RMSprop runs are chaotic at
+these LRs and do not repeat the recorded trajectory step for step (longer.py shows by how much).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .oracle import TrueLogits
+from .report import lead, load, split_cases, summary
+from .space import CONTROL_DIVISOR, draw
+
+STEPS = 300                      # the protocol's run length
+ONE_HOT = 0.05                   # a row whose normalised entropy is below this attends to one key
+EVERY = 25                       # the agent's attention cadence (agent/config.py), without its escalation
+WINDOW = 25                      # steps the update ratio's median is taken over
+
+
+class Entropy(TrueLogits):
+    """The oracle's max logit per call, and beside it the call's entropy figures, one list per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.current: list[tuple[float, float]] = []
+        self.steps: list[list[tuple[float, float]]] = []
+
+    def note(self, scores: torch.Tensor) -> None:
+        super().note(scores)
+        with torch.no_grad():
+            s = scores.float()
+            valid = s > -1e30                     # finite and not a dtype-min mask (HF eager adds finfo.min)
+            n = valid.sum(-1)
+            p = torch.softmax(s.masked_fill(~valid, float("-inf")), dim=-1)
+            h = torch.special.entr(p).nansum(-1)
+            rows = n >= 2
+            hn = h[rows] / torch.log(n[rows].float())
+            if hn.numel() == 0 or not bool(torch.isfinite(hn).all()):
+                self.current.append((math.nan, math.nan))
+            else:
+                self.current.append((round(float(hn.mean()), 5), round(float((hn < ONE_HOT).float().mean()), 5)))
+
+    def take(self) -> list[float]:
+        self.steps.append(self.current)
+        self.current = []
+        return super().take()
+
+
+class StepSignals:
+    """Through the global optimizer step hooks (the sweep's ``train`` builds its own optimizer), at every
+    step: ||dW|| / ||W|| of every weight matrix, its median and its largest, and the cosine between this
+    step's gradient and the last one's over every parameter (near -1 when the run oscillates across a sharp
+    valley, the edge of stability)."""
+
+    def __init__(self):
+        self.steps: list[tuple[float, float, float]] = []
+        self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._grad: Optional[torch.Tensor] = None
+
+    def __enter__(self) -> "StepSignals":
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _pre(self, opt, args, kwargs) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self._before = [(p, p.detach().clone()) for p in params if p.dim() >= 2]
+        grads = [p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]
+        grad = torch.cat(grads).float()
+        prev, self._grad = self._grad, grad
+        self._cos = float(F.cosine_similarity(grad, prev, dim=0)) if prev is not None else math.nan
+
+    def _post(self, opt, args, kwargs) -> None:
+        with torch.no_grad():
+            r = torch.tensor([float((p.detach() - q).norm() / q.norm().clamp_min(1e-12)) for p, q in self._before])
+        ok = bool(torch.isfinite(r).all()) and r.numel() > 0
+        med, top = (round(float(r.median()), 7), round(float(r.max()), 7)) if ok else (math.nan, math.nan)
+        self.steps.append((med, top, round(self._cos, 5) if math.isfinite(self._cos) else math.nan))
+        self._before = []
+
+
+def run_pair(args: tuple) -> dict:
+    from .sweep import train             # imports torch: in the worker
+
+    case_id, lr = args
+    case = draw(case_id)
+    out = {"id": case_id, "arch": case.arch, "optimizer": case.optimizer, "warmup": case.warmup}
+    for name, run_lr in (("divergent", lr), ("control", lr / CONTROL_DIVISOR)):
+        mode = Entropy()
+        with StepSignals() as step_signals:
+            r = train(case, run_lr, STEPS, server=None, stop_after_divergence=True, oracle=mode)
+        out[name] = {"diverged_at": r["diverged_at"], "losses": r["losses"], "logits": r["logits"],
+                     "entropy": mode.steps, "update_ratio": step_signals.steps}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- signals
+
+
+def _finite(xs):
+    return [x for x in xs if x is not None and math.isfinite(x)]
+
+
+def min_mean(calls) -> float:
+    return min(_finite([c[0] for c in calls]), default=math.nan)
+
+
+def mean_mean(calls) -> float:
+    xs = _finite([c[0] for c in calls])
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def max_onehot(calls) -> float:
+    return max(_finite([c[1] for c in calls]), default=math.nan)
+
+
+def first_low(run: dict, signal: Callable, below: Optional[float], above: Optional[float], k: int,
+              every: int, series: str = "entropy") -> Optional[int]:
+    """The first sampled step (every ``every`` steps) of ``k`` in a row whose signal is below ``below``
+    (an entropy) or above ``above`` (a one-hot share, an update ratio)."""
+    streak = 0
+    for step, calls in enumerate(run[series]):
+        if step % every:
+            continue
+        v = signal(calls)
+        hit = math.isfinite(v) and ((below is not None and v < below) or (above is not None and v > above))
+        streak = streak + 1 if hit else 0
+        if streak >= k:
+            return step
+    return None
+
+
+def ratio_at(run: dict, step: int, window: int = WINDOW) -> float:
+    """The median of the per-step median update ratios over the ``window`` steps up to ``step`` (E3's
+    statistic over a shorter window: a single step's ratio is noisy)."""
+    xs = [m for m, *_ in run["update_ratio"][max(0, step - window + 1):step + 1] if math.isfinite(m)]
+    return float(np.median(xs)) if xs else math.nan
+
+
+def cosine_at(run: dict, step: int, window: int = 10) -> float:
+    """The mean cosine between consecutive gradients over the ``window`` steps up to ``step``."""
+    xs = [c for *_, c in run["update_ratio"][max(0, step - window + 1):step + 1] if math.isfinite(c)]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+def cosine_table(rows: list[dict]) -> None:
+    print("\nGradient cosine, tuning half, every step: fires when the mean cosine between consecutive gradients "
+          "over 10 steps is below the threshold")
+    print("| threshold | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
+    print("| --- | --- | --- | --- | --- | --- |")
+
+    def first(run, t):
+        return next((s for s in range(10, len(run["update_ratio"])) if cosine_at(run, s) < t), None)
+
+    for t in (0.0, -0.1, -0.2, -0.3, -0.5):
+        leads = [lead(r["divergent"]["diverged_at"], first(r["divergent"], t)) for r in rows]
+        fp = sum(1 for r in rows if first(r["control"], t) is not None)
+        s = summary(leads)
+        print(f"| < {t} | {fp} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+
+
+def first_high_ratio(run: dict, above: float, every: int) -> Optional[int]:
+    for step in range(0, len(run["update_ratio"]), every):
+        if step >= WINDOW - 1 and ratio_at(run, step) > above:
+            return step
+    return None
+
+
+def ratio_table(rows: list[dict], every: int) -> None:
+    print(f"\nUpdate ratio, tuning half, sampled every {every} steps: fires when the median over {WINDOW} steps of "
+          f"the per-step median ||dW|| / ||W|| is above the threshold")
+    print("| threshold | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for t in (0.01, 0.015, 0.02, 0.03, 0.05, 0.08, 0.12):
+        leads = [lead(r["divergent"]["diverged_at"], first_high_ratio(r["divergent"], t, every)) for r in rows]
+        fp = sum(1 for r in rows if first_high_ratio(r["control"], t, every) is not None)
+        s = summary(leads)
+        print(f"| > {t} | {fp} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+
+
+def table(rows: list[dict], every: int) -> None:
+    print(f"Tuning half: {len(rows)} cases, entropy sampled every {every} steps (no escalation). "
+          f"A rule fires at the k-th sampled step in a row past its threshold.")
+    print("| signal | threshold | k | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    specs = [("lowest call mean", min_mean, t, None) for t in (0.02, 0.05, 0.1, 0.2, 0.3, 0.4)]
+    specs += [("mean of call means", mean_mean, t, None) for t in (0.05, 0.1, 0.2, 0.3, 0.4)]
+    specs += [("largest one-hot share", max_onehot, None, t) for t in (0.5, 0.8, 0.9, 0.95, 0.99)]
+    for name, fn, below, above in specs:
+        for k in (1, 3):
+            leads = [lead(r["divergent"]["diverged_at"], first_low(r["divergent"], fn, below, above, k, every))
+                     for r in rows]
+            fp = sum(1 for r in rows if first_low(r["control"], fn, below, above, k, every) is not None)
+            s = summary(leads)
+            print(f"| {name} | {'< ' + str(below) if below is not None else '> ' + str(above)} | {k} | "
+                  f"{fp} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+
+
+def h12_rows(rows: list[dict]) -> None:
+    """H12 (its own forecast, replay.py, at the agent's cadence with its escalation) on the same reruns'
+    true max logits, alone and gated by the entropy at its hit: does the entropy tell the controls apart
+    where the logit does not?"""
+    from gradwatch.server.rules.catalog.early_forecast import AttentionLogitForecast
+
+    from .replay import CADENCE, by_optimizer, first_hit
+
+    base = {k: p.default for k, p in AttentionLogitForecast.params.items()}
+
+    def gated(fn, below):
+        return lambda run: (lambda hit, step, losses: math.isfinite(v := fn(run["entropy"][step])) and v < below)
+
+    specs = [("H12 as it is", lambda run: None)]
+    specs += [(f"H12 and lowest call mean < {t}", gated(min_mean, t)) for t in (0.01, 0.05, 0.2)]
+    specs += [(f"H12 and mean of call means < {t}", gated(mean_mean, t)) for t in (0.05, 0.1, 0.2, 0.3)]
+    specs += [(f"H12 and update ratio > {t}", lambda run, t=t: (lambda hit, step, losses: ratio_at(run, step) > t))
+              for t in (0.015, 0.02, 0.03, 0.05)]
+    print("\n| rule | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
+    print("| --- | --- | --- | --- | --- | --- |")
+
+    def row(name, first):
+        leads = [lead(r["divergent"]["diverged_at"], first(r, r["divergent"])) for r in rows]
+        fp = [r["id"] for r in rows if first(r, r["control"]) is not None]
+        s = summary(leads)
+        print(f"| {name} | {len(fp)} of {len(rows)} {fp} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+
+    for name, gate_of in specs:
+        row(name, lambda r, run, gate_of=gate_of: first_hit(run, base, CADENCE, gate_of(run)))
+
+    # the doubling-time limit per optimizer family of replay.py --gates (5 steps AdamW / RMSprop, 10 SGD: no
+    # tuning control warned), alone and with AdamW's gradient cosine beside it (its twins turn negative first)
+    def family(r, run):
+        return first_hit(run, base, CADENCE, by_optimizer(5, 10)({"case": {"optimizer": r["optimizer"]}}))
+
+    def family_or_cosine(r, run):
+        hits = [family(r, run)]
+        if r["optimizer"] == "adamw":
+            hits.append(next((s for s in range(10, len(run["update_ratio"])) if cosine_at(run, s) < -0.05), None))
+        hits = [h for h in hits if h is not None]
+        return min(hits) if hits else None
+
+    row("H12 with a doubling-time limit per optimizer family (replay.by_optimizer(5, 10))", family)
+    row("the same, or AdamW's gradient cosine < -0.05", family_or_cosine)
+
+
+def trajectories(rows: list[dict]) -> None:
+    """The signals side by side at a few steps: do the twins and the controls part, and when?"""
+    print("\ncase opt | run | diverged | lowest call mean / mean of means / one-hot share / update ratio at steps "
+          "0 25 50 100 150 200 250 (. past the divergence)")
+    for r in rows:
+        for name in ("divergent", "control"):
+            run = r[name]
+            d = run["diverged_at"]
+            cells = []
+            for s in (0, 25, 50, 100, 150, 200, 250):
+                if s >= len(run["entropy"]) or (d is not None and s > d):
+                    cells.append("        .")
+                    continue
+                c = run["entropy"][s]
+                cells.append(f"{min_mean(c):.2f}/{mean_mean(c):.2f}/{max_onehot(c):.2f}/{ratio_at(run, s):.3f}")
+            print(f"{r['id']:3d} {r['optimizer'][:5]:5s} | {name[:4]} | {str(d):>4s} | {' '.join(cells)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", help="the sweep's results: its valid tuning cases are rerun")
+    ap.add_argument("--load", help="a file this script wrote: the tables only")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--out", help="one JSON line per case")
+    ap.add_argument("--every", type=int, default=EVERY)
+    args = ap.parse_args()
+    if args.load:
+        rows = load(Path(args.load))
+    else:
+        tuning, _, _ = split_cases(load(Path(args.results)))     # the held-out half is never run
+        jobs = [(c["case"]["id"], c["lr"]) for c in tuning]
+        print(f"{len(jobs)} tuning cases, twin and control each run {STEPS} steps in plain PyTorch", flush=True)
+        rows = []
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            for r in pool.imap_unordered(run_pair, jobs):
+                rows.append(r)
+                print(f"case {r['id']:3d} {r['arch']:13s} {r['optimizer']:12s} twin diverged at "
+                      f"{r['divergent']['diverged_at']}, control {r['control']['diverged_at']}", flush=True)
+        rows.sort(key=lambda r: r["id"])
+        if args.out:
+            with open(args.out, "w") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+    valid = [r for r in rows if r["divergent"]["diverged_at"] is not None and r["control"]["diverged_at"] is None]
+    print(f"{len(valid)} of {len(rows)} reruns have a diverging twin and a control that does not diverge")
+    table(valid, args.every)
+    table(valid, 1)
+    ratio_table(valid, EVERY)
+    ratio_table(valid, 1)
+    cosine_table(valid)
+    h12_rows(valid)
+    trajectories(valid)
+
+
+if __name__ == "__main__":
+    main()
