@@ -42,7 +42,8 @@ class AttentionLogitGrowth(BatchRule):
                   "{sigmas:g} MADs above it (its last {window} samples, one per {spacing} steps) for {consecutive} "
                   "samples in a row")
     diagnosis = ("Attention-logit growth: the queries and keys of this attention module grow until its softmax turns "
-                 "one-hot (attention entropy collapse); the loss diverges after it. Check: (1) is qk-layernorm used? "
+                 "one-hot (attention entropy collapse); the loss often diverges next, not always: a task that rewards "
+                 "one-hot attention can train on through it (docs/early-warning.md). Check: (1) is qk-layernorm used? "
                  "(2) is the learning rate high for this model size? (3) is the warm-up short or absent?")
     actions = {
         "qk_layernorm": "Add qk-layernorm: a LayerNorm on each head's queries and keys before q·k (Dehghani et al. "
