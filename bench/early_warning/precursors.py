@@ -115,7 +115,7 @@ class StepSignals:
 
 
 def run_pair(args: tuple) -> dict:
-    from .sweep import train             # imports torch: in the worker
+    from .sweep import train             # the models (transformers among them): imported in the worker
 
     case_id, lr = args
     case = draw(case_id)
@@ -125,7 +125,7 @@ def run_pair(args: tuple) -> dict:
         with StepSignals() as step_signals:
             r = train(case, run_lr, STEPS, server=None, stop_after_divergence=True, oracle=mode)
         out[name] = {"diverged_at": r["diverged_at"], "losses": r["losses"], "logits": r["logits"],
-                     "entropy": mode.steps, "update_ratio": step_signals.steps}
+                     "entropy": mode.steps, "step_signals": step_signals.steps}
     return out
 
 
@@ -168,13 +168,13 @@ def first_low(run: dict, signal: Callable, below: Optional[float], above: Option
 def ratio_at(run: dict, step: int, window: int = WINDOW) -> float:
     """The median of the per-step median update ratios over the ``window`` steps up to ``step`` (E3's
     statistic over a shorter window: a single step's ratio is noisy)."""
-    xs = [m for m, *_ in run["update_ratio"][max(0, step - window + 1):step + 1] if math.isfinite(m)]
+    xs = [m for m, *_ in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(m)]
     return float(np.median(xs)) if xs else math.nan
 
 
 def cosine_at(run: dict, step: int, window: int = 10) -> float:
     """The mean cosine between consecutive gradients over the ``window`` steps up to ``step``."""
-    xs = [c for *_, c in run["update_ratio"][max(0, step - window + 1):step + 1] if math.isfinite(c)]
+    xs = [c for *_, c in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(c)]
     return float(np.mean(xs)) if xs else math.nan
 
 
@@ -185,7 +185,7 @@ def cosine_table(rows: list[dict]) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
 
     def first(run, t):
-        return next((s for s in range(10, len(run["update_ratio"])) if cosine_at(run, s) < t), None)
+        return next((s for s in range(10, len(run["step_signals"])) if cosine_at(run, s) < t), None)
 
     for t in (0.0, -0.1, -0.2, -0.3, -0.5):
         leads = [lead(r["divergent"]["diverged_at"], first(r["divergent"], t)) for r in rows]
@@ -195,7 +195,7 @@ def cosine_table(rows: list[dict]) -> None:
 
 
 def first_high_ratio(run: dict, above: float, every: int) -> Optional[int]:
-    for step in range(0, len(run["update_ratio"]), every):
+    for step in range(0, len(run["step_signals"]), every):
         if step >= WINDOW - 1 and ratio_at(run, step) > above:
             return step
     return None
@@ -269,7 +269,7 @@ def h12_rows(rows: list[dict]) -> None:
     def family_or_cosine(r, run):
         hits = [family(r, run)]
         if r["optimizer"] == "adamw":
-            hits.append(next((s for s in range(10, len(run["update_ratio"])) if cosine_at(run, s) < -0.05), None))
+            hits.append(next((s for s in range(10, len(run["step_signals"])) if cosine_at(run, s) < -0.05), None))
         hits = [h for h in hits if h is not None]
         return min(hits) if hits else None
 
