@@ -44,7 +44,7 @@ class TrueLogits(TorchFunctionMode):
 
     def note(self, scores: torch.Tensor) -> None:
         """One attention call's scores (the softmax's input, masked entries -inf): its max is recorded.
-        A subclass records more of the same scores (entropy.py)."""
+        A subclass records more of the same scores (precursors.py)."""
         self.values.append(_max_finite(scores))
 
     @staticmethod

@@ -165,6 +165,13 @@ def first_low(run: dict, signal: Callable, below: Optional[float], above: Option
     return None
 
 
+def outcome(rows: list[dict], first: Callable[[dict, dict], Optional[int]]) -> tuple[dict, list[int]]:
+    """A rule over the cases: ``first(case, run)`` is the step it first fires on a run (None: never). Its
+    lead summary on the twins (report.summary) and the ids of the controls it warns on."""
+    leads = [lead(r["divergent"]["diverged_at"], first(r, r["divergent"])) for r in rows]
+    return summary(leads), [r["id"] for r in rows if first(r, r["control"]) is not None]
+
+
 def ratio_at(run: dict, step: int, window: int = WINDOW) -> float:
     """The median of the per-step median update ratios over the ``window`` steps up to ``step`` (E3's
     statistic over a shorter window: a single step's ratio is noisy)."""
@@ -178,20 +185,19 @@ def cosine_at(run: dict, step: int, window: int = 10) -> float:
     return float(np.mean(xs)) if xs else math.nan
 
 
+def first_cosine_below(run: dict, below: float) -> Optional[int]:
+    """The first step whose mean gradient cosine over 10 steps (:func:`cosine_at`) is below ``below``."""
+    return next((s for s in range(10, len(run["step_signals"])) if cosine_at(run, s) < below), None)
+
+
 def cosine_table(rows: list[dict]) -> None:
     print("\nGradient cosine, tuning half, every step: fires when the mean cosine between consecutive gradients "
           "over 10 steps is below the threshold")
     print("| threshold | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
     print("| --- | --- | --- | --- | --- | --- |")
-
-    def first(run, t):
-        return next((s for s in range(10, len(run["step_signals"])) if cosine_at(run, s) < t), None)
-
     for t in (0.0, -0.1, -0.2, -0.3, -0.5):
-        leads = [lead(r["divergent"]["diverged_at"], first(r["divergent"], t)) for r in rows]
-        fp = sum(1 for r in rows if first(r["control"], t) is not None)
-        s = summary(leads)
-        print(f"| < {t} | {fp} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+        s, fp = outcome(rows, lambda r, run, t=t: first_cosine_below(run, t))
+        print(f"| < {t} | {len(fp)} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
 
 
 def first_high_ratio(run: dict, above: float, every: int) -> Optional[int]:
@@ -207,10 +213,8 @@ def ratio_table(rows: list[dict], every: int) -> None:
     print("| threshold | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
     print("| --- | --- | --- | --- | --- | --- |")
     for t in (0.01, 0.015, 0.02, 0.03, 0.05, 0.08, 0.12):
-        leads = [lead(r["divergent"]["diverged_at"], first_high_ratio(r["divergent"], t, every)) for r in rows]
-        fp = sum(1 for r in rows if first_high_ratio(r["control"], t, every) is not None)
-        s = summary(leads)
-        print(f"| > {t} | {fp} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+        s, fp = outcome(rows, lambda r, run, t=t: first_high_ratio(run, t, every))
+        print(f"| > {t} | {len(fp)} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
 
 
 def table(rows: list[dict], every: int) -> None:
@@ -223,12 +227,10 @@ def table(rows: list[dict], every: int) -> None:
     specs += [("largest one-hot share", max_onehot, None, t) for t in (0.5, 0.8, 0.9, 0.95, 0.99)]
     for name, fn, below, above in specs:
         for k in (1, 3):
-            leads = [lead(r["divergent"]["diverged_at"], first_low(r["divergent"], fn, below, above, k, every))
-                     for r in rows]
-            fp = sum(1 for r in rows if first_low(r["control"], fn, below, above, k, every) is not None)
-            s = summary(leads)
+            s, fp = outcome(rows, lambda r, run, fn=fn, below=below, above=above, k=k:
+                            first_low(run, fn, below, above, k, every))
             print(f"| {name} | {'< ' + str(below) if below is not None else '> ' + str(above)} | {k} | "
-                  f"{fp} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+                  f"{len(fp)} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
 
 
 def h12_rows(rows: list[dict]) -> None:
@@ -253,9 +255,7 @@ def h12_rows(rows: list[dict]) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
 
     def row(name, first):
-        leads = [lead(r["divergent"]["diverged_at"], first(r, r["divergent"])) for r in rows]
-        fp = [r["id"] for r in rows if first(r, r["control"]) is not None]
-        s = summary(leads)
+        s, fp = outcome(rows, first)
         print(f"| {name} | {len(fp)} of {len(rows)} {fp} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
 
     for name, gate_of in specs:
@@ -269,7 +269,7 @@ def h12_rows(rows: list[dict]) -> None:
     def family_or_cosine(r, run):
         hits = [family(r, run)]
         if r["optimizer"] == "adamw":
-            hits.append(next((s for s in range(10, len(run["step_signals"])) if cosine_at(run, s) < -0.05), None))
+            hits.append(first_cosine_below(run, -0.05))
         hits = [h for h in hits if h is not None]
         return min(hits) if hits else None
 
@@ -301,7 +301,8 @@ def main() -> None:
     ap.add_argument("--load", help="a file this script wrote: the tables only")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", help="one JSON line per case")
-    ap.add_argument("--every", type=int, default=EVERY)
+    ap.add_argument("--every", type=int, default=EVERY, help="the sampling interval of the first entropy and "
+                    "update-ratio tables (the second of each: every step)")
     args = ap.parse_args()
     if args.load:
         rows = load(Path(args.load))
@@ -324,7 +325,7 @@ def main() -> None:
     print(f"{len(valid)} of {len(rows)} reruns have a diverging twin and a control that does not diverge")
     table(valid, args.every)
     table(valid, 1)
-    ratio_table(valid, EVERY)
+    ratio_table(valid, args.every)
     ratio_table(valid, 1)
     cosine_table(valid)
     h12_rows(valid)

@@ -44,7 +44,7 @@ def train(case: Case, lr: float, steps: int, *, server: Optional[str] = None, ru
           oracle: Optional[TrueLogits] = None) -> dict:
     """One run: plain PyTorch (``server`` None) or through the agent. Stops 5 steps after the loss
     diverges (the rule needs them) or at the first non-finite loss. The true max logits are recorded
-    through the agent, or in plain PyTorch when an ``oracle`` is given (entropy.py passes its own)."""
+    through the agent, or in plain PyTorch when an ``oracle`` is given (precursors.py passes its own)."""
     torch.set_num_threads(1)
     model, batch, loss_fn = models.build(case)
     opt = models.optimizer(case, model, lr)

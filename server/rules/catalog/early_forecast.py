@@ -67,8 +67,8 @@ class AttentionLogitForecast(BatchRule):
     diagnosis = ("Attention-logit growth, forecast: the max attention logit of this module grows fast enough to "
                  "turn its softmax one-hot (attention entropy collapse) within the forecast horizon; the loss "
                  "often diverges next, not always: a task that rewards one-hot attention can train on through it "
-                 "(docs/early-warning.md). Check: (1) is qk-layernorm used? (2) is the learning rate high for this model "
-                 "size? (3) is the warm-up short or absent?")
+                 "(docs/early-warning.md). Check: (1) is qk-layernorm used? (2) is the learning rate high for this "
+                 "model size? (3) is the warm-up short or absent?")
     actions = AttentionLogitGrowth.actions   # the same growth, seen earlier: the same three remedies
     params = {"min_logit": Float(60.0), "danger": Float(1000.0), "horizon": Int(300), "level": Float(250.0),
               "span": Int(10), "max_span": Int(120), "consecutive": Int(2), "thin": Int(5)}
