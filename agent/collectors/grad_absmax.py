@@ -10,13 +10,15 @@ unscaled (and clipped, as the optimizer uses them).
 A sharded run's rank measures its pieces of each parameter, and the server takes the largest piece: the
 per-rank form and its combination are declared in agent/signals.py, as for every sharded signal.
 
-Cost on a sampled step: one fused max-reduction over the parameter tensors, no host sync; nothing on the
+Cost on a sampled step: one fused max-reduction over the parameter tensors on a GPU (one ``aminmax`` per
+tensor on CPU, where the fused kernel is slower: agent/capture/norms.py), no host sync; nothing on the
 other steps.
 """
 from __future__ import annotations
 
 import torch
 
+from gradwatch.agent.capture.norms import abs_maxima
 from gradwatch.agent.collectors.base import Collector, scatter_measured
 from gradwatch.agent.signals import per_rank
 
@@ -46,9 +48,12 @@ class GradAbsMax(Collector):
             # an empty piece (a rank holding none of a small parameter) holds no element: its max is 0, which
             # leaves the other pieces' max as it is ("inf" norm: no identity for an empty tensor)
             filled = [grads[i] for i in index if grads[i].numel()]
-            found = iter(torch._foreach_norm(filled, float("inf")) if filled else ())
+            if len(filled) == len(index):
+                self.maxima = (abs_maxima(filled), index)
+                return
+            found = iter(abs_maxima(filled) if filled else ())
             zero = torch.zeros((), dtype=torch.float32, device=grads[index[0]].device)
-            self.maxima = (torch.stack([next(found).float() if grads[i].numel() else zero for i in index]), index)
+            self.maxima = (torch.stack([next(found) if grads[i].numel() else zero for i in index]), index)
 
     def end_step(self, step, rec) -> None:
         maxima, self.maxima = self.maxima, None
