@@ -36,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from health_probe import poll_health  # noqa: E402
 from ingest import (ROOT, FreshDatabase, count_values, make_batch, percentile, start_server,  # noqa: E402
                     stored_values)
 
@@ -97,29 +98,6 @@ def _request(port: int, method: str, path: str, body=None, timeout: float = 600.
     return out
 
 
-_PROBE = r"""
-import http.client, json, sys, threading, time
-port, every = int(sys.argv[1]), float(sys.argv[2])
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()   # stdin closed: stop
-times, failures = [], 0
-while not stop.is_set():
-    t = time.perf_counter()
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        conn.request("GET", "/api/health")
-        resp = conn.getresponse()
-        resp.read()
-        conn.close()
-        failures += resp.status != 200
-    except OSError:
-        failures += 1
-    times.append(time.perf_counter() - t)
-    stop.wait(every)
-print(json.dumps({"times": times, "failures": failures}))
-"""
-
-
 PROBE_IN_PROCESS = False   # --probe-in-process
 
 
@@ -139,22 +117,14 @@ class HealthProbe:
         self._proc = None
 
     def _loop(self):
-        while not self._stop.is_set():
-            t = time.perf_counter()
-            try:
-                status, _, _ = _request(self.port, "GET", "/api/health", timeout=120)
-                if status != 200:
-                    self.failures += 1
-            except OSError:
-                self.failures += 1
-            self.times.append(time.perf_counter() - t)
-            self._stop.wait(self.every_s)
+        self.times, self.failures = poll_health(self.port, self.every_s, self._stop)
 
     def __enter__(self):
         if self.in_process:
             self._thread.start()
         else:
-            self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, str(self.port), str(self.every_s)],
+            self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("health_probe.py")),
+                                           str(self.port), str(self.every_s)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self
 
