@@ -31,7 +31,9 @@ turn it into notes on the run page (docs/early-warning-advice.md). What is read:
   ``initial_lr`` a PyTorch, timm or HF scheduler writes into the group when it is built (the LR
   it was given: a warm-up's target, the value a cosine or step schedule starts from and a restart
   returns to), and ``max_lr`` (OneCycleLR's and CyclicLR's peak) (:func:`lr_part`). Rule H10
-  (``lr_jump``) reads the largest as the run's configured LR: a rise up to it is the schedule's own.
+  (``lr_jump``) reads the largest as the run's configured LR: a rise up to it is the schedule's own;
+* ``optimizer``: its class, under any wrapper (:func:`optimizer_part`). Rule H13
+  (``attention_logit_runaway``) sets its doubling-time limit by the optimizer's family.
 
 Cost: a few microseconds at attach and one forward pre-hook call and one observer call per clip in
 the first step; nothing after it. No device sync: every value read is host metadata or a Python
@@ -200,6 +202,27 @@ def lr_part(optimizer: Any, at_attach: Optional[float] = None) -> Optional[dict]
     return out
 
 
+def optimizer_part(optimizer: Any) -> Optional[dict]:
+    """The optimizer's class, under any wrappers (accelerate's ``.optimizer``, Lightning's ``._optimizer``):
+    H13 (server/rules/catalog/early_forecast.py) sets its doubling-time limit by the optimizer's family.
+
+    >>> optimizer_part(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    {'class': 'SGD'}
+    """
+    if optimizer is None:
+        return None
+    inner = optimizer
+    for _ in range(4):
+        nxt = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if nxt is None or nxt is inner or not hasattr(nxt, "param_groups"):
+            break
+        inner = nxt
+    out = {"class": type(inner).__name__}
+    if inner is not optimizer:
+        out["wrapped_in"] = type(optimizer).__name__
+    return out
+
+
 def _first_lr(optimizer: Any) -> Optional[float]:
     groups = getattr(optimizer, "param_groups", None)
     lr = groups[0].get("lr") if groups else None
@@ -316,6 +339,7 @@ class SetupWatch:
                                                                              self.watched.optimizer)})
         data = {**self.data, "autocast": self.autocast,
                 "lr": _safely(lr_part, self.watched.optimizer, self.lr_at_attach),
+                "optimizer": _safely(optimizer_part, self.watched.optimizer),
                 "clip": {"calls": len(self.clips), "max_norm": self.clips[0]["max_norm"] if self.clips else None,
                          "stages": sorted({c["stage"] for c in self.clips if c["stage"]}),
                          **({"norm_only_calls": self.norm_only} if self.norm_only else {})}}

@@ -7,6 +7,7 @@ from the real path (sweep.py + report.py), never from here; held-out cases are n
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --cadence
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --gates
+    .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results-733fc4b.jsonl --rate
 
 ``--cadence`` replays H12's default settings at other sampling cadences instead of the grid (issue 41: lead
 through cadence, within the overhead budget): the interval, how long an escalation samples every step, and
@@ -15,6 +16,9 @@ would be sampled (each costs one measured forward: the overhead that cadence add
 ``--gates`` tries gates on H12's hits (a faster doubling time, the loss off its best, a higher danger level
 without the level prior) against the five AdamW controls that every setting of the grid warns on, then a
 doubling-time limit per optimizer family (``by_optimizer``).
+``--rate`` replays a growth-rate rule alone, without H12's floor of 60 (``first_fast``: H13's own code): does
+the rate, read from a lower level, warn the divergent runs sooner than H12 with a per-family limit, and the
+controls never? H13's defaults come from this grid.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from gradwatch.server.rules.catalog.early_forecast import AttentionLogitForecast, forecast_step
+from gradwatch.server.rules.catalog.early_forecast import (AttentionLogitForecast, forecast_step, optimizer_family,
+                                                           runaway_step)
 
 from .report import lead, load, split_cases, summary
 
@@ -156,16 +161,78 @@ def family_gates(tuning: list[dict], base: dict) -> None:
               f"median {s['median']} p25 {s['p25']} >=20 {s['ge20']} >=50 {s['ge50']}", flush=True)
 
 
+def first_fast(run: dict, floor: float, window: int, limit: float, consecutive: int,
+               cadence: dict = CADENCE) -> Optional[int]:
+    """The first sampled step at which H13's condition (server/rules/catalog/early_forecast.py,
+    :func:`runaway_step`, the rule's own code) holds for some module: its max logit is >= ``floor`` and has
+    doubled in at most ``limit`` steps since the latest sample ``window``-``2*window`` steps earlier,
+    ``consecutive`` samples in a row."""
+    cfg = {"min_logit": floor, "span": window, "consecutive": consecutive}
+    mems: dict[int, dict] = {}
+    for step, vals in sampled(run, cadence):
+        hit = False
+        for j, v in enumerate(vals):
+            if math.isfinite(v) and runaway_step(mems.setdefault(j, {}), step, v, cfg, limit) is not None:
+                hit = True
+        if hit:
+            return step
+    return None
+
+
+CLASS_OF = {"adamw": "AdamW", "rmsprop": "RMSprop", "sgd_momentum": "SGD"}    # space.py's optimizers
+
+
+def rates(tuning: list[dict]) -> None:
+    """H13 at its defaults (the rule's params), then ``first_fast`` over a grid (floor, window, samples in a
+    row, a doubling limit per optimizer family): for each window, the 10 settings that warn the fewest controls,
+    then the most runs >= 20 ahead, then the longest median. H13's defaults were chosen from this grid."""
+    from gradwatch.server.rules.catalog.early_forecast import AttentionLogitRunaway
+    d = {k: p.default for k, p in AttentionLogitRunaway.params.items()}
+    grid = [(d["min_logit"], d["span"], d["consecutive"], d["doubling_adaptive"], d["doubling_rmsprop"],
+             d["doubling_sgd"])]
+    grid += list(itertools.product((5, 10, 20, 40), (10, 25), (1, 2, 3), (3, 4, 5, 6, 8, 10, 15),
+                                   (4, 5, 6, 8, 10, 15), (6, 8, 10, 15, 20, 30)))
+    rows = []
+    for floor, window, cons, *limits in grid:
+        by_family = dict(zip(("adaptive", "rmsprop", "sgd"), limits))
+
+        def first(run, case):
+            family = optimizer_family(CLASS_OF[case["optimizer"]])
+            return first_fast(run, floor, window, by_family[family], cons)
+        leads = [lead(c["divergent"]["diverged_at"], first(c["divergent"], c["case"])) for c in tuning]
+        warned = sorted(c["case"]["id"] for c in tuning if first(c["control"], c["case"]) is not None)
+        s = summary(leads)
+        rows.append((len(warned), -s["ge20"], -(s["median"] if isinstance(s["median"], int) else -999), window,
+                     f"floor {floor:g}, window {window}, {cons} in a row, doubling <= {limits} (AdamW, RMSprop, SGD)",
+                     warned, s))
+
+    def show(row):
+        n, _, _, _, name, warned, s = row
+        print(f"{name}: controls {n} {warned} | median {s['median']} p25 {s['p25']} >=20 {s['ge20']} "
+              f">=50 {s['ge50']}", flush=True)
+    print("H13 at its defaults:")
+    show(rows[0])
+    print(f"{len(rows) - 1} settings of the grid")
+    for window in (10, 25):
+        print(f"window {window}:")
+        for row in sorted((r for r in rows[1:] if r[3] == window), key=lambda r: r[:3])[:10]:
+            show(row)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
     ap.add_argument("--cadence", action="store_true", help="H12's defaults at other sampling cadences, not the grid")
     ap.add_argument("--gates", action="store_true", help="gates tried against the five AdamW controls, not the grid")
+    ap.add_argument("--rate", action="store_true", help="a growth-rate rule alone, from a lower level, not the grid")
     args = ap.parse_args()
     tuning, _, _ = split_cases(load(Path(args.results)))        # the held-out half is dropped here
     base = {k: p.default for k, p in AttentionLogitForecast.params.items()}
     if args.cadence:
         cadences(tuning, base)
+        return
+    if args.rate:
+        rates(tuning)
         return
     if args.gates:
         gates(tuning, base)

@@ -55,6 +55,7 @@ def test_hf_trainer(server, tmp_path, schedule, max_grad_norm, expected):
     data = setup_of(server, "advice-hf", run)
     assert data["model"]["transformer"] is True and any("GPT2Attention" in m for m in data["model"]["attention"])
     assert data["scheduler"]["class"] == "LambdaLR" and data["scheduler"]["cosine"] is (schedule != "linear")
+    assert data["optimizer"]["class"] in ("AdamW", "Adam")     # under whatever wrapper the Trainer's accelerate adds
     assert data["clip"]["calls"] == (1 if max_grad_norm else 0)
     # without max_grad_norm the Trainer still computes the norm it logs: clip_grad_norm_(max_norm=inf), no clip
     # max_grad_norm=0: the Trainer still computes the norm for its log. accelerate < 1.16 did it with
@@ -96,6 +97,8 @@ def test_lightning(server, tmp_path, eta_min, expected):
     L.Trainer(accelerator="cpu", devices=1, max_steps=3, gradient_clip_val=1.0, callbacks=[cb], logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               default_root_dir=str(tmp_path)).fit(CosineModule(eta_min), data)
-    sched = setup_of(server, "advice-lightning", run)["scheduler"]
+    setup = setup_of(server, "advice-lightning", run)
+    sched = setup["scheduler"]
+    assert setup["optimizer"]["class"] == "SGD"     # under Lightning's LightningOptimizer, if the callback saw that
     assert sched["class"] == "CosineAnnealingLR" and sched["final_lrs"] == [eta_min]
     assert set(notes(server, "advice-lightning", run)) == expected

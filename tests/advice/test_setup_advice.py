@@ -209,4 +209,7 @@ def test_h9_quiet_when_unscale_comes_first(server, given):
     run = f"h9-unscale-first-{given}"
     train(server.url, run, order="unscale_clip_step", with_optimizer=given)
     assert notes(server, run) == {}
-    assert setup_event(server, run)["data"]["clip"]["stages"] == ["unscaled"]
+    data = setup_event(server, run)["data"]
+    assert data["clip"]["stages"] == ["unscaled"]
+    # the optimizer's class (H13's doubling-time limit), also when the agent learns the optimizer at scaler.step
+    assert data["optimizer"] == {"class": "AdamW"}

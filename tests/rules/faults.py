@@ -370,7 +370,7 @@ class LinearGrowth(Fault):
 
 @fault
 class AttnGrowth(Fault):
-    """H2 / H12: one or two modules' attention logits growing geometrically."""
+    """H2 / H12 / H13: one or two modules' attention logits growing geometrically."""
     name = "attn_growth"
     channel = "logits"
     random = False

@@ -135,3 +135,60 @@ def test_h12_stays_quiet_on_a_sharpening_that_levels_off(rdb):
     rdb.feed(name, forecast_steps(sharpening, n=400, every=lambda i: i % 50 == 0 or 100 <= i <= 250), batch=50,
              meta=META)
     assert "H12" not in rdb.rules(name)
+
+
+def setup_event(optimizer_class: str) -> dict:
+    """The agent's run_setup event (agent/setup.py) as far as H13 reads it."""
+    return {"step": 0, "kind": "run_setup", "data": {"optimizer": {"class": optimizer_class}}}
+
+
+def runaway(doubling: float, start: int = 200):
+    """blocks.1.attn doubles every ``doubling`` steps from ``start`` (from ~10); the rest of the model is healthy."""
+    def values(i, rng):
+        a, b = healthy_logits(i, rng)
+        return a, (b if i < start else b * 2 ** ((i - start) / doubling))
+    return values
+
+
+def sampled_as_the_agent_does(i: int) -> bool:
+    """Every 25 steps, and every step once the logits grow (agent/collectors/early_logits.py escalates)."""
+    return i % 25 == 0 or i >= 200
+
+
+def test_h13_fires_on_a_runaway_logit_and_names_the_module_and_the_optimizer_family(rdb):
+    name = run_name()
+    rdb.feed(name, forecast_steps(runaway(4.0), n=300, every=sampled_as_the_agent_does), batch=37, meta=META,
+             events=[setup_event("AdamW")])
+    a = rdb.rules(name)["H13"]
+    assert a.severity == "warning" and a.evidence["module"] == "blocks.1.attn"
+    assert a.evidence["optimizer_family"] == "adaptive" and a.evidence["limit_steps"] == 5.0
+    assert 3.5 <= a.evidence["doubling_steps"] <= 4.5 and "doubling every" in a.message and "(adaptive)" in a.message
+    # the logit passes 20 near step 204, and a reference 25-50 steps back exists from step 225: H13 holds there
+    # and confirms one sample later
+    assert 225 <= a.first_step <= 227
+
+
+def test_h13_reads_the_optimizer_family_from_the_run_setup_event(rdb):
+    # doubling every 8 steps: faster than SGD's healthy runs (limit 10), not than AdamW's (limit 5)
+    sgd, adamw, unsaid = run_name(), run_name(), run_name()
+    for name, events in ((sgd, [setup_event("SGD")]), (adamw, [setup_event("AdamW")]), (unsaid, [])):
+        rdb.feed(name, forecast_steps(runaway(8.0), n=300, every=sampled_as_the_agent_does), batch=37, meta=META,
+                 events=events)
+    a = rdb.rules(sgd)["H13"]
+    assert a.evidence["optimizer_family"] == "sgd" and 7 <= a.evidence["doubling_steps"] <= 9
+    # AdamW, and a run that does not say its optimizer (the strictest limit): quiet
+    assert "H13" not in rdb.rules(adamw) and "H13" not in rdb.rules(unsaid)
+
+
+def test_h13_stays_quiet_on_a_sharpening_that_levels_off(rdb):
+    # the sweep's healthy AdamW controls: the max logit sharpens from ~1 to ~2,000 (doubling every ~7 steps at
+    # its fastest: faster than SGD's limit, not than AdamW's), then levels off: one-hot attention, on a task that
+    # rewards it
+    name = run_name()
+
+    def sharpening(i, rng):
+        x = math.exp(math.log(2000) / (1 + math.exp(-(i - 150) / 20))) * (1 + rng.gauss(0, 0.02))
+        return x, x / 3
+    rdb.feed(name, forecast_steps(sharpening, n=400, every=lambda i: i % 25 == 0 or 100 <= i <= 250), batch=50,
+             meta=META, events=[setup_event("AdamW")])
+    assert "H13" not in rdb.rules(name)

@@ -102,3 +102,100 @@ class AttentionLogitForecast(BatchRule):
             elif judged:
                 out.clear[i] = True
         return out
+
+
+# H13's doubling-time limit per optimizer family (issue 41). An adaptive optimizer moves every weight at the
+# pace its LR sets, whatever the gradient, so a healthy run's logits sharpen fast too: on the early-warning
+# benchmark's tuning half the max logit of AdamW's healthy controls grew x2.4-7.8 in 25 steps where their
+# divergent twins grew x46-881; SGD's controls x1.1-3.2, its twins x2.1-83. A class not named here (Adam, NAdam,
+# Lion, Adafactor, an unknown or unreported optimizer) gets the adaptive limit, the strictest: fewer warnings.
+OPTIMIZER_FAMILIES = {"SGD": "sgd", "RMSprop": "rmsprop"}
+
+
+def optimizer_family(name: Optional[str]) -> str:
+    """'sgd', 'rmsprop' or 'adaptive' for an optimizer class name (the ``run_setup`` event's).
+
+    >>> optimizer_family("SGD"), optimizer_family("AdamW"), optimizer_family(None)
+    ('sgd', 'adaptive', 'adaptive')
+    """
+    return OPTIMIZER_FAMILIES.get(name or "", "adaptive")
+
+
+def runaway_step(mem: dict, step: int, x: float, cfg: dict, max_doubling: float) -> Optional[dict]:
+    """Feed one sample (``step``, max logit ``x``) of one module to H13; ``mem`` its state (a dict, JSON-safe).
+    Returns the evidence when the condition has held ``consecutive`` samples in a row, else None.
+
+    The condition: the logit is at least ``min_logit`` and has doubled in at most ``max_doubling`` steps since
+    the latest sample ``span`` to ``2 * span`` steps earlier. Used by the rule and by
+    bench/early_warning/replay.py.
+
+    >>> cfg = dict(min_logit=20.0, span=25, consecutive=2)
+    >>> mem = {}
+    >>> [runaway_step(mem, s, v, cfg, 5.0) is not None for s, v in [(0, 2.0), (25, 100.0), (50, 5e3), (75, 6e3)]]
+    [False, False, True, False]
+    """
+    span = cfg["span"]
+    keep = [tuple(p) for p in mem.get("k", []) if step - p[0] <= 2 * span and p[0] < step]
+    ref = next((p for p in reversed(keep) if step - p[0] >= span), None)
+    hit = None
+    if math.isfinite(x) and x >= cfg["min_logit"] and ref is not None and 0 < ref[1] < x:
+        doubling = (step - ref[0]) * math.log(2) / math.log(x / ref[1])
+        if doubling <= max_doubling:
+            hit = {"doubling_steps": doubling, "limit_steps": max_doubling, "reference": [int(ref[0]), float(ref[1])]}
+    mem["n"] = int(mem.get("n", 0)) + 1 if hit is not None else 0
+    if math.isfinite(x):
+        keep.append((int(step), float(x)))
+    mem["k"] = [list(p) for p in keep]
+    if hit is not None and mem["n"] >= cfg["consecutive"]:
+        hit["samples_in_a_row"] = mem["n"]
+        return hit
+    return None
+
+
+@register
+class AttentionLogitRunaway(BatchRule):
+    id, name, severity, checklist = "H13", "attention_logit_runaway", "warning", "5.2"
+    family = "H"
+    fires_when = ("an attention module's max attention logit is >= {min_logit:g} and has doubled in at most "
+                  "{doubling_adaptive:g} steps (SGD {doubling_sgd:g}, RMSprop {doubling_rmsprop:g}: the run_setup "
+                  "event's optimizer) since a sample {span}-2x{span} steps earlier; {consecutive} samples in a row")
+    diagnosis = ("Attention-logit runaway: the max attention logit of this module doubles faster than a healthy run's "
+                 "does with this optimizer, while its softmax turns one-hot; on the early-warning benchmark such runs "
+                 "diverged next (docs/early-warning.md). Check: (1) is qk-layernorm used? (2) is the learning rate "
+                 "high for this model size? (3) is the warm-up short or absent?")
+    actions = AttentionLogitGrowth.actions   # the same growth: the same three remedies
+    params = {"min_logit": Float(20.0), "span": Int(25), "consecutive": Int(2), "doubling_adaptive": Float(5.0),
+              "doubling_rmsprop": Float(8.0), "doubling_sgd": Float(10.0)}
+    needs = ("layers.attn_logit_max",)
+    # State: "opt" the optimizer family of the run's latest run_setup event (absent: none said, 'adaptive');
+    # per module j, "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
+
+    def evaluate(self, batch, state, cfg):
+        out = Outcome.quiet(batch.n)
+        for _, setup in sorted((batch.ctx.events.get("run_setup") or {}).items(), key=lambda kv: int(kv[0])):
+            opt = setup.get("optimizer") if isinstance(setup, dict) else None
+            if isinstance(opt, dict) and isinstance(opt.get("class"), str):
+                state["opt"] = optimizer_family(opt["class"])
+        family = state.get("opt", "adaptive")
+        limit = cfg[f"doubling_{family}"]
+        for i in batch.carriers("attn_logit_max"):
+            row = layer_array(batch.steps[i], "attn_logit_max")
+            step = int(batch.step[i])
+            worst = None
+            judged = False
+            for j in np.flatnonzero(np.isfinite(row)).tolist():
+                hit = runaway_step(state.setdefault(f"r{j}", {}), step, float(row[j]), cfg, limit)
+                judged = True
+                if hit is not None and (worst is None or hit["doubling_steps"] < worst[1]["doubling_steps"]):
+                    worst = (j, hit, float(row[j]))
+            if worst is not None:
+                j, hit, x = worst
+                module = name_of(batch.ctx.module_names, j)
+                out.hits[i] = Hit({"module": module, "attn_logit_max": x, "optimizer_family": family, **hit},
+                                  f"Max attention logit of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
+                                  f"at step {hit['reference'][0]}: doubling every {fmt(hit['doubling_steps'])} steps, "
+                                  f"faster than the {fmt(limit)} a healthy run with this optimizer ({family}) shows: "
+                                  f"add qk-layernorm, lower the LR or lengthen the warm-up")
+            elif judged:
+                out.clear[i] = True
+        return out
