@@ -22,7 +22,7 @@ import numpy as np
 
 from .sweep import RESULTS, SPLIT
 
-RULES = ("H1", "H2", "H3", "H4", "H12")
+RULES = ("H1", "H2", "H3", "H4", "H12", "H13")
 ANY = "any H"
 
 
@@ -91,9 +91,12 @@ def half_table(cases: list[dict], label: str, rules=RULES) -> str:
     loud = [(c["case"]["id"], a["rule"], a["severity"]) for c in cases for a in c["control"]["alerts"]
             if a["severity"] != "info"]
     h_loud = [x for x in loud if x[1].startswith("H")]
+    per_rule = {r: sorted({i for i, rule, _ in loud if rule == r}) for r in rules}
     lines += ["", f"Controls: {len(loud)} alerts above info ({1000 * len(loud) / max(1, steps):.2f} per 1,000 healthy "
               f"steps), {len(h_loud)} of them H ({1000 * len(h_loud) / max(1, steps):.2f} per 1,000)"
-              + (f": {sorted(loud)}" if loud else ""), ""]
+              + (f": {sorted(loud)}" if loud else ""), "",
+              "Controls warned, per rule: " + "; ".join(f"{r} {len(ids)}" + (f" {ids}" if ids else "")
+                                                         for r, ids in per_rule.items()), ""]
     return "\n".join(lines)
 
 
@@ -125,7 +128,7 @@ def h_controls(cases: list[dict]) -> tuple[int, float]:
     return warned, 1000 * len(loud) / max(1, steps)
 
 
-def side_by_side(before: list[dict], after: list[dict], label: str, rules=("H2", "H12", ANY)) -> str:
+def side_by_side(before: list[dict], after: list[dict], label: str, rules=("H2", "H12", "H13", ANY)) -> str:
     """One half's figures from two sweeps of the same cases (an earlier results file, this one)."""
     ids = lambda cs: sorted(c["case"]["id"] for c in cs)   # noqa: E731
     same = ids(before) == ids(after)
@@ -143,6 +146,16 @@ def side_by_side(before: list[dict], after: list[dict], label: str, rules=("H2",
     lines += ["", f"Controls with an H warning: {wb} / {wa} of {len(after)}; H warnings per 1,000 healthy steps: "
               f"{rb:.2f} / {ra:.2f}", ""]
     return "\n".join(lines)
+
+
+def as_info(results: list[dict], rules: set[str]) -> None:
+    """Count ``rules``' alerts as info (what the sweep would have shown with those rules' severity at info: the
+    severity changes nothing else a run records)."""
+    for c in results:
+        for run in (c.get("divergent"), c.get("control")):
+            for a in (run or {}).get("alerts", []):
+                if a["rule"] in rules:
+                    a["severity"] = "info"
 
 
 def split_cases(results: list[dict]) -> tuple[list[dict], list[dict], dict]:
@@ -164,11 +177,19 @@ def main() -> None:
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--cases", action="store_true", help="also one row per case")
     ap.add_argument("--before", default=None, help="an earlier sweep's results file: H2 / H12 / any H side by side")
+    ap.add_argument("--as-info", default="", help="rules whose alerts count as info, e.g. H2,H12 (both files)")
     args = ap.parse_args()
-    tuning, held, counts = split_cases(load(Path(args.results)))
+    results = load(Path(args.results))
+    demoted = {r for r in args.as_info.split(",") if r}
+    as_info(results, demoted)
+    if demoted:
+        print(f"counted as info: {', '.join(sorted(demoted))}\n")
+    tuning, held, counts = split_cases(results)
     print(f"cases: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}\n")
     if args.before:
-        tuning0, held0, _ = split_cases(load(Path(args.before)))
+        before = load(Path(args.before))
+        as_info(before, demoted)
+        tuning0, held0, _ = split_cases(before)
         print(side_by_side(tuning0, tuning, "Tuning half, before / after"))
         print(side_by_side(held0, held, "Held-out half, before / after"))
     print(half_table(tuning, "Tuning half"))
