@@ -81,6 +81,13 @@ def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
         first = min(a["first_step"] for a in loud if a["rule"] == rule)
         assert report.lead(d, report.first_warning(div["alerts"], [rule])) == (d - first if first <= d else None)
     assert report.lead(100, 101) is None and report.lead(100, 40) == 60
+    # H13 knew the optimizer from the agent's run_setup event (SGD: a doubling limit of 10 steps, where any run
+    # that did not say would get the adaptive 5): it warned the divergent run well ahead, and not the control,
+    # whose fastest doubling at the agent's samples is ~15 steps
+    h13 = [a for a in div["alerts"] if a["rule"] == "H13"]
+    assert h13 and all("healthy run with this optimizer (sgd)" in a["message"] for a in h13), h13
+    assert report.lead(d, report.first_warning(div["alerts"], ["H13"])) >= 20
+    assert not [a for a in ctl["alerts"] if a["rule"] == "H13"]
     # the oracle lead: the first step above the control's highest true logit
     hi = max(v for v in report.true_max(ctl) if math.isfinite(v))
     above = next((s for s, v in enumerate(report.true_max(div)) if s <= d and v > hi), None)
