@@ -58,7 +58,7 @@ class Rewind:
       (loss spike) for a run whose spikes come from bad data; it is not a default because a converged,
       noisy loss raises C3 warnings on healthy runs too, and each would cost a rewind.
     * ``cool_on`` [()]: the alerts that only cool the LR, without a rewind (early warnings such as
-      ``("H2", "H12")``).
+      ``("H2", "H12", "H13")``).
     * ``lr_factor`` [0.5]: every param group's LR is multiplied by it for ``cool_steps`` updates after a
       rewind or a cool (1.0: never cooled). Applied around each optimizer update and taken off right
       after it, so a scheduler that writes the LR every step neither undoes nor compounds it.
