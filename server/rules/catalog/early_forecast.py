@@ -22,6 +22,44 @@ from gradwatch.server.rules.spec import Float, Hit, Int
 from gradwatch.server.rules.stats import fmt
 
 
+def _recent(mem: dict, step: int, max_back: int, min_back: int) -> tuple[list, Optional[tuple]]:
+    """A module's kept samples of the last ``max_back`` steps before ``step``, and the latest of them at least
+    ``min_back`` steps back (None: none is)."""
+    keep = [tuple(p) for p in mem.get("k", []) if step - p[0] <= max_back and p[0] < step]
+    return keep, next((p for p in reversed(keep) if step - p[0] >= min_back), None)
+
+
+def _confirm(mem: dict, keep: list, step: int, x: float, hit: Optional[dict], consecutive: int,
+             thin: int) -> Optional[dict]:
+    """Count ``hit`` into the module's run of hits, keep the sample (positive; ``thin`` steps after the last
+    kept one), and return the hit once it has held ``consecutive`` samples in a row."""
+    mem["n"] = int(mem.get("n", 0)) + 1 if hit is not None else 0
+    if math.isfinite(x) and x > 0 and (not keep or step - keep[-1][0] >= thin):
+        keep.append((int(step), float(x)))
+    mem["k"] = [list(p) for p in keep]
+    if hit is not None and mem["n"] >= consecutive:
+        hit["samples_in_a_row"] = mem["n"]
+        return hit
+    return None
+
+
+def _worst_module(batch, state: dict, prefix: str, judge, rank):
+    """For each step of ``batch`` that measured some module's max attention logit: (its index, the module
+    whose hit ranks lowest by ``rank`` as (module index, hit, logit), or None when no module's does).
+    ``judge(mem, step, x)`` is the rule's condition on one sample; ``mem`` is ``state[prefix + str(j)]``."""
+    for i in batch.carriers("attn_logit_max"):
+        row = layer_array(batch.steps[i], "attn_logit_max")
+        step = int(batch.step[i])
+        worst, judged = None, False
+        for j in np.flatnonzero(np.isfinite(row)).tolist():
+            hit = judge(state.setdefault(f"{prefix}{j}", {}), step, float(row[j]))
+            judged = True
+            if hit is not None and (worst is None or rank(hit) < rank(worst[1])):
+                worst = (j, hit, float(row[j]))
+        if judged:
+            yield i, worst
+
+
 def forecast_step(mem: dict, step: int, x: float, cfg: dict) -> Optional[dict]:
     """Feed one sample (``step``, max logit ``x``) of one module; ``mem`` its state (a dict, JSON-safe).
     Returns the evidence when the module's condition holds at this sample, else None.
@@ -36,8 +74,7 @@ def forecast_step(mem: dict, step: int, x: float, cfg: dict) -> Optional[dict]:
     >>> [forecast_step(mem, s, v, cfg) is not None for s, v in [(0, 5.0), (50, 12.0), (100, 30.0), (150, 75.0)]]
     [False, False, False, True]
     """
-    keep = [tuple(p) for p in mem.get("k", []) if step - p[0] <= cfg["max_span"] and p[0] < step]
-    ref = next((p for p in reversed(keep) if step - p[0] >= cfg["span"]), None)
+    keep, ref = _recent(mem, step, cfg["max_span"], cfg["span"])
     hit = None
     if math.isfinite(x) and x >= cfg["min_logit"] and ref is not None and ref[1] > 0:
         rate = math.log(x / ref[1]) / (step - ref[0]) if x > 0 else -math.inf
@@ -47,14 +84,7 @@ def forecast_step(mem: dict, step: int, x: float, cfg: dict) -> Optional[dict]:
         if growing or high:
             hit = {"rate": rate, "doubling_steps": math.log(2) / rate if rate > 0 else None,
                    "steps_to_danger": to_danger, "reference": [int(ref[0]), float(ref[1])]}
-    mem["n"] = int(mem.get("n", 0)) + 1 if hit is not None else 0
-    if math.isfinite(x) and x > 0 and (not keep or step - keep[-1][0] >= cfg["thin"]):
-        keep.append((int(step), float(x)))
-    mem["k"] = [list(p) for p in keep]
-    if hit is not None and mem["n"] >= cfg["consecutive"]:
-        hit["samples_in_a_row"] = mem["n"]
-        return hit
-    return None
+    return _confirm(mem, keep, step, x, hit, cfg["consecutive"], cfg["thin"])
 
 
 @register
@@ -77,17 +107,8 @@ class AttentionLogitForecast(BatchRule):
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
-        for k, i in enumerate(batch.carriers("attn_logit_max")):
-            row = layer_array(batch.steps[i], "attn_logit_max")
-            step = int(batch.step[i])
-            worst = None
-            judged = False
-            for j in np.flatnonzero(np.isfinite(row)).tolist():
-                mem = state.setdefault(f"f{j}", {})
-                hit = forecast_step(mem, step, float(row[j]), cfg)
-                judged = True
-                if hit is not None and (worst is None or hit["steps_to_danger"] < worst[1]["steps_to_danger"]):
-                    worst = (j, hit, float(row[j]))
+        judge = lambda mem, step, x: forecast_step(mem, step, x, cfg)   # noqa: E731
+        for i, worst in _worst_module(batch, state, "f", judge, rank=lambda hit: hit["steps_to_danger"]):
             if worst is not None:
                 j, hit, x = worst
                 module = name_of(batch.ctx.module_names, j)
@@ -99,7 +120,7 @@ class AttentionLogitForecast(BatchRule):
                                   f"Max attention logit of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
                                   f"at step {hit['reference'][0]}{dbl}, {when}: add qk-layernorm, lower the LR or "
                                   f"lengthen the warm-up")
-            elif judged:
+            else:   # some module measured, none holds the condition
                 out.clear[i] = True
         return out
 
@@ -134,22 +155,13 @@ def runaway_step(mem: dict, step: int, x: float, cfg: dict, max_doubling: float)
     >>> [runaway_step(mem, s, v, cfg, 5.0) is not None for s, v in [(0, 2.0), (25, 100.0), (50, 5e3), (75, 6e3)]]
     [False, False, True, False]
     """
-    span = cfg["span"]
-    keep = [tuple(p) for p in mem.get("k", []) if step - p[0] <= 2 * span and p[0] < step]
-    ref = next((p for p in reversed(keep) if step - p[0] >= span), None)
+    keep, ref = _recent(mem, step, 2 * cfg["span"], cfg["span"])
     hit = None
     if math.isfinite(x) and x >= cfg["min_logit"] and ref is not None and 0 < ref[1] < x:
         doubling = (step - ref[0]) * math.log(2) / math.log(x / ref[1])
         if doubling <= max_doubling:
             hit = {"doubling_steps": doubling, "limit_steps": max_doubling, "reference": [int(ref[0]), float(ref[1])]}
-    mem["n"] = int(mem.get("n", 0)) + 1 if hit is not None else 0
-    if math.isfinite(x):
-        keep.append((int(step), float(x)))
-    mem["k"] = [list(p) for p in keep]
-    if hit is not None and mem["n"] >= cfg["consecutive"]:
-        hit["samples_in_a_row"] = mem["n"]
-        return hit
-    return None
+    return _confirm(mem, keep, step, x, hit, cfg["consecutive"], thin=1)   # every sample: the window is short
 
 
 @register
@@ -178,16 +190,8 @@ class AttentionLogitRunaway(BatchRule):
                 state["opt"] = optimizer_family(opt["class"])
         family = state.get("opt", "adaptive")
         limit = cfg[f"doubling_{family}"]
-        for i in batch.carriers("attn_logit_max"):
-            row = layer_array(batch.steps[i], "attn_logit_max")
-            step = int(batch.step[i])
-            worst = None
-            judged = False
-            for j in np.flatnonzero(np.isfinite(row)).tolist():
-                hit = runaway_step(state.setdefault(f"r{j}", {}), step, float(row[j]), cfg, limit)
-                judged = True
-                if hit is not None and (worst is None or hit["doubling_steps"] < worst[1]["doubling_steps"]):
-                    worst = (j, hit, float(row[j]))
+        judge = lambda mem, step, x: runaway_step(mem, step, x, cfg, limit)   # noqa: E731
+        for i, worst in _worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"]):
             if worst is not None:
                 j, hit, x = worst
                 module = name_of(batch.ctx.module_names, j)
@@ -196,6 +200,6 @@ class AttentionLogitRunaway(BatchRule):
                                   f"at step {hit['reference'][0]}: doubling every {fmt(hit['doubling_steps'])} steps, "
                                   f"faster than the {fmt(limit)} a healthy run with this optimizer ({family}) shows: "
                                   f"add qk-layernorm, lower the LR or lengthen the warm-up")
-            elif judged:
+            else:   # some module measured, none holds the condition
                 out.clear[i] = True
         return out
