@@ -172,9 +172,10 @@ class AttentionLogitRunaway(BatchRule):
                   "{doubling_adaptive:g} steps (SGD {doubling_sgd:g}, RMSprop {doubling_rmsprop:g}: the run_setup "
                   "event's optimizer) since a sample {span}-2x{span} steps earlier; {consecutive} samples in a row")
     diagnosis = ("Attention-logit runaway: the max attention logit of this module doubles faster than a healthy run's "
-                 "does with this optimizer, while its softmax turns one-hot; on the early-warning benchmark such runs "
-                 "diverged next (docs/early-warning.md). Check: (1) is qk-layernorm used? (2) is the learning rate "
-                 "high for this model size? (3) is the warm-up short or absent?")
+                 "does with this optimizer, while its softmax turns one-hot; most runs it warned on the early-warning "
+                 "benchmark diverged next, not all (21 of 26 on its held-out half: docs/early-warning.md). Check: "
+                 "(1) is qk-layernorm used? (2) is the learning rate high for this model size? (3) is the warm-up "
+                 "short or absent?")
     actions = AttentionLogitGrowth.actions   # the same growth: the same three remedies
     params = {"min_logit": Float(20.0), "span": Int(25), "consecutive": Int(2), "doubling_adaptive": Float(5.0),
               "doubling_rmsprop": Float(8.0), "doubling_sgd": Float(10.0)}
