@@ -28,8 +28,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from gradwatch.server.rules.catalog.early_forecast import (AttentionLogitForecast, forecast_step, optimizer_family,
-                                                           runaway_step)
+from gradwatch.server.rules.catalog.early_forecast import (AttentionLogitForecast, AttentionLogitRunaway, forecast_step,
+                                                           optimizer_family, runaway_step)
 
 from .report import lead, load, split_cases, summary
 
@@ -186,7 +186,6 @@ def rates(tuning: list[dict]) -> None:
     """H13 at its defaults (the rule's params), then ``first_fast`` over a grid (floor, window, samples in a
     row, a doubling limit per optimizer family): for each window, the 10 settings that warn the fewest controls,
     then the most runs >= 20 ahead, then the longest median. H13's defaults were chosen from this grid."""
-    from gradwatch.server.rules.catalog.early_forecast import AttentionLogitRunaway
     d = {k: p.default for k, p in AttentionLogitRunaway.params.items()}
     grid = [(d["min_logit"], d["span"], d["consecutive"], d["doubling_adaptive"], d["doubling_rmsprop"],
              d["doubling_sgd"])]

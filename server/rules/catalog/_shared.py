@@ -32,6 +32,13 @@ def setup_max_norm(ctx):
     return float(m) if isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 else None
 
 
+def setup_optimizer(ctx):
+    """The optimizer class the agent reported at attach (``run_setup``'s ``optimizer.class``), or None."""
+    opt = (ctx.remembered.get(SETUP_EVENT) or {}).get("optimizer")
+    name = opt.get("class") if isinstance(opt, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def already_clipped(max_norm: float) -> str:
     """The action that replaces "enable gradient clipping" on a run that clips."""
     return (f"The run already clips its gradients (max_norm={max_norm:g}): clipping bounds each update, not what "

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from gradwatch.server.rules.batch import layer_array
+from gradwatch.server.rules.catalog._shared import SETUP_EVENT, setup_optimizer
 from gradwatch.server.rules.catalog.early_logits import AttentionLogitGrowth
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import BatchRule, Outcome, name_of
@@ -180,16 +181,12 @@ class AttentionLogitRunaway(BatchRule):
     params = {"min_logit": Float(20.0), "span": Int(25), "consecutive": Int(2), "doubling_adaptive": Float(5.0),
               "doubling_rmsprop": Float(8.0), "doubling_sgd": Float(10.0)}
     needs = ("layers.attn_logit_max",)
-    # State: "opt" the optimizer family of the run's latest run_setup event (absent: none said, 'adaptive');
-    # per module j, "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
+    evidence_events = (SETUP_EVENT,)   # the engine keeps the run's latest run_setup: its optimizer's class
+    # State per module j: "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
-        for _, setup in sorted((batch.ctx.events.get("run_setup") or {}).items(), key=lambda kv: int(kv[0])):
-            opt = setup.get("optimizer") if isinstance(setup, dict) else None
-            if isinstance(opt, dict) and isinstance(opt.get("class"), str):
-                state["opt"] = optimizer_family(opt["class"])
-        family = state.get("opt", "adaptive")
+        family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
         limit = cfg[f"doubling_{family}"]
         judge = lambda mem, step, x: runaway_step(mem, step, x, cfg, limit)   # noqa: E731
         for i, worst in _worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"]):
