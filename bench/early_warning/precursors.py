@@ -1,7 +1,9 @@
 """Three more precursors tried as early-warning signals, on the tuning half only (issue 41, item 2): attention
 entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio ||dW|| / ||W|| (the
 checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
-(an oscillation across a sharp valley, the edge of stability). An analysis beside the protocol: it reruns each
+(an oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
+gradient norm and weight norm, and the acceleration of the max attention logit's growth. An analysis beside
+the protocol: it reruns each
 valid tuning case of a results file (its divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR)
 in plain PyTorch, with :class:`Entropy` (a subclass of this benchmark's oracle mode) and :class:`StepSignals`
 (optimizer step hooks) recording every step, and asks whether a rule on either signal, or a gate on H12 by
@@ -19,7 +21,11 @@ n >= 2), its mean over the call's rows, and the share of rows below 0.05, i.e. o
 taken over the calls: the lowest mean (the most collapsed layer), the mean of the means, the largest one-hot
 share. Update ratio, per step: ||dW|| / ||W|| of each weight matrix (parameters of 2 or more dimensions, as
 E3 judges weights and not biases or gains), the median over the matrices (E3's statistic) and the largest;
-and the cosine between the step's gradient and the last step's, over every parameter.
+and the cosine between the step's gradient and the last step's, over every parameter. Gradient and weight
+norms, per step: the whole model's ||g|| (the pre-clip norm the agent streams) and ||W||, before the
+optimizer's step. Acceleration: at the agent's attention cadence (every 25 steps, without its escalation) the
+max logit's growth over the last 25 steps against its growth over the 25 before, in log terms; a healthy
+sharpening that levels off slows, a runaway was expected to speed up.
 
 The divergence step is this rerun's own (divergence.py on its losses): AdamW and RMSprop runs are chaotic at
 these LRs and do not repeat the recorded trajectory step for step (longer.py shows by how much).
@@ -38,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .oracle import TrueLogits
-from .report import lead, load, split_cases, summary
+from .report import lead, load, split_cases, summary, true_max
 from .space import CONTROL_DIVISOR, draw
 
 STEPS = 300                      # the protocol's run length
@@ -78,9 +84,10 @@ class Entropy(TrueLogits):
 
 class StepSignals:
     """Through the global optimizer step hooks (the sweep's ``train`` builds its own optimizer), at every
-    step: ||dW|| / ||W|| of every weight matrix, its median and its largest, and the cosine between this
+    step: ||dW|| / ||W|| of every weight matrix, its median and its largest, the cosine between this
     step's gradient and the last one's over every parameter (near -1 when the run oscillates across a sharp
-    valley, the edge of stability)."""
+    valley, the edge of stability), and the whole model's gradient norm and weight norm before the step.
+    One tuple a step: (ratio median, ratio max, cosine, grad norm, weight norm)."""
 
     def __init__(self):
         self.steps: list[tuple[float, float, float]] = []
@@ -104,13 +111,17 @@ class StepSignals:
         grad = torch.cat(grads).float()
         prev, self._grad = self._grad, grad
         self._cos = float(F.cosine_similarity(grad, prev, dim=0)) if prev is not None else math.nan
+        with torch.no_grad():
+            weights = torch.cat([p.detach().reshape(-1).float() for p in params])
+            self._norms = (float(grad.norm()), float(weights.norm()))
 
     def _post(self, opt, args, kwargs) -> None:
         with torch.no_grad():
             r = torch.tensor([float((p.detach() - q).norm() / q.norm().clamp_min(1e-12)) for p, q in self._before])
         ok = bool(torch.isfinite(r).all()) and r.numel() > 0
         med, top = (round(float(r.median()), 7), round(float(r.max()), 7)) if ok else (math.nan, math.nan)
-        self.steps.append((med, top, round(self._cos, 5) if math.isfinite(self._cos) else math.nan))
+        cos = round(self._cos, 5) if math.isfinite(self._cos) else math.nan
+        self.steps.append((med, top, cos, *(round(v, 6) for v in self._norms)))
         self._before = []
 
 
@@ -181,7 +192,7 @@ def ratio_at(run: dict, step: int, window: int = WINDOW) -> float:
 
 def cosine_at(run: dict, step: int, window: int = 10) -> float:
     """The mean cosine between consecutive gradients over the ``window`` steps up to ``step``."""
-    xs = [c for *_, c in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(c)]
+    xs = [s[2] for s in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(s[2])]
     return float(np.mean(xs)) if xs else math.nan
 
 
@@ -277,6 +288,71 @@ def h12_rows(rows: list[dict]) -> None:
     row("the same, or AdamW's gradient cosine < -0.05", family_or_cosine)
 
 
+def first_weight_growth(run: dict, rate: Optional[float], total: Optional[float], every: int = EVERY) -> Optional[int]:
+    """The first step (every ``every`` steps) whose weight norm is ``rate``x its value ``every`` steps earlier,
+    or ``total``x its value at step 0."""
+    w = [s[4] for s in run["step_signals"]]
+    for t in range(every, len(w), every):
+        if (rate is not None and w[t] >= rate * w[t - every]) or (total is not None and w[t] >= total * w[0]):
+            return t
+    return None
+
+
+def first_grad_rise(run: dict, factor: float, window: int = 10) -> Optional[int]:
+    """The first step whose gradient norm, a median over ``window`` steps, is ``factor``x the lowest such median
+    so far (every step: the agent streams the pre-clip norm at every step)."""
+    g = [s[3] for s in run["step_signals"]]
+    low = math.inf
+    for t in range(window - 1, len(g)):
+        xs = [x for x in g[t - window + 1:t + 1] if math.isfinite(x)]
+        if not xs:
+            continue
+        m = float(np.median(xs))
+        low = min(low, m)
+        if m >= factor * low:
+            return t
+    return None
+
+
+def first_acceleration(run: dict, level: float, growth: float, faster: float, k: int,
+                       every: int = EVERY) -> Optional[int]:
+    """The k-th sample in a row (every ``every`` steps) whose true max logit is >= ``level``, has grown by at least
+    ``growth`` (log) over the last ``every`` steps, and by at least ``faster``x the growth of the ``every`` before."""
+    m = true_max(run)
+    streak = 0
+    for t in range(2 * every, len(m), every):
+        x, y, z = m[t], m[t - every], m[t - 2 * every]
+        if not all(math.isfinite(v) and v > 0 for v in (x, y, z)):
+            streak = 0
+            continue
+        g1, g0 = math.log(x / y), math.log(y / z)
+        streak = streak + 1 if x >= level and g1 >= growth and g1 >= faster * g0 else 0
+        if streak >= k:
+            return t
+    return None
+
+
+def more_signals_table(rows: list[dict]) -> None:
+    """The three signals tried on 2026-12-07: the whole model's weight norm and gradient norm, and the max
+    logit's acceleration. Each row: a rule on the signal alone."""
+    specs = [(f"weight norm >= {r}x its value 25 steps earlier (every 25)",
+              lambda r_, run, r=r: first_weight_growth(run, r, None)) for r in (1.02, 1.05, 1.1, 1.2, 1.5)]
+    specs += [(f"weight norm >= {t}x its first value (every 25)",
+               lambda r_, run, t=t: first_weight_growth(run, None, t)) for t in (1.1, 1.2, 1.5, 2.0, 3.0)]
+    specs += [(f"gradient norm, median over 10 steps, >= {k}x its lowest so far (every step)",
+               lambda r_, run, k=k: first_grad_rise(run, k)) for k in (1.5, 2.0, 2.5, 3.0, 4.0)]
+    specs += [(f"max logit >= {lv}, log growth over 25 steps >= {g} and >= {f}x the 25 before, {k} in a row",
+               lambda r_, run, lv=lv, g=g, f=f, k=k: first_acceleration(run, lv, g, f, k))
+              for lv, g, f, k in ((10, 0.3, 1.2, 1), (10, 0.7, 1.0, 1), (10, 1.0, 1.2, 1), (20, 0.5, 1.2, 1),
+                                  (10, 0.7, 1.2, 2), (20, 0.3, 1.2, 2))]
+    print("\nWeight norm, gradient norm, the logit's acceleration: tuning half, a rule on each alone")
+    print("| rule | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, first in specs:
+        s, fp = outcome(rows, first)
+        print(f"| {name} | {len(fp)} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
+
+
 def trajectories(rows: list[dict]) -> None:
     """The signals side by side at a few steps: do the twins and the controls part, and when?"""
     print("\ncase opt | run | diverged | lowest call mean / mean of means / one-hot share / update ratio at steps "
@@ -329,6 +405,7 @@ def main() -> None:
     ratio_table(valid, 1)
     cosine_table(valid)
     h12_rows(valid)
+    more_signals_table(valid)
     trajectories(valid)
 
 
