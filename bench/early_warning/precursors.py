@@ -2,7 +2,8 @@
 entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio ||dW|| / ||W|| (the
 checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
 (an oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
-gradient norm and weight norm, and the acceleration of the max attention logit's growth. An analysis beside
+gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max
+attention logit's growth. An analysis beside
 the protocol: it reruns each
 valid tuning case of a results file (its divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR)
 in plain PyTorch, with :class:`Entropy` (a subclass of this benchmark's oracle mode) and :class:`StepSignals`
@@ -23,9 +24,11 @@ share. Update ratio, per step: ||dW|| / ||W|| of each weight matrix (parameters 
 E3 judges weights and not biases or gains), the median over the matrices (E3's statistic) and the largest;
 and the cosine between the step's gradient and the last step's, over every parameter. Gradient and weight
 norms, per step: the whole model's ||g|| (the pre-clip norm the agent streams) and ||W||, before the
-optimizer's step. Acceleration: at the agent's attention cadence (every 25 steps, without its escalation) the
-max logit's growth over the last 25 steps against its growth over the 25 before, in log terms; a healthy
-sharpening that levels off slows, a runaway was expected to speed up.
+optimizer's step. Secant ratio, per step: (g_t+1 . dW_t) / (g_t . dW_t) along the step's own update
+dW_t, over every parameter: 1 on a flat stretch, below 0 when the step overshot the valley's floor, -1 at the
+edge of stability, whatever the optimizer. Acceleration: at the agent's attention cadence (every 25 steps,
+without its escalation) the max logit's growth over the last 25 steps against its growth over the 25 before, in
+log terms; a healthy sharpening that levels off slows, a runaway was expected to speed up.
 
 The divergence step is this rerun's own (divergence.py on its losses): AdamW and RMSprop runs are chaotic at
 these LRs and do not repeat the recorded trajectory step for step (longer.py shows by how much).
@@ -86,13 +89,14 @@ class StepSignals:
     """Through the global optimizer step hooks (the sweep's ``train`` builds its own optimizer), at every
     step: ||dW|| / ||W|| of every weight matrix, its median and its largest, the cosine between this
     step's gradient and the last one's over every parameter (near -1 when the run oscillates across a sharp
-    valley, the edge of stability), and the whole model's gradient norm and weight norm before the step.
-    One tuple a step: (ratio median, ratio max, cosine, grad norm, weight norm)."""
+    valley, the edge of stability), the whole model's gradient norm and weight norm before the step, and the
+    last step's secant ratio. One tuple a step: (ratio median, ratio max, cosine, grad norm, weight norm, rho)."""
 
     def __init__(self):
         self.steps: list[tuple[float, float, float]] = []
         self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grad: Optional[torch.Tensor] = None
+        self._weights: Optional[torch.Tensor] = None
 
     def __enter__(self) -> "StepSignals":
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -114,6 +118,15 @@ class StepSignals:
         with torch.no_grad():
             weights = torch.cat([p.detach().reshape(-1).float() for p in params])
             self._norms = (float(grad.norm()), float(weights.norm()))
+            # the last step's secant ratio along its own update dW: (g_now . dW) / (g_then . dW), 1 - (the
+            # curvature along dW x the step's length); below 0 the step overshot the valley's floor, below -1 it
+            # left it steeper than it came (the edge of stability at -1); any optimizer, the update as it was
+            self._rho = math.nan
+            if prev is not None and self._weights is not None and self._weights.numel() == weights.numel():
+                dw = weights - self._weights
+                a, b = float(prev @ dw), float(grad @ dw)
+                self._rho = b / a if a < 0 else math.nan
+            self._weights = weights
 
     def _post(self, opt, args, kwargs) -> None:
         with torch.no_grad():
@@ -121,7 +134,8 @@ class StepSignals:
         ok = bool(torch.isfinite(r).all()) and r.numel() > 0
         med, top = (round(float(r.median()), 7), round(float(r.max()), 7)) if ok else (math.nan, math.nan)
         cos = round(self._cos, 5) if math.isfinite(self._cos) else math.nan
-        self.steps.append((med, top, cos, *(round(v, 6) for v in self._norms)))
+        rho = round(self._rho, 5) if math.isfinite(self._rho) else math.nan
+        self.steps.append((med, top, cos, *(round(v, 6) for v in self._norms), rho))
         self._before = []
 
 
@@ -314,6 +328,16 @@ def first_grad_rise(run: dict, factor: float, window: int = 10) -> Optional[int]
     return None
 
 
+def first_secant_below(run: dict, below: float, window: int = 10) -> Optional[int]:
+    """The first step whose secant ratio, a median over ``window`` steps, is below ``below``."""
+    rho = [s[5] for s in run["step_signals"]]
+    for t in range(window, len(rho)):
+        xs = [x for x in rho[t - window + 1:t + 1] if math.isfinite(x)]
+        if xs and float(np.median(xs)) < below:
+            return t
+    return None
+
+
 def first_acceleration(run: dict, level: float, growth: float, faster: float, k: int,
                        every: int = EVERY) -> Optional[int]:
     """The k-th sample in a row (every ``every`` steps) whose true max logit is >= ``level``, has grown by at least
@@ -333,19 +357,21 @@ def first_acceleration(run: dict, level: float, growth: float, faster: float, k:
 
 
 def more_signals_table(rows: list[dict]) -> None:
-    """The three signals tried on 2026-12-07: the whole model's weight norm and gradient norm, and the max
-    logit's acceleration. Each row: a rule on the signal alone."""
+    """The signals tried on 2026-12-07: the whole model's weight norm and gradient norm, the secant ratio and the
+    max logit's acceleration. Each row: a rule on the signal alone."""
     specs = [(f"weight norm >= {r}x its value 25 steps earlier (every 25)",
               lambda r_, run, r=r: first_weight_growth(run, r, None)) for r in (1.02, 1.05, 1.1, 1.2, 1.5)]
     specs += [(f"weight norm >= {t}x its first value (every 25)",
                lambda r_, run, t=t: first_weight_growth(run, None, t)) for t in (1.1, 1.2, 1.5, 2.0, 3.0)]
     specs += [(f"gradient norm, median over 10 steps, >= {k}x its lowest so far (every step)",
                lambda r_, run, k=k: first_grad_rise(run, k)) for k in (1.5, 2.0, 2.5, 3.0, 4.0)]
+    specs += [(f"secant ratio along the update, median over 10 steps, < {b} (every step)",
+               lambda r_, run, b=b: first_secant_below(run, b)) for b in (-0.2, -0.3, -0.4, -0.5, -0.7)]
     specs += [(f"max logit >= {lv}, log growth over 25 steps >= {g} and >= {f}x the 25 before, {k} in a row",
                lambda r_, run, lv=lv, g=g, f=f, k=k: first_acceleration(run, lv, g, f, k))
               for lv, g, f, k in ((10, 0.3, 1.2, 1), (10, 0.7, 1.0, 1), (10, 1.0, 1.2, 1), (20, 0.5, 1.2, 1),
                                   (10, 0.7, 1.2, 2), (20, 0.3, 1.2, 2))]
-    print("\nWeight norm, gradient norm, the logit's acceleration: tuning half, a rule on each alone")
+    print("\nWeight norm, gradient norm, secant ratio, the logit's acceleration: tuning half, a rule on each alone")
     print("| rule | controls warned | median lead | p25 | warned >= 20 ahead | >= 50 ahead |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, first in specs:
