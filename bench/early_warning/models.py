@@ -9,6 +9,11 @@ attention again), hf_vit / timm_vit: the class of a 16x16 image is the quadrant 
 each with probability 1/2: the loss falls from ln 4 towards ln 2. The best model's loss is then the same on
 every position and sample, so a batch's loss varies only by the model's own errors: batch noise
 cannot put 5 losses in a row 1.5x above the running minimum on a healthy run.
+
+The other kinds (space.py, ids 100-159) use the language-model data: ``mlp_lm`` has no attention (each
+position sees the embeddings of its token and the 2 before it, LAG + 1 in all, through residual MLP blocks), and
+``moe_lm`` is the hand-written Transformer (4-D softmax attention) whose MLP is a mixture of 4 experts with a
+top-1 softmax router (Switch-style, no load-balancing loss).
 """
 from __future__ import annotations
 
@@ -72,12 +77,62 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, kind: str, dim: int, heads: int):
         super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(kind, dim, heads), nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        attention = "softmax4d" if kind == "moe_lm" else kind
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(attention, dim, heads), nn.LayerNorm(dim)
+        self.mlp = MoE(dim) if kind == "moe_lm" else nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                                    nn.Linear(4 * dim, dim))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+class MoE(nn.Module):
+    """A mixture of ``experts`` MLPs, each token sent to its top-1 expert and scaled by the router's probability
+    of it (Switch Transformer): the router's gradient comes through that probability."""
+
+    def __init__(self, dim: int, experts: int = 4):
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat).float(), dim=-1)
+        top_p, top = probs.max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            idx = (top == e).nonzero(as_tuple=True)[0]
+            if idx.numel():
+                out = out.index_add(0, idx, (expert(flat[idx]) * top_p[idx, None]).to(out.dtype))
+        return out.reshape(x.shape)
+
+
+class MlpBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class MlpLM(nn.Module):
+    """No attention: position t reads the embeddings of tokens t, t - 1 .. t - LAG (zeros before the start)."""
+
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.tok = nn.Embedding(V, dim)
+        self.inp = nn.Linear((LAG + 1) * dim, dim)
+        self.blocks = nn.Sequential(*[MlpBlock(dim) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, V)
+
+    def forward(self, input_ids):
+        e = self.tok(input_ids)
+        window = [F.pad(e, (0, 0, k, 0))[:, :e.shape[1]] for k in range(LAG + 1)]     # shifted k positions right
+        return self.head(self.ln(self.blocks(self.inp(torch.cat(window, dim=-1)))))
 
 
 class TinyLM(nn.Module):
@@ -139,6 +194,8 @@ def build(case: Case) -> tuple[nn.Module, Callable[[int], dict], Callable[[Any, 
         from tests.agent.zoo_models import TimmVisionTransformer
         model = TimmVisionTransformer(fused_attn=bool(case.seed % 2), dim=case.width, depth=case.depth,
                                       num_classes=C)
+    elif case.arch == "mlp_lm":
+        model = MlpLM(case.width, case.depth)
     else:
         model = TinyLM(case.arch, case.width, case.heads, case.depth)
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -178,7 +235,13 @@ def build(case: Case) -> tuple[nn.Module, Callable[[int], dict], Callable[[Any, 
 
 
 def forward(model: nn.Module, case: Case, b: dict):
-    """The model's forward on a batch (labels kept out: the loss is computed by the loop)."""
+    """The model's forward on a batch (labels kept out: the loss is computed by the loop), under bf16 autocast
+    for a bf16 case."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16"):
+        return _forward(model, case, b)
+
+
+def _forward(model: nn.Module, case: Case, b: dict):
     if case.arch == "timm_vit":
         return model(b["x"])
     key = "pixel_values" if case.arch == "hf_vit" else "input_ids"

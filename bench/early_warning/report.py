@@ -20,7 +20,9 @@ from typing import Optional
 
 import numpy as np
 
-from .sweep import RESULTS, SPLIT
+from .space import KINDS_FIRST
+from .sweep import RESULTS
+from .sweep import halves as sweep_halves
 
 RULES = ("H1", "H2", "H3", "H4", "H12", "H13")
 ANY = "any H"
@@ -108,11 +110,40 @@ def case_rows(cases: list[dict], rules=RULES) -> str:
         k, d = c["case"], c["divergent"]["diverged_at"]
         leads = [lead(d, first_warning(c["divergent"]["alerts"], [r])) for r in rules]
         ctl = sorted({a["rule"] for a in c["control"]["alerts"] if a["severity"] != "info"})
-        lines.append(f"| {k['id']} | {c['half']} | {k['arch']} | {k['optimizer']} | {c['lr']:.3g} | {k['warmup']} | "
+        arch = k["arch"] + (f" ({k['precision']})" if k.get("precision", "fp32") != "fp32" else "")
+        lines.append(f"| {k['id']} | {c['half']} | {arch} | {k['optimizer']} | {c['lr']:.3g} | {k['warmup']} | "
                      f"{k['depth']} x {k['width']} / {k['heads']} | {k['batch']} | {d} | "
                      + " | ".join("-" if x is None else str(x) for x in leads)
                      + f" | {oracle_lead(c) if oracle_lead(c) is not None else '-'} | {', '.join(ctl) or '-'} |")
     return "\n".join(lines)
+
+
+def kind_of(case: dict) -> str:
+    arch = case["arch"]
+    return "no attention" if arch == "mlp_lm" else "mixture of experts" if arch == "moe_lm" else "dense attention"
+
+
+def kinds_table(cases: list[dict], label: str) -> str:
+    """One half's figures per kind of model and precision (the other kinds, space.py ids 100-159): the H rules'
+    first warning, and beside it the first alert above info from any rule, with the controls each warns."""
+    lines = [f"**{label}**, per kind", "",
+             "| kind | precision | divergent runs | any H: median lead | p25 | warned >= 20 ahead | "
+             "controls with an H warning | any rule: median lead | warned >= 20 ahead | controls with any alert "
+             "above info |", "| " + " | ".join(["---"] * 10) + " |"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for c in cases:
+        groups.setdefault((kind_of(c["case"]), c["case"].get("precision", "fp32")), []).append(c)
+    for (kind, precision), cs in sorted(groups.items()):
+        h = summary([lead(c["divergent"]["diverged_at"], first_warning(c["divergent"]["alerts"], RULES))
+                     for c in cs])
+        every = {a["rule"] for c in cs for run in ("divergent", "control") for a in c[run]["alerts"]}
+        a = summary([lead(c["divergent"]["diverged_at"], first_warning(c["divergent"]["alerts"], every))
+                     for c in cs])
+        h_ctl = sum(1 for c in cs if h_warnings(c["control"]))
+        any_ctl = sum(1 for c in cs if any(x["severity"] != "info" for x in c["control"]["alerts"]))
+        lines.append(f"| {kind} | {precision} | {len(cs)} | {h['median']} | {h['p25']} | {h['ge20']} | {h_ctl} | "
+                     f"{a['median']} | {a['ge20']} | {any_ctl} |")
+    return "\n".join(lines + [""])
 
 
 def h_warnings(run: dict) -> list[dict]:
@@ -159,8 +190,7 @@ def as_info(results: list[dict], rules: set[str]) -> None:
 
 
 def split_cases(results: list[dict]) -> tuple[list[dict], list[dict], dict]:
-    split = json.loads(SPLIT.read_text())
-    halves = {i: "tuning" for i in split["tuning"]} | {i: "held-out" for i in split["held_out"]}
+    halves = sweep_halves()
     counts: dict[str, int] = {}
     tuning, held = [], []
     for c in results:
@@ -194,6 +224,9 @@ def main() -> None:
         print(side_by_side(held0, held, "Held-out half, before / after"))
     print(half_table(tuning, "Tuning half"))
     print(half_table(held, "Held-out half"))
+    if any(c["case"]["id"] >= KINDS_FIRST for c in tuning + held):
+        print(kinds_table(tuning, "Tuning half"))
+        print(kinds_table(held, "Held-out half"))
     if args.cases:
         print(case_rows(sorted(tuning + held, key=lambda c: c["case"]["id"])))
 

@@ -1,8 +1,17 @@
 """The declared space the cases are drawn from, and the draw.
 
-A case is drawn from :data:`SPACE` by ``random.Random(CASE_SEED * 1000 + case_id)``: the same id gives the
-same case on any machine. Every parameter trains at one learning rate (one param group), fp32 on CPU, no
+A case is drawn from the declared space by ``random.Random(CASE_SEED * 1000 + case_id)``: the same id gives
+the same case on any machine. Every parameter trains at one learning rate (one param group), on CPU, no
 clipping, no scaler; the LR warms up linearly from 0 over ``warmup`` steps (0: none) and then stays.
+
+Two spaces, one id range each:
+
+- ids 0-99 (:data:`ARCHS`, ``split.json``): attention models, dense, fp32;
+- ids 100-159, *the other kinds* (:data:`KINDS_ARCHS`, ``split-kinds.json``, added 2026-12-07: early warning is
+  judged on every kind of model): a model with no attention (``mlp_lm``), a mixture-of-experts Transformer
+  (``moe_lm``) and four dense attention models, each in fp32 and under bf16 autocast (:data:`PRECISIONS`). The
+  arch comes in turn and the precision flips every ``len(KINDS_ARCHS)`` ids, so each (arch, precision) pair
+  has 5 ids. Every other parameter is drawn as in the first space.
 
 The LR of the divergent run (:func:`lr_search`, applied blindly, without gradwatch): start from a log-uniform
 draw in the optimizer's :data:`LR_RANGE`; run plain PyTorch for up to :data:`BUDGET` steps; if the run
@@ -39,6 +48,9 @@ WIDTHS = (32, 48)
 HEADS = (2, 4)
 LM_BATCHES = (16, 32)          # sequences of 16 tokens: 256-512 tokens a step
 CLS_BATCHES = (64, 128)        # classification: large enough that label noise cannot trip the rule
+KINDS_FIRST, KINDS_N = 100, 60                 # the other kinds' ids: KINDS_FIRST .. KINDS_FIRST + KINDS_N - 1
+KINDS_ARCHS = ("mlp_lm", "moe_lm", "hf_gpt2", "hf_llama", "softmax4d", "baddbmm3d")
+PRECISIONS = ("fp32", "bf16")                  # bf16: the forward under torch.autocast("cpu", torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class Case:
     heads: int
     batch: int
     seed: int
+    precision: str = "fp32"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,11 +73,18 @@ class Case:
 
 def draw(case_id: int) -> Case:
     r = random.Random(CASE_SEED * 1000 + case_id)
-    arch = ARCHS[case_id % len(ARCHS)]           # architectures in turn, so every one is in both halves' draw
+    precision = "fp32"
+    if case_id >= KINDS_FIRST:
+        k = case_id - KINDS_FIRST
+        if k >= KINDS_N:
+            raise ValueError(f"case ids run 0-{KINDS_FIRST + KINDS_N - 1}, not {case_id}")
+        arch, precision = KINDS_ARCHS[k % len(KINDS_ARCHS)], PRECISIONS[k // len(KINDS_ARCHS) % len(PRECISIONS)]
+    else:
+        arch = ARCHS[case_id % len(ARCHS)]       # architectures in turn, so every one is in both halves' draw
     opt = r.choice(OPTIMIZERS)
     lo, hi = LR_RANGE[opt]
     lr0 = math.exp(r.uniform(math.log(lo), math.log(hi)))
     heads = 4 if arch == "timm_vit" else r.choice(HEADS)       # the timm transcription has 4 heads
     cls = arch in ("hf_bert", "hf_vit", "timm_vit")
     return Case(case_id, arch, opt, lr0, r.choice(WARMUPS), r.choice(DEPTHS), r.choice(WIDTHS), heads,
-                r.choice(CLS_BATCHES if cls else LM_BATCHES), r.randrange(1 << 30))
+                r.choice(CLS_BATCHES if cls else LM_BATCHES), r.randrange(1 << 30), precision)
