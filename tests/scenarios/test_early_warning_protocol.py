@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 
 import pytest
+import torch
 
-from bench.early_warning import report, sweep
+from bench.early_warning import models, report, sweep
 from bench.early_warning.divergence import diverged_at, learned
-from bench.early_warning.space import BUDGET, CONTROL_DIVISOR, EARLIEST, LEARNED, draw
+from bench.early_warning.space import (BUDGET, CONTROL_DIVISOR, EARLIEST, KINDS_ARCHS, KINDS_FIRST, KINDS_N, LEARNED,
+                                       PRECISIONS, draw)
 
 # the split committed in cf1ec9a, before any tuning: it must never change
 SPLIT_SHA256 = "6ff479e9243d0dc5658e9f934dcb40e114c4ec7e750c85660bd17c78987a4eb1"
@@ -95,3 +98,60 @@ def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
     assert got == (None if above is None else d - above)
     s = report.summary([10, None, 60, 30])
     assert (s["warned"], s["misses"], s["median"], s["p25"], s["ge20"], s["ge50"]) == (3, 1, 10, "miss", 2, 1)
+
+
+# the other kinds' split (space.py ids 100-159), committed alone in 2b91248 before any sweep of those ids
+KINDS_SPLIT_SHA256 = "7bfa76e41e50532dcf72cb042ca4590132b97e247508c5042e15400b78a6e3cf"
+
+
+def test_the_other_kinds_split_is_the_frozen_one():
+    raw = sweep.KINDS_SPLIT.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == KINDS_SPLIT_SHA256
+    split = json.loads(raw)
+    assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == 30
+    assert sorted(split["tuning"] + split["held_out"]) == list(range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
+    halves = sweep.halves()                       # both splits, as report.split_cases reads them
+    assert sorted(halves) == list(range(KINDS_FIRST + KINDS_N))
+    assert sweep.case_ids("kinds") == list(range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
+    assert sweep.case_ids(None) == list(range(100))
+
+
+def test_the_other_kinds_space():
+    drawn = Counter((draw(i).arch, draw(i).precision) for i in range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
+    assert drawn == {(a, p): 5 for a in KINDS_ARCHS for p in PRECISIONS}
+    assert {draw(i).precision for i in range(100)} == {"fp32"}
+    with pytest.raises(ValueError, match="case ids run"):
+        draw(KINDS_FIRST + KINDS_N)
+
+
+@pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02)])
+def test_the_other_kinds_learn_in_their_precision(case_id, lr):
+    """No attention (mlp_lm) and a mixture of experts (moe_lm) learn the task; a bf16 case's forward runs under
+    bf16 autocast (its last Linear's output is bf16), an fp32 case's does not."""
+    case = draw(case_id)
+    assert (case.arch, case.precision) == {100: ("mlp_lm", "fp32"), 106: ("mlp_lm", "bf16"),
+                                           107: ("moe_lm", "bf16")}[case_id]
+    model, batch, _ = models.build(case)
+    out = models.forward(model, case, batch(0))
+    assert out.dtype == (torch.bfloat16 if case.precision == "bf16" else torch.float32)
+    r = sweep.train(case, lr, 100)          # case 107 warms up over 400 steps: its LR is still small here
+    assert r["diverged_at"] is None and r["losses"][-1] < 0.95 * r["losses"][0], r["losses"][::10]
+
+
+def test_a_mixture_of_experts_in_bf16_through_agent_and_server(server_factory, sqlite_url):
+    """The agent measures the MoE Transformer's attention under bf16 autocast as the oracle records it."""
+    srv = server_factory(sqlite_url)
+    case = draw(107)
+    run = sweep.train(case, 0.005, 60, server=srv.url, run="moe")
+    _, runs = srv.get(f"/api/v1/runs?project={sweep.PROJECT}")
+    rid = {r["name"]: r["id"] for r in runs["runs"]}["moe"]
+    status, m = srv.get(f"/api/v1/runs/{rid}/layers?stat=attn_logit_max&max_steps=10000&max_layers=10000")
+    assert status == 200
+    truth = report.true_max(run)
+    compared = 0
+    for c, step in enumerate(m["steps"]):
+        vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
+        if vals and step < len(truth) and math.isfinite(truth[step]):
+            assert max(vals) == pytest.approx(truth[step], rel=1e-3), step
+            compared += 1
+    assert compared >= 3
