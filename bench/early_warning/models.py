@@ -13,7 +13,10 @@ cannot put 5 losses in a row 1.5x above the running minimum on a healthy run.
 The other kinds (space.py, ids 100-159) use the language-model data: ``mlp_lm`` has no attention (each
 position sees the embeddings of its token and the 2 before it, LAG + 1 in all, through residual MLP blocks), and
 ``moe_lm`` is the hand-written Transformer (4-D softmax attention) whose MLP is a mixture of 4 experts with a
-top-1 softmax router (Switch-style, no load-balancing loss).
+top-1 softmax router (Switch-style, no load-balancing loss). The no-attention space (ids 200-279) adds
+``mlp_cls`` (the flattened image through residual MLP blocks), ``conv_cls`` (a small CNN: strided 3x3
+convolutions with GELU, global average pooling) on the image task, and ``gru_lm`` (a GRU language model; the
+token 2 back reaches it through its state).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .space import Case
+from .space import IMAGE_ARCHS, Case
 
 V, T, C, IMG, LAG = 32, 16, 4, 16, 2
 
@@ -135,6 +138,42 @@ class MlpLM(nn.Module):
         return self.head(self.ln(self.blocks(self.inp(torch.cat(window, dim=-1)))))
 
 
+class MlpCls(nn.Module):
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.inp = nn.Linear(3 * IMG * IMG, dim)
+        self.blocks = nn.Sequential(*[MlpBlock(dim) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, C)
+
+    def forward(self, x):
+        return self.head(self.ln(self.blocks(self.inp(x.flatten(1)))))
+
+
+class ConvCls(nn.Module):
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        layers, ch = [], 3
+        for i in range(depth + 1):                       # 16x16 -> 8x8 -> 4x4 ...: a stride of 2 on all but the last
+            layers += [nn.Conv2d(ch, dim, 3, stride=2 if i < 2 else 1, padding=1), nn.GELU()]
+            ch = dim
+        self.body, self.head = nn.Sequential(*layers), nn.Linear(dim, C)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(dim=(2, 3)))
+
+
+class GruLM(nn.Module):
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.tok = nn.Embedding(V, dim)
+        self.rnn = nn.GRU(dim, dim, num_layers=depth, batch_first=True)
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, V)
+
+    def forward(self, input_ids):
+        y, _ = self.rnn(self.tok(input_ids))
+        return self.head(self.ln(y))
+
+
 class TinyLM(nn.Module):
     def __init__(self, kind: str, dim: int, heads: int, depth: int):
         super().__init__()
@@ -196,12 +235,14 @@ def build(case: Case) -> tuple[nn.Module, Callable[[int], dict], Callable[[Any, 
                                       num_classes=C)
     elif case.arch == "mlp_lm":
         model = MlpLM(case.width, case.depth)
+    elif case.arch in ("mlp_cls", "conv_cls", "gru_lm"):
+        model = {"mlp_cls": MlpCls, "conv_cls": ConvCls, "gru_lm": GruLM}[case.arch](case.width, case.depth)
     else:
         model = TinyLM(case.arch, case.width, case.heads, case.depth)
     g = torch.Generator().manual_seed(case.seed + 1)
     succ = torch.stack([torch.randperm(V, generator=g)[:4] for _ in range(V)])     # 4 successors per token
 
-    if case.arch in ("hf_vit", "timm_vit"):
+    if case.arch in IMAGE_ARCHS:
         def batch(step: int) -> dict:
             gg = torch.Generator().manual_seed(case.seed * 7919 + step)
             y = torch.randint(0, C, (case.batch,), generator=gg)
@@ -242,7 +283,7 @@ def forward(model: nn.Module, case: Case, b: dict):
 
 
 def _forward(model: nn.Module, case: Case, b: dict):
-    if case.arch == "timm_vit":
+    if case.arch in IMAGE_ARCHS and case.arch != "hf_vit":
         return model(b["x"])
     key = "pixel_values" if case.arch == "hf_vit" else "input_ids"
     return model(**{key: b[key]})

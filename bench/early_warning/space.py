@@ -11,7 +11,11 @@ Two spaces, one id range each:
   judged on every kind of model): a model with no attention (``mlp_lm``), a mixture-of-experts Transformer
   (``moe_lm``) and four dense attention models, each in fp32 and under bf16 autocast (:data:`PRECISIONS`). The
   arch comes in turn and the precision flips every ``len(KINDS_ARCHS)`` ids, so each (arch, precision) pair
-  has 5 ids. Every other parameter is drawn as in the first space.
+  has 5 ids. Every other parameter is drawn as in the first space;
+- ids 200-279, *no attention* (:data:`NOATTN_ARCHS`, ``split-noattn.json``, added 2026-12-07: the other kinds
+  held too few no-attention cases to split): an MLP language model, an MLP and a small CNN on the image task, a
+  GRU language model, each in fp32 and bf16 (the precision flips every ``len(NOATTN_ARCHS)`` ids, 10 ids per
+  pair).
 
 The LR of the divergent run (:func:`lr_search`, applied blindly, without gradwatch): start from a log-uniform
 draw in the optimizer's :data:`LR_RANGE`; run plain PyTorch for up to :data:`BUDGET` steps; if the run
@@ -51,6 +55,9 @@ CLS_BATCHES = (64, 128)        # classification: large enough that label noise c
 KINDS_FIRST, KINDS_N = 100, 60                 # the other kinds' ids: KINDS_FIRST .. KINDS_FIRST + KINDS_N - 1
 KINDS_ARCHS = ("mlp_lm", "moe_lm", "hf_gpt2", "hf_llama", "softmax4d", "baddbmm3d")
 PRECISIONS = ("fp32", "bf16")                  # bf16: the forward under torch.autocast("cpu", torch.bfloat16)
+NOATTN_FIRST, NOATTN_N = 200, 80
+NOATTN_ARCHS = ("mlp_lm", "mlp_cls", "conv_cls", "gru_lm")
+IMAGE_ARCHS = ("hf_vit", "timm_vit", "mlp_cls", "conv_cls")     # the image task (models.py)
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,14 @@ class Case:
 def draw(case_id: int) -> Case:
     r = random.Random(CASE_SEED * 1000 + case_id)
     precision = "fp32"
-    if case_id >= KINDS_FIRST:
+    if NOATTN_FIRST <= case_id < NOATTN_FIRST + NOATTN_N:
+        k = case_id - NOATTN_FIRST
+        arch, precision = NOATTN_ARCHS[k % len(NOATTN_ARCHS)], PRECISIONS[k // len(NOATTN_ARCHS) % len(PRECISIONS)]
+    elif case_id >= KINDS_FIRST:
         k = case_id - KINDS_FIRST
         if k >= KINDS_N:
-            raise ValueError(f"case ids run 0-{KINDS_FIRST + KINDS_N - 1}, not {case_id}")
+            raise ValueError(f"case ids run 0-{KINDS_FIRST + KINDS_N - 1} and {NOATTN_FIRST}-"
+                             f"{NOATTN_FIRST + NOATTN_N - 1}, not {case_id}")
         arch, precision = KINDS_ARCHS[k % len(KINDS_ARCHS)], PRECISIONS[k // len(KINDS_ARCHS) % len(PRECISIONS)]
     else:
         arch = ARCHS[case_id % len(ARCHS)]       # architectures in turn, so every one is in both halves' draw
@@ -85,6 +96,6 @@ def draw(case_id: int) -> Case:
     lo, hi = LR_RANGE[opt]
     lr0 = math.exp(r.uniform(math.log(lo), math.log(hi)))
     heads = 4 if arch == "timm_vit" else r.choice(HEADS)       # the timm transcription has 4 heads
-    cls = arch in ("hf_bert", "hf_vit", "timm_vit")
+    cls = arch == "hf_bert" or arch in IMAGE_ARCHS
     return Case(case_id, arch, opt, lr0, r.choice(WARMUPS), r.choice(DEPTHS), r.choice(WIDTHS), heads,
                 r.choice(CLS_BATCHES if cls else LM_BATCHES), r.randrange(1 << 30), precision)
