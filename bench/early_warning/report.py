@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from .space import KINDS_FIRST
+from .space import KINDS_FIRST, NOATTN_ARCHS, NOATTN_FIRST
 from .sweep import RESULTS
 from .sweep import halves as sweep_halves
 
@@ -120,7 +120,9 @@ def case_rows(cases: list[dict], rules=RULES) -> str:
 
 def kind_of(case: dict) -> str:
     arch = case["arch"]
-    return "no attention" if arch == "mlp_lm" else "mixture of experts" if arch == "moe_lm" else "dense attention"
+    if arch in NOATTN_ARCHS:
+        return f"no attention ({arch})" if case["id"] >= NOATTN_FIRST else "no attention"
+    return "mixture of experts" if arch == "moe_lm" else "dense attention"
 
 
 def kinds_table(cases: list[dict], label: str) -> str:

@@ -4,6 +4,7 @@ real agent (default settings) to a real server (``gradwatch serve`` on 127.0.0.1
     .venv/bin/python -m bench.early_warning.sweep                 # every case of the split, 2 workers
     .venv/bin/python -m bench.early_warning.sweep --cases 0-5 --out /tmp/ew.jsonl --workers 1
     .venv/bin/python -m bench.early_warning.sweep --cases kinds --out bench/early_warning/results-kinds.jsonl
+    .venv/bin/python -m bench.early_warning.sweep --cases noattn --out bench/early_warning/results-noattn.jsonl
 
 Writes one JSON line per case (bench/early_warning/results.jsonl by default): the case, the LR search's
 tries, and for each of the two runs its losses, the divergence step, the true max attention logit of every
@@ -36,15 +37,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SPLIT = HERE / "split.json"
 KINDS_SPLIT = HERE / "split-kinds.json"     # the other kinds (space.py, ids 100-159), frozen on 2026-12-07
+NOATTN_SPLIT = HERE / "split-noattn.json"   # no attention (space.py, ids 200-279), frozen on 2026-12-07
+SPLITS = {"kinds": KINDS_SPLIT, "noattn": NOATTN_SPLIT}
 RESULTS = HERE / "results.jsonl"
 PROJECT = "early-warning"
 N_CASES = 100           # the sweep runs case ids 0 .. N_CASES - 1 (each in its half of split.json)
 
 
 def halves() -> dict[int, str]:
-    """Each case id's half, 'tuning' or 'held-out', from both frozen splits."""
+    """Each case id's half, 'tuning' or 'held-out', from every frozen split."""
     out: dict[int, str] = {}
-    for path in (SPLIT, KINDS_SPLIT):
+    for path in (SPLIT, *SPLITS.values()):
         split = json.loads(path.read_text())
         out |= {i: "tuning" for i in split["tuning"]} | {i: "held-out" for i in split["held_out"]}
     return out
@@ -209,8 +212,8 @@ class Server:
 
 
 def case_ids(spec: Optional[str]) -> list[int]:
-    if spec is None or spec == "kinds":
-        split = json.loads((SPLIT if spec is None else KINDS_SPLIT).read_text())
+    if spec is None or spec in SPLITS:
+        split = json.loads((SPLIT if spec is None else SPLITS[spec]).read_text())
         return sorted(i for i in split["tuning"] + split["held_out"] if spec or i < N_CASES)
     ids: list[int] = []
     for part in spec.split(","):
@@ -221,8 +224,8 @@ def case_ids(spec: Optional[str]) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default=None, help="ids, e.g. 0-9,12, or 'kinds': the other kinds' ids 100-159 "
-                    "(default: ids below N_CASES)")
+    ap.add_argument("--cases", default=None, help="ids, e.g. 0-9,12; 'kinds': the other kinds' ids 100-159; "
+                    "'noattn': the no-attention ids 200-279 (default: ids below N_CASES)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rules", default=None, help="a rules file for the server")
