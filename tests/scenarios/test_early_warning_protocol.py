@@ -18,7 +18,7 @@ import torch
 from bench.early_warning import models, report, sweep
 from bench.early_warning.divergence import diverged_at, learned
 from bench.early_warning.space import (BUDGET, CONTROL_DIVISOR, EARLIEST, KINDS_ARCHS, KINDS_FIRST, KINDS_N, LEARNED,
-                                       PRECISIONS, draw)
+                                       NOATTN_ARCHS, NOATTN_FIRST, NOATTN_N, PRECISIONS, draw)
 
 # the split committed in cf1ec9a, before any tuning: it must never change
 SPLIT_SHA256 = "6ff479e9243d0dc5658e9f934dcb40e114c4ec7e750c85660bd17c78987a4eb1"
@@ -110,8 +110,9 @@ def test_the_other_kinds_split_is_the_frozen_one():
     split = json.loads(raw)
     assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == 30
     assert sorted(split["tuning"] + split["held_out"]) == list(range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
-    halves = sweep.halves()                       # both splits, as report.split_cases reads them
-    assert sorted(halves) == list(range(KINDS_FIRST + KINDS_N))
+    halves = sweep.halves()                       # every split, as report.split_cases reads them
+    noattn = list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
+    assert sorted(halves) == list(range(KINDS_FIRST + KINDS_N)) + noattn
     assert sweep.case_ids("kinds") == list(range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
     assert sweep.case_ids(None) == list(range(100))
 
@@ -122,15 +123,34 @@ def test_the_other_kinds_space():
     assert {draw(i).precision for i in range(100)} == {"fp32"}
     with pytest.raises(ValueError, match="case ids run"):
         draw(KINDS_FIRST + KINDS_N)
+    drawn = Counter((draw(i).arch, draw(i).precision) for i in range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
+    assert drawn == {(a, p): 10 for a in NOATTN_ARCHS for p in PRECISIONS}
 
 
-@pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02)])
+# the no-attention split (space.py ids 200-279), committed alone in 8d90954 before any sweep of those ids
+NOATTN_SPLIT_SHA256 = "3e6dd2ea6b38b369a075a443950a6775e6dd6d9b796be55554759cd0e58a992e"
+
+
+def test_the_no_attention_split_is_the_frozen_one():
+    raw = sweep.NOATTN_SPLIT.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == NOATTN_SPLIT_SHA256
+    split = json.loads(raw)
+    assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == 40
+    assert sorted(split["tuning"] + split["held_out"]) == list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
+    assert sweep.case_ids("noattn") == list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
+
+
+@pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02), (201, 0.3), (202, 0.005),
+                                        (203, 0.003), (205, 0.003), (206, 0.003), (207, 0.005)])
 def test_the_other_kinds_learn_in_their_precision(case_id, lr):
-    """No attention (mlp_lm) and a mixture of experts (moe_lm) learn the task; a bf16 case's forward runs under
+    """No attention (an MLP, a CNN, a GRU) and a mixture of experts (moe_lm) learn the task; a bf16 case's forward runs under
     bf16 autocast (its last Linear's output is bf16), an fp32 case's does not."""
     case = draw(case_id)
     assert (case.arch, case.precision) == {100: ("mlp_lm", "fp32"), 106: ("mlp_lm", "bf16"),
-                                           107: ("moe_lm", "bf16")}[case_id]
+                                           107: ("moe_lm", "bf16"), 201: ("mlp_cls", "fp32"),
+                                           202: ("conv_cls", "fp32"), 203: ("gru_lm", "fp32"),
+                                           205: ("mlp_cls", "bf16"), 206: ("conv_cls", "bf16"),
+                                           207: ("gru_lm", "bf16")}[case_id]
     model, batch, _ = models.build(case)
     out = models.forward(model, case, batch(0))
     assert out.dtype == (torch.bfloat16 if case.precision == "bf16" else torch.float32)
