@@ -143,8 +143,8 @@ def test_the_no_attention_split_is_the_frozen_one():
 @pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02), (201, 0.3), (202, 0.005),
                                         (203, 0.003), (205, 0.003), (206, 0.003), (207, 0.005)])
 def test_the_other_kinds_learn_in_their_precision(case_id, lr):
-    """No attention (an MLP, a CNN, a GRU) and a mixture of experts (moe_lm) learn the task; a bf16 case's forward runs under
-    bf16 autocast (its last Linear's output is bf16), an fp32 case's does not."""
+    """No attention (an MLP, a CNN, a GRU) and a mixture of experts (moe_lm) learn the task; a bf16 case's forward
+    runs under bf16 autocast (its last Linear's output is bf16), an fp32 case's does not."""
     case = draw(case_id)
     assert (case.arch, case.precision) == {100: ("mlp_lm", "fp32"), 106: ("mlp_lm", "bf16"),
                                            107: ("moe_lm", "bf16"), 201: ("mlp_cls", "fp32"),
