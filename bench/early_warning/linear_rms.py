@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .report import lead, load, split_cases, summary
-from .space import BUDGET, CONTROL_DIVISOR, draw
+from .space import BUDGET, CONTROL_DIVISOR, NOATTN_ARCHS, draw
 
 EVERY = 25
 
@@ -83,19 +83,20 @@ def main() -> None:
     with mp.get_context("spawn").Pool(args.workers) as pool:
         rows = sorted(pool.imap_unordered(run_pair, jobs), key=lambda r: r["id"])
     rows = [r for r in rows if r["divergent"]["diverged_at"] is not None and r["control"]["diverged_at"] is None]
-    mlp = [r for r in rows if r["arch"] == "mlp_lm"]
-    print(f"{len(rows)} valid tuning reruns, {len(mlp)} of them with no attention (mlp_lm)\n")
-    print("| level | doubling in <= | k | MLP twins warned >= 20 ahead | every twin: median lead / >= 20 ahead | "
-          "controls warned |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    mlp = [r for r in rows if r["arch"] in NOATTN_ARCHS]
+    print(f"{len(rows)} valid tuning reruns, {len(mlp)} of them with no attention\n")
+    print("| level | doubling in <= | k | no-attention twins warned >= 20 ahead | every twin: median lead / >= 20 "
+          "ahead | controls warned | no-attention controls warned |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for level, doubling, k in itertools.product((2, 3, 5, 8, 12), (10, 15, 25, 40), (1, 2)):
         leads = {r["id"]: lead(r["divergent"]["diverged_at"], first_growth(r["divergent"], level, doubling, k))
                  for r in rows}
         s = summary(list(leads.values()))
         ctl = [r["id"] for r in rows if first_growth(r["control"], level, doubling, k) is not None]
         m = sum(1 for r in mlp if (leads[r["id"]] or 0) >= 20)
+        quiet = [r["id"] for r in mlp if r["id"] in ctl]
         print(f"| {level} | {doubling} | {k} | {m} of {len(mlp)} | {s['median']} / {s['ge20']} of {s['n']} | "
-              f"{len(ctl)} {ctl} |")
+              f"{len(ctl)} {ctl} | {len(quiet)} |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from .report import lead, load, split_cases, summary
+from .space import NOATTN_ARCHS
 
 SETTINGS = [(10, 0.15, 0.1, 0.0), (10, 0.2, 0.1, 0.0), (20, 0.15, 0.1, 0.0), (10, 0.15, 0.1, 2.0),
             (10, 0.15, 0.1, 3.0), (10, 0.15, 0.1, 4.0)]
@@ -92,8 +93,8 @@ def main() -> None:
     ap.add_argument("--results", nargs="+", required=True, help="results files; their tuning halves are read")
     args = ap.parse_args()
     tuning = [c for path in args.results for c in split_cases(load(Path(path)))[0]]
-    groups = {"attention (every arch but mlp_lm)": [c for c in tuning if c["case"]["arch"] != "mlp_lm"],
-              "no attention (mlp_lm)": [c for c in tuning if c["case"]["arch"] == "mlp_lm"]}
+    groups = {"attention": [c for c in tuning if c["case"]["arch"] not in NOATTN_ARCHS],
+              "no attention": [c for c in tuning if c["case"]["arch"] in NOATTN_ARCHS]}
     healthy = schedule_runs()
     print(f"tuning halves: {', '.join(f'{k} {len(v)}' for k, v in groups.items())}; {len(healthy)} healthy "
           f"schedule runs\n")
