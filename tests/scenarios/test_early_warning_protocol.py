@@ -100,20 +100,21 @@ def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
     assert (s["warned"], s["misses"], s["median"], s["p25"], s["ge20"], s["ge50"]) == (3, 1, 10, "miss", 2, 1)
 
 
-# the other kinds' split (space.py ids 100-159), committed alone in 2b91248 before any sweep of those ids
-KINDS_SPLIT_SHA256 = "7bfa76e41e50532dcf72cb042ca4590132b97e247508c5042e15400b78a6e3cf"
+# the later spaces' splits (space.py), each committed alone before any sweep of its ids: the other kinds (ids
+# 100-159, in 2b91248) and no attention (ids 200-279, in 8d90954)
+LATER_SPLITS = [("kinds", "7bfa76e41e50532dcf72cb042ca4590132b97e247508c5042e15400b78a6e3cf", KINDS_FIRST, KINDS_N),
+                ("noattn", "3e6dd2ea6b38b369a075a443950a6775e6dd6d9b796be55554759cd0e58a992e", NOATTN_FIRST, NOATTN_N)]
 
 
-def test_the_other_kinds_split_is_the_frozen_one():
-    raw = sweep.KINDS_SPLIT.read_bytes()
-    assert hashlib.sha256(raw).hexdigest() == KINDS_SPLIT_SHA256
+@pytest.mark.parametrize("name, sha256, first, n", LATER_SPLITS)
+def test_the_later_splits_are_the_frozen_ones(name, sha256, first, n):
+    raw = sweep.SPLITS[name].read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == sha256
     split = json.loads(raw)
-    assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == 30
-    assert sorted(split["tuning"] + split["held_out"]) == list(range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
+    assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == n // 2
+    assert sorted(split["tuning"] + split["held_out"]) == list(range(first, first + n)) == sweep.case_ids(name)
     halves = sweep.halves()                       # every split, as report.split_cases reads them
-    noattn = list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
-    assert sorted(halves) == list(range(KINDS_FIRST + KINDS_N)) + noattn
-    assert sweep.case_ids("kinds") == list(range(KINDS_FIRST, KINDS_FIRST + KINDS_N))
+    assert sorted(halves) == list(range(KINDS_FIRST + KINDS_N)) + list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
     assert sweep.case_ids(None) == list(range(100))
 
 
@@ -125,19 +126,6 @@ def test_the_other_kinds_space():
         draw(KINDS_FIRST + KINDS_N)
     drawn = Counter((draw(i).arch, draw(i).precision) for i in range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
     assert drawn == {(a, p): 10 for a in NOATTN_ARCHS for p in PRECISIONS}
-
-
-# the no-attention split (space.py ids 200-279), committed alone in 8d90954 before any sweep of those ids
-NOATTN_SPLIT_SHA256 = "3e6dd2ea6b38b369a075a443950a6775e6dd6d9b796be55554759cd0e58a992e"
-
-
-def test_the_no_attention_split_is_the_frozen_one():
-    raw = sweep.NOATTN_SPLIT.read_bytes()
-    assert hashlib.sha256(raw).hexdigest() == NOATTN_SPLIT_SHA256
-    split = json.loads(raw)
-    assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == 40
-    assert sorted(split["tuning"] + split["held_out"]) == list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
-    assert sweep.case_ids("noattn") == list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
 
 
 @pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02), (201, 0.3), (202, 0.005),
