@@ -174,6 +174,9 @@ class GruLM(nn.Module):
         return self.head(self.ln(y))
 
 
+NO_ATTENTION = {"mlp_lm": MlpLM, "mlp_cls": MlpCls, "conv_cls": ConvCls, "gru_lm": GruLM}   # (width, depth)
+
+
 class TinyLM(nn.Module):
     def __init__(self, kind: str, dim: int, heads: int, depth: int):
         super().__init__()
@@ -233,10 +236,8 @@ def build(case: Case) -> tuple[nn.Module, Callable[[int], dict], Callable[[Any, 
         from tests.agent.zoo_models import TimmVisionTransformer
         model = TimmVisionTransformer(fused_attn=bool(case.seed % 2), dim=case.width, depth=case.depth,
                                       num_classes=C)
-    elif case.arch == "mlp_lm":
-        model = MlpLM(case.width, case.depth)
-    elif case.arch in ("mlp_cls", "conv_cls", "gru_lm"):
-        model = {"mlp_cls": MlpCls, "conv_cls": ConvCls, "gru_lm": GruLM}[case.arch](case.width, case.depth)
+    elif case.arch in NO_ATTENTION:
+        model = NO_ATTENTION[case.arch](case.width, case.depth)
     else:
         model = TinyLM(case.arch, case.width, case.heads, case.depth)
     g = torch.Generator().manual_seed(case.seed + 1)

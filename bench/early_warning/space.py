@@ -57,6 +57,8 @@ KINDS_ARCHS = ("mlp_lm", "moe_lm", "hf_gpt2", "hf_llama", "softmax4d", "baddbmm3
 PRECISIONS = ("fp32", "bf16")                  # bf16: the forward under torch.autocast("cpu", torch.bfloat16)
 NOATTN_FIRST, NOATTN_N = 200, 80
 NOATTN_ARCHS = ("mlp_lm", "mlp_cls", "conv_cls", "gru_lm")
+# the later spaces: (first id, how many, their archs in turn); the precision flips every len(archs) ids
+LATER_SPACES = ((KINDS_FIRST, KINDS_N, KINDS_ARCHS), (NOATTN_FIRST, NOATTN_N, NOATTN_ARCHS))
 IMAGE_ARCHS = ("hf_vit", "timm_vit", "mlp_cls", "conv_cls")     # the image task (models.py)
 
 
@@ -80,18 +82,14 @@ class Case:
 
 def draw(case_id: int) -> Case:
     r = random.Random(CASE_SEED * 1000 + case_id)
-    precision = "fp32"
-    if NOATTN_FIRST <= case_id < NOATTN_FIRST + NOATTN_N:
-        k = case_id - NOATTN_FIRST
-        arch, precision = NOATTN_ARCHS[k % len(NOATTN_ARCHS)], PRECISIONS[k // len(NOATTN_ARCHS) % len(PRECISIONS)]
-    elif case_id >= KINDS_FIRST:
-        k = case_id - KINDS_FIRST
-        if k >= KINDS_N:
-            raise ValueError(f"case ids run 0-{KINDS_FIRST + KINDS_N - 1} and {NOATTN_FIRST}-"
-                             f"{NOATTN_FIRST + NOATTN_N - 1}, not {case_id}")
-        arch, precision = KINDS_ARCHS[k % len(KINDS_ARCHS)], PRECISIONS[k // len(KINDS_ARCHS) % len(PRECISIONS)]
-    else:
-        arch = ARCHS[case_id % len(ARCHS)]       # architectures in turn, so every one is in both halves' draw
+    arch, precision = ARCHS[case_id % len(ARCHS)], "fp32"   # architectures in turn: every one in both halves
+    if case_id >= KINDS_FIRST:
+        later = [(case_id - first, archs) for first, n, archs in LATER_SPACES if first <= case_id < first + n]
+        if not later:
+            ranges = ", ".join(f"{first}-{first + n - 1}" for first, n, _ in LATER_SPACES)
+            raise ValueError(f"case ids run 0-{KINDS_FIRST - 1}, {ranges}, not {case_id}")
+        (k, archs), = later
+        arch, precision = archs[k % len(archs)], PRECISIONS[k // len(archs) % len(PRECISIONS)]
     opt = r.choice(OPTIMIZERS)
     lo, hi = LR_RANGE[opt]
     lr0 = math.exp(r.uniform(math.log(lo), math.log(hi)))
