@@ -1,16 +1,14 @@
-"""Three more precursors tried as early-warning signals, on the tuning half only (issue 41, item 2): attention
+"""Precursors tried as early-warning signals beside the attention logits, on the tuning half only (issue 41, item 2): attention
 entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio ||dW|| / ||W|| (the
 checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
 (an oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
-gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max
-attention logit's growth. An analysis beside
-the protocol: it reruns each
-valid tuning case of a results file (its divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR)
-in plain PyTorch, with :class:`Entropy` (a subclass of this benchmark's oracle mode) and :class:`StepSignals`
-(optimizer step hooks) recording every step, and asks whether a rule on either signal, or a gate on H12 by
-it, warns earlier or on fewer controls than H12 alone. Held-out cases are never run: a signal that wins here
-is put in the agent first and reported on the held-out half through the real path (sweep.py + report.py),
-once.
+gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max attention
+logit's growth. An analysis beside the protocol: it reruns each valid tuning case of a results file (its divergent
+twin at the kept LR, its control at LR / CONTROL_DIVISOR) in plain PyTorch, with :class:`Entropy` (a subclass of
+this benchmark's oracle mode) and :class:`StepSignals` (optimizer step hooks) recording every step, and asks whether
+a rule on either signal, or a gate on H12 by it, warns earlier or on fewer controls than H12 alone. Held-out cases
+are never run: a signal that wins here is put in the agent first and reported on the held-out half through the real
+path (sweep.py + report.py), once.
 
     .venv/bin/python -m bench.early_warning.precursors --results bench/early_warning/results-733fc4b.jsonl \\
         --workers 2 --out /tmp/precursors.jsonl                 # runs (about 3 minutes), then the tables
@@ -54,6 +52,8 @@ STEPS = 300                      # the protocol's run length
 ONE_HOT = 0.05                   # a row whose normalised entropy is below this attends to one key
 EVERY = 25                       # the agent's attention cadence (agent/config.py), without its escalation
 WINDOW = 25                      # steps the update ratio's median is taken over
+# StepSignals' tuple, one a step
+STEP_COLUMNS = ("ratio_median", "ratio_max", "cosine", "grad_norm", "weight_norm", "rho")
 
 
 class Entropy(TrueLogits):
@@ -93,7 +93,7 @@ class StepSignals:
     last step's secant ratio. One tuple a step: (ratio median, ratio max, cosine, grad norm, weight norm, rho)."""
 
     def __init__(self):
-        self.steps: list[tuple[float, float, float]] = []
+        self.steps: list[tuple[float, ...]] = []      # STEP_COLUMNS
         self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grad: Optional[torch.Tensor] = None
         self._weights: Optional[torch.Tensor] = None
@@ -197,16 +197,24 @@ def outcome(rows: list[dict], first: Callable[[dict, dict], Optional[int]]) -> t
     return summary(leads), [r["id"] for r in rows if first(r, r["control"]) is not None]
 
 
+def median_at(run: dict, column: str, step: int, window: int) -> float:
+    """The median of one of StepSignals' columns over the ``window`` steps up to ``step``, its non-finite values
+    left out (NaN where none is left)."""
+    c = STEP_COLUMNS.index(column)
+    xs = [s[c] for s in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(s[c])]
+    return float(np.median(xs)) if xs else math.nan
+
+
 def ratio_at(run: dict, step: int, window: int = WINDOW) -> float:
     """The median of the per-step median update ratios over the ``window`` steps up to ``step`` (E3's
     statistic over a shorter window: a single step's ratio is noisy)."""
-    xs = [m for m, *_ in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(m)]
-    return float(np.median(xs)) if xs else math.nan
+    return median_at(run, "ratio_median", step, window)
 
 
 def cosine_at(run: dict, step: int, window: int = 10) -> float:
     """The mean cosine between consecutive gradients over the ``window`` steps up to ``step``."""
-    xs = [s[2] for s in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(s[2])]
+    c = STEP_COLUMNS.index("cosine")
+    xs = [s[c] for s in run["step_signals"][max(0, step - window + 1):step + 1] if math.isfinite(s[c])]
     return float(np.mean(xs)) if xs else math.nan
 
 
@@ -305,7 +313,7 @@ def h12_rows(rows: list[dict]) -> None:
 def first_weight_growth(run: dict, rate: Optional[float], total: Optional[float], every: int = EVERY) -> Optional[int]:
     """The first step (every ``every`` steps) whose weight norm is ``rate``x its value ``every`` steps earlier,
     or ``total``x its value at step 0."""
-    w = [s[4] for s in run["step_signals"]]
+    w = [s[STEP_COLUMNS.index("weight_norm")] for s in run["step_signals"]]
     for t in range(every, len(w), every):
         if (rate is not None and w[t] >= rate * w[t - every]) or (total is not None and w[t] >= total * w[0]):
             return t
@@ -315,13 +323,11 @@ def first_weight_growth(run: dict, rate: Optional[float], total: Optional[float]
 def first_grad_rise(run: dict, factor: float, window: int = 10) -> Optional[int]:
     """The first step whose gradient norm, a median over ``window`` steps, is ``factor``x the lowest such median
     so far (every step: the agent streams the pre-clip norm at every step)."""
-    g = [s[3] for s in run["step_signals"]]
     low = math.inf
-    for t in range(window - 1, len(g)):
-        xs = [x for x in g[t - window + 1:t + 1] if math.isfinite(x)]
-        if not xs:
+    for t in range(window - 1, len(run["step_signals"])):
+        m = median_at(run, "grad_norm", t, window)
+        if not math.isfinite(m):
             continue
-        m = float(np.median(xs))
         low = min(low, m)
         if m >= factor * low:
             return t
@@ -330,12 +336,8 @@ def first_grad_rise(run: dict, factor: float, window: int = 10) -> Optional[int]
 
 def first_secant_below(run: dict, below: float, window: int = 10) -> Optional[int]:
     """The first step whose secant ratio, a median over ``window`` steps, is below ``below``."""
-    rho = [s[5] for s in run["step_signals"]]
-    for t in range(window, len(rho)):
-        xs = [x for x in rho[t - window + 1:t + 1] if math.isfinite(x)]
-        if xs and float(np.median(xs)) < below:
-            return t
-    return None
+    return next((t for t in range(window, len(run["step_signals"])) if median_at(run, "rho", t, window) < below),
+                None)
 
 
 def first_acceleration(run: dict, level: float, growth: float, faster: float, k: int,
