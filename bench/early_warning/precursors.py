@@ -1,6 +1,6 @@
 """Precursors tried as early-warning signals beside the attention logits, on the tuning half only (issue 41,
-item 2): attention entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio ||dW|| / ||W|| (the
-checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
+item 2): attention entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio
+||dW|| / ||W|| (the checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
 (an oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
 gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max attention
 logit's growth. An analysis beside the protocol: it reruns each valid tuning case of a results file (its divergent
