@@ -1,14 +1,14 @@
-"""Precursors tried as early-warning signals beside the attention logits, on the tuning half only (issue 41,
-item 2): attention entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio
-||dW|| / ||W|| (the checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients
-(an oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
-gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max attention
-logit's growth. An analysis beside the protocol: it reruns each valid tuning case of a results file (its divergent
-twin at the kept LR, its control at LR / CONTROL_DIVISOR) in plain PyTorch, with :class:`Entropy` (a subclass of
-this benchmark's oracle mode) and :class:`StepSignals` (optimizer step hooks) recording every step, and asks whether
-a rule on either signal, or a gate on H12 by it, warns earlier or on fewer controls than H12 alone. Held-out cases
-are never run: a signal that wins here is put in the agent first and reported on the held-out half through the real
-path (sweep.py + report.py), once.
+"""Precursors tried as early-warning signals beside the attention logits, on the tuning half only (issue 41, item 2):
+attention entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-weight ratio ||dW|| / ||W|| (the
+checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients (an
+oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
+gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max
+attention logit's growth. An analysis beside the protocol: it reruns each valid tuning case of a results file (its
+divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR) in plain PyTorch, with :class:`Entropy` (a
+subclass of this benchmark's oracle mode) and :class:`StepSignals` (optimizer step hooks) recording every step,
+and asks whether a rule on either signal, or a gate on H12 by it, warns earlier or on fewer controls than H12
+alone. Held-out cases are never run: a signal that wins here is put in the agent first and reported on the held-
+out half through the real path (sweep.py + report.py), once.
 
     .venv/bin/python -m bench.early_warning.precursors --results bench/early_warning/results-733fc4b.jsonl \\
         --workers 2 --out /tmp/precursors.jsonl                 # runs (about 3 minutes), then the tables
