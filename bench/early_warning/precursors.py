@@ -7,8 +7,8 @@ attention logit's growth. An analysis beside the protocol: it reruns each valid 
 divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR) in plain PyTorch, with :class:`Entropy` (a
 subclass of this benchmark's oracle mode) and :class:`StepSignals` (optimizer step hooks) recording every step,
 and asks whether a rule on either signal, or a gate on H12 by it, warns earlier or on fewer controls than H12
-alone. Held-out cases are never run: a signal that wins here is put in the agent first and reported on the held-
-out half through the real path (sweep.py + report.py), once.
+alone. Held-out cases are never run: a signal that wins here is put in the agent first and reported on the
+held-out half through the real path (sweep.py + report.py), once.
 
     .venv/bin/python -m bench.early_warning.precursors --results bench/early_warning/results-733fc4b.jsonl \\
         --workers 2 --out /tmp/precursors.jsonl                 # runs (about 3 minutes), then the tables
