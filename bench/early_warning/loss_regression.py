@@ -22,6 +22,8 @@ from typing import Optional
 
 import numpy as np
 
+from gradwatch.server.rules.stats import MAD_TO_SIGMA
+
 from .report import lead, load, split_cases, summary
 from .space import NOATTN_ARCHS
 
@@ -43,7 +45,7 @@ def first_regression(losses: list, until: Optional[int], window: int, rise: floa
         noise = 0.0
         if z > 0:
             d = np.diff(xs[max(0, t - span + 1):t + 1])
-            noise = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) > 2 else math.inf
+            noise = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) > 2 else math.inf
         if best > 0 and m >= (1 + rise) * best and m - best >= give_back * (first - best) and m - best >= z * noise:
             return t
     return None

@@ -126,7 +126,7 @@ def kind_of(case: dict) -> str:
 
 
 def kinds_table(cases: list[dict], label: str) -> str:
-    """One half's figures per kind of model and precision (the other kinds, space.py ids 100-159): the H rules'
+    """One half's figures per kind of model and precision (the later spaces, space.py ids 100 on): the H rules'
     first warning, and beside it the first alert above info from any rule, with the controls each warns."""
     lines = [f"**{label}**, per kind", "",
              "| kind | precision | divergent runs | any H: median lead | p25 | warned >= 20 ahead | "
