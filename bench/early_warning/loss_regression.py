@@ -52,42 +52,15 @@ def first_regression(losses: list, until: Optional[int], window: int, rise: floa
 
 
 def schedule_runs() -> dict[str, list[float]]:
-    """The healthy runs of the H10 schedule test, in plain PyTorch (the same model, data, optimizer and loop)."""
+    """The healthy runs of the H10 schedule test (its own loop, ``schedule_loop``), in plain PyTorch."""
     import warnings
 
-    import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.rules.test_lr_jump_and_coverage_rules import EPOCHS, LR, STEPS_PER_EPOCH, _schedules
+    from tests.rules.test_lr_jump_and_coverage_rules import _schedules, schedule_loop
 
-    out = {}
-    for name, (make, when) in _schedules().items():
-        if name == "x50-bug":
-            continue
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        sched = make(opt)
-        x = torch.randn(256, 8)
-        y = x[:, :1] * 0.5 - x[:, 1:2]
-        losses = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")           # scheduler.step(epoch) is deprecated; the test uses it
-            for epoch in range(EPOCHS):
-                for i in range(STEPS_PER_EPOCH):
-                    rows = slice(i * 12 % 256, i * 12 % 256 + 64)
-                    opt.zero_grad()
-                    loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
-                    loss.backward()
-                    opt.step()
-                    losses.append(float(loss.detach()))
-                    if when == "step":
-                        sched.step()
-                if when == "epoch":
-                    sched.step(epoch + 1)
-                elif when == "plateau":
-                    sched.step(1.0)
-        out[name] = losses
-    return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # scheduler.step(epoch) is deprecated; the test uses it
+        return {name: schedule_loop(name)[0] for name in _schedules() if name != "x50-bug"}
 
 
 def main() -> None:

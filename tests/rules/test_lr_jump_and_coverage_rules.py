@@ -170,39 +170,53 @@ def schedule_server(tmp_path_factory):
     srv.stop()
 
 
-def train_with_schedule(srv, tmp_path, name: str) -> tuple[list[dict], list[float]]:
+def schedule_loop(name: str, attach=None) -> tuple[list[float], list[float]]:
     """A tiny regression trained for EPOCHS x STEPS_PER_EPOCH steps with AdamW(lr=LR) and the named real
-    scheduler, the agent attached to a real server; returns the run's alerts and the LRs the loop used."""
+    scheduler; ``attach(model, optimizer)`` returns a monitor that is given each loss (None: plain PyTorch, as
+    bench/early_warning/loss_regression.py runs it). Returns the losses and the LRs the loop used. Its batches
+    come in the same order every epoch, so the loss varies with the batch as well as with training."""
     import torch
-    from gradwatch import agent
-    from tests.conftest import wait_until
 
     make, when = _schedules()[name]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = make(opt)
-    monitor = agent.attach(model, optimizer=opt, server=srv.url, project="lr-schedules", run=name,
-                           spool_dir=str(tmp_path / name), flush_interval=0.1)
+    monitor = attach(model, opt) if attach is not None else None
     x = torch.randn(256, 8)
     y = x[:, :1] * 0.5 - x[:, 1:2]
-    used = []
+    losses, used = [], []
     for epoch in range(EPOCHS):
         for i in range(STEPS_PER_EPOCH):
             rows = slice(i * 12 % 256, i * 12 % 256 + 64)
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
-            monitor.log(loss=loss)
+            if monitor is not None:
+                monitor.log(loss=loss)
             loss.backward()
             used.append(opt.param_groups[0]["lr"])
             opt.step()
+            losses.append(float(loss.detach()))
             if when == "step":
                 sched.step()
         if when == "epoch":
             sched.step(epoch + 1)
         elif when == "plateau":
             sched.step(1.0)            # a metric that never improves: the LR falls every epoch
-    monitor.close()
+    if monitor is not None:
+        monitor.close()
+    return losses, used
+
+
+def train_with_schedule(srv, tmp_path, name: str) -> tuple[list[dict], list[float]]:
+    """schedule_loop with the agent attached to a real server; returns the run's alerts and the LRs the loop
+    used."""
+    from gradwatch import agent
+    from tests.conftest import wait_until
+
+    _, used = schedule_loop(name, lambda model, opt: agent.attach(
+        model, optimizer=opt, server=srv.url, project="lr-schedules", run=name, spool_dir=str(tmp_path / name),
+        flush_interval=0.1))
     last = len(used) - 1
 
     def done():
