@@ -29,7 +29,8 @@ EVERY = 25
 
 
 def run_pair(args: tuple) -> dict:
-    from . import models
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
     from .sweep import train
 
     case_id, lr = args
@@ -39,25 +40,21 @@ def run_pair(args: tuple) -> dict:
         step_max: list[float] = []
         seen: list[float] = []
 
-        def hook(module, inputs, output):
+        def linear_output(module, inputs, output):
             if isinstance(module, nn.Linear) and isinstance(output, torch.Tensor):
                 seen.append(float(output.detach().float().pow(2).mean().sqrt()))
 
-        handle = nn.modules.module.register_module_forward_hook(hook)
-        forward = models.forward
-
-        def recorded(model, c, b):
-            seen.clear()
-            result = forward(model, c, b)
+        def step_ends(opt, args, kwargs):           # the step's forward is over: its largest Linear output RMS
             step_max.append(max(seen, default=math.nan))
-            return result
+            seen.clear()
 
-        models.forward = recorded
+        handles = [nn.modules.module.register_module_forward_hook(linear_output),
+                   register_optimizer_step_pre_hook(step_ends)]
         try:
             r = train(case, run_lr, BUDGET, server=None, stop_after_divergence=True)
         finally:
-            models.forward = forward
-            handle.remove()
+            for h in handles:
+                h.remove()
         out[name] = {"diverged_at": r["diverged_at"], "rms": step_max}
     return out
 
