@@ -45,6 +45,24 @@ def test_the_split_is_the_frozen_one():
     assert CASE in split["tuning"]
 
 
+def stored_logits_match_the_oracle(srv, name: str, run: dict) -> int:
+    """Asserts that the server's stored max attention logit of run ``name`` (the largest over its modules) equals
+    the oracle's true max logit (``run["logits"]``, oracle.py) at every sampled step; returns how many steps it
+    compared."""
+    _, runs = srv.get(f"/api/v1/runs?project={sweep.PROJECT}")
+    rid = {r["name"]: r["id"] for r in runs["runs"]}[name]
+    status, m = srv.get(f"/api/v1/runs/{rid}/layers?stat=attn_logit_max&max_steps=10000&max_layers=10000")
+    assert status == 200 and m["bucket_size"] == 1
+    truth = report.true_max(run)
+    compared = 0
+    for c, step in enumerate(m["steps"]):               # values: one row per module, one column per step
+        vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
+        if vals and step < len(truth) and math.isfinite(truth[step]):
+            assert max(vals) == pytest.approx(truth[step], rel=1e-3), step
+            compared += 1
+    return compared
+
+
 def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
     srv = server_factory(sqlite_url)
     case = draw(CASE)
@@ -62,18 +80,7 @@ def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
     assert learned([math.nan if x is None else x for x in ctl["losses"]], None, LEARNED)
 
     # the oracle, recorded beside the agent, equals the agent's stored max attention logit where it sampled
-    _, runs = srv.get(f"/api/v1/runs?project={sweep.PROJECT}")
-    rid = {r["name"]: r["id"] for r in runs["runs"]}["div"]
-    status, m = srv.get(f"/api/v1/runs/{rid}/layers?stat=attn_logit_max&max_steps=10000&max_layers=10000")
-    assert status == 200 and m["bucket_size"] == 1
-    truth = report.true_max(div)
-    compared = 0
-    for c, step in enumerate(m["steps"]):               # values: one row per module, one column per step
-        vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
-        if vals and step < len(truth) and math.isfinite(truth[step]):
-            assert max(vals) == pytest.approx(truth[step], rel=1e-3), step
-            compared += 1
-    assert compared >= 3
+    assert stored_logits_match_the_oracle(srv, "div", div) >= 3
 
     # the lead: divergence step minus the first alert above info of the rule, none when after it
     div["alerts"] = sweep.alerts_of(srv.url, "div")
@@ -151,15 +158,4 @@ def test_a_mixture_of_experts_in_bf16_through_agent_and_server(server_factory, s
     srv = server_factory(sqlite_url)
     case = draw(107)
     run = sweep.train(case, 0.005, 60, server=srv.url, run="moe")
-    _, runs = srv.get(f"/api/v1/runs?project={sweep.PROJECT}")
-    rid = {r["name"]: r["id"] for r in runs["runs"]}["moe"]
-    status, m = srv.get(f"/api/v1/runs/{rid}/layers?stat=attn_logit_max&max_steps=10000&max_layers=10000")
-    assert status == 200
-    truth = report.true_max(run)
-    compared = 0
-    for c, step in enumerate(m["steps"]):
-        vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
-        if vals and step < len(truth) and math.isfinite(truth[step]):
-            assert max(vals) == pytest.approx(truth[step], rel=1e-3), step
-            compared += 1
-    assert compared >= 3
+    assert stored_logits_match_the_oracle(srv, "moe", run) >= 3
