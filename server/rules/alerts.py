@@ -6,7 +6,8 @@ The engine feeds each rule's per-step verdict into ``Episode.feed``:
 alert (returned for the webhook outbox); later hits extend it; ``clear_steps``
 clear steps in a row resolve it; a new hit within ``cooldown_steps`` of the
 last one reopens the same alert without a new notification. An escalation
-(e.g. C3 warning → critical) is notified again.
+(e.g. C3 warning → critical; A2's second grad spike, also when it reopens the
+alert within the cooldown) is notified again.
 
 A rule declaring ``one_alert_across_ranks`` (A1, the F family) keeps one alert per incident, not
 per rank: a rank hitting the condition while another rank's alert of the rule is firing in the same
@@ -90,11 +91,7 @@ class Episode:
             # whose numbers describe the step the alert opened at (issue 42)
             ev["last_message"] = h.message
             alert.evidence = ev
-            if SEVERITY_RANK.get(severity, 0) > SEVERITY_RANK.get(alert.severity, 0):
-                alert.severity = severity
-                alert.message = h.message
-                alert.acknowledged = False
-                self.notify.append(alert)
+            self._escalate(alert, severity, h)
             return
         cooldown = self.cfg.get("cooldown_steps", 50)
         if alert is not None and step - alert.last_step <= cooldown and step >= alert.first_step:
@@ -111,6 +108,9 @@ class Episode:
                 ev["firing_ranks"] = sorted({*ev.get("firing_ranks", ()), self.rank})
             alert.evidence = ev
             self.state["firing"] = True
+            # a flare-up can be worse than the first hit (A2: a second grad spike within its window): escalated
+            # and notified as a firing alert's escalation is
+            self._escalate(alert, severity, h)
             return
         if self._shared:
             incident = self._open_incident(step, cooldown)
@@ -127,6 +127,17 @@ class Episode:
         self.session.flush()
         self._alert = alert
         self.state.update(alert_id=alert.id, firing=True, clear=0)
+        self.notify.append(alert)
+
+    def _escalate(self, alert: Alert, severity: str, h: Hit) -> None:
+        """A hit more severe than the alert: the alert takes its severity, message and diagnosis (the escalated
+        state, e.g. A2's single spike that recurred), is unacknowledged, and is notified again."""
+        if SEVERITY_RANK.get(severity, 0) <= SEVERITY_RANK.get(alert.severity, 0):
+            return
+        alert.severity = severity
+        alert.message = h.message
+        alert.diagnosis = h.diagnosis or self.spec.diagnosis
+        alert.acknowledged = False
         self.notify.append(alert)
 
     def _open_incident(self, step: int, cooldown: int) -> Optional[Alert]:

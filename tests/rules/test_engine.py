@@ -212,6 +212,53 @@ def test_c3_spike_then_critical_after_five(rdb):
     assert a.severity == "critical" and a.first_step == 60
 
 
+def test_a2_one_grad_spike_warns_and_a_second_within_50_steps_is_critical(rdb):
+    """Checklist 3.5: grad-norm peaks that recur are an explosion. One spike a run trains on past is a warning
+    (healthy CNNs and GRUs take one, docs/early-warning.md); a second within 50 steps escalates the same alert."""
+    name = run_name()
+    steps = [dict(s, clip_max_norm=None, clipped=None) for s in healthy(200)]
+    steps[60]["grad_norm"] = 15.0
+    rdb.feed(name, steps)
+    a = rdb.rules(name)["A2"]
+    assert (a.first_step, a.severity, a.evidence["spikes"]) == (60, "warning", 1)
+    assert a.diagnosis.startswith("A single grad-norm spike") and "within 50 steps" in a.diagnosis
+    assert a.status == "resolved"
+    assert set(rdb.rules(name)) == {"A2"}
+
+    twice = run_name()
+    steps[100]["grad_norm"] = 15.0          # 40 steps later: the same alert (cooldown 50), now critical
+    rdb.feed(twice, steps, batch=7)
+    alerts = [x for x in rdb.alerts(twice) if x.rule == "A2"]
+    assert len(alerts) == 1, alerts
+    a = alerts[0]
+    assert (a.first_step, a.severity, a.evidence["last"]["spikes"]) == (60, "critical", 2)
+    assert "2 spikes in 50 steps" in a.message
+    assert a.diagnosis.startswith("The gradient norm exploded (a precursor of NaN).")   # the escalated state
+
+    apart = run_name()
+    steps[100]["grad_norm"] = steps[99]["grad_norm"]
+    steps[150]["grad_norm"] = 15.0          # 90 steps later: a new single spike, a warning again
+    rdb.feed(apart, steps)
+    assert [(x.first_step, x.severity) for x in rdb.alerts(apart) if x.rule == "A2"] == [(60, "warning"),
+                                                                                        (150, "warning")]
+
+
+def test_a2_single_spike_follows_a_configured_severity_below_critical(tmp_path):
+    """A team that set A2 to info gets info for a single spike and for repeated ones; critical_spikes = 1
+    makes every spike critical, as before."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[projects.quiet.rules.A2]\nseverity = "info"\n[projects.strict.rules.A2]\ncritical_spikes = 1\n')
+    r = RulesDB(f"sqlite:///{tmp_path / 'o.db'}", tmp_path, rules_file=str(rules))
+    steps = [dict(s, clip_max_norm=None, clipped=None) for s in healthy(120)]
+    steps[60]["grad_norm"] = steps[70]["grad_norm"] = 15.0
+    quiet, strict = run_name(), run_name()
+    r.feed(quiet, steps, project="quiet")
+    r.feed(strict, steps[:65], project="strict")
+    assert r.rules(quiet)["A2"].severity == "info"
+    assert r.rules(strict)["A2"].severity == "critical"
+    r.close()
+
+
 def test_overrides_file_and_api(tmp_path):
     rules = tmp_path / "rules.toml"
     rules.write_text('[rules.B4]\nsteps = 3\n[projects.quiet.rules.lr_zero]\nenabled = false\n')

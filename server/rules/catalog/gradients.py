@@ -12,7 +12,7 @@ from gradwatch.server.rules.catalog._shared import SETUP_EVENT, VANISHING_GRAD_N
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import (NAN_EVIDENCE, BatchRule, Outcome, nan_late_evidence, name_of, pack_f8, streaks,
                                top_grad_norms, unpack_f8)
-from gradwatch.server.rules.spec import Float, Hit, Int
+from gradwatch.server.rules.spec import SEVERITY_RANK, Float, Hit, Int
 from gradwatch.server.rules.stats import enc, fmt
 from gradwatch.server.rules.windows import RobustWindow
 
@@ -23,9 +23,16 @@ class GradExplosion(BatchRule):
     failure_noun = "the grad explosion"
     family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
-    fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps, or non-finite with no "
-                  "scaler to skip the step")
+    fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps (one such spike: a "
+                  "warning; {critical_spikes} within {spike_steps} steps: critical), or non-finite with no scaler to "
+                  "skip the step (critical)")
     diagnosis = "The gradient norm exploded (a precursor of NaN)."
+    # checklist 3.5: grad-norm peaks that recur are an explosion. A healthy run can take one spike and train on
+    # (the no-attention controls of docs/early-warning.md: CNNs and GRUs with a single 12-25x spike), so one
+    # spike alone is a warning, and a second within spike_steps escalates the same alert to critical
+    single_diagnosis = ("A single grad-norm spike: the gradient norm jumped at one step. A run often recovers from "
+                        "one; spikes that recur are an explosion (checklist 3.5), and this alert turns critical if "
+                        "another comes within {spike_steps} steps.")
     actions = {
         "clip": "Enable gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0), after "
                 "scaler.unscale_(optimizer).",
@@ -33,7 +40,8 @@ class GradExplosion(BatchRule):
         "largest_params": "Look at the parameters with the largest grad norms (evidence.top_grad_norms): an embedding "
                           "or one layer blowing up points at its init or its inputs.",
     }
-    params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(20, zero_ok=True)}
+    params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(20, zero_ok=True),
+              "critical_spikes": Int(2), "spike_steps": Int(50)}
     needs = ("grad_norm",)
     evidence_events = NAN_EVIDENCE + (SETUP_EVENT,)
     REFRESH = 8
@@ -64,17 +72,29 @@ class GradExplosion(BatchRule):
         clear[arrivals[~s.flagged]] = True
         out = Outcome(clear)
         ctx = batch.ctx
+        spikes = list(state.get("spikes", []))     # the steps of the spikes within the last spike_steps steps
+        span, need = int(cfg["spike_steps"]), int(cfg["critical_spikes"])
+        # a single spike is at most a warning: below a configured severity of critical, the configured one
+        configured = cfg.get("severity", self.severity)
+        single = "warning" if SEVERITY_RANK.get(configured, 0) > SEVERITY_RANK["warning"] else None
         for k in np.flatnonzero(s.flagged).tolist():
             i = int(arrivals[k])
             st, g, med = batch.steps[i], float(gn[i]), float(s.med[k])
+            spikes = [x for x in spikes if x > st["step"] - span] + [st["step"]]
+            n = len(spikes)
             ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
-                  "top_grad_norms": top_grad_norms(ctx, st)}
+                  "top_grad_norms": top_grad_norms(ctx, st), "spikes": n}
             names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
             clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
                        and g > ev["clip_max_norm"] else "")
+            repeated = n >= need
             out.hits[i] = Hit(ev, f"Grad norm {fmt(g)} at step {st['step']} is {g / med:.0f}x its median {fmt(med)}"
-                                  + clipped + (f"; largest: {names}" if names else ""),
+                                  + clipped + (f"; {n} spikes in {span} steps" if n > 1 else "")
+                                  + (f"; largest: {names}" if names else ""),
+                              severity=None if repeated else single,
+                              diagnosis=None if repeated else self.single_diagnosis.format(spike_steps=span),
                               actions=self._actions(batch, i))
+        state["spikes"] = spikes
         for i in np.flatnonzero(unskipped).tolist():
             st = batch.steps[i]
             ev = {"grad_norm": enc(float(gn[i])), "no_scaler": True, "top_grad_norms": top_grad_norms(ctx, st)}
