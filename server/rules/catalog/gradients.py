@@ -40,7 +40,10 @@ class GradExplosion(BatchRule):
         "largest_params": "Look at the parameters with the largest grad norms (evidence.top_grad_norms): an embedding "
                           "or one layer blowing up points at its init or its inputs.",
     }
-    params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(20, zero_ok=True),
+    # min_history 50 (was 20): a network leaving its initialisation raises its grad norm 10-30x over its first
+    # tens of steps, and a median of the first 20 is the init's. The no-attention space's CNN controls climb from
+    # 0.1 to 1-4 by steps 20-30, and A2 called that an explosion (docs/early-warning.md, "A2 on healthy runs")
+    params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(50, zero_ok=True),
               "critical_spikes": Int(2), "spike_steps": Int(50)}
     needs = ("grad_norm",)
     evidence_events = NAN_EVIDENCE + (SETUP_EVENT,)
