@@ -214,7 +214,8 @@ def test_c3_spike_then_critical_after_five(rdb):
 
 def test_a2_one_grad_spike_warns_and_a_second_within_50_steps_is_critical(rdb):
     """Checklist 3.5: grad-norm peaks that recur are an explosion. One spike a run trains on past is a warning
-    (healthy CNNs and GRUs take one, docs/early-warning.md); a second within 50 steps escalates the same alert."""
+    (healthy CNNs and GRUs take one, docs/early-warning.md); a second within 50 steps, or one that lasts 3
+    steps, escalates the same alert."""
     name = run_name()
     steps = [dict(s, clip_max_norm=None, clipped=None) for s in healthy(200)]
     steps[60]["grad_norm"] = 15.0
@@ -235,8 +236,18 @@ def test_a2_one_grad_spike_warns_and_a_second_within_50_steps_is_critical(rdb):
     assert "2 spikes in 50 steps" in a.message
     assert a.diagnosis.startswith("The gradient norm exploded (a precursor of NaN).")   # the escalated state
 
-    apart = run_name()
+    two, three = run_name(), run_name()
     steps[100]["grad_norm"] = steps[99]["grad_norm"]
+    steps[61]["grad_norm"] = 15.0           # the step after a bad update: still the one spike
+    rdb.feed(two, steps)
+    assert [(x.severity, x.evidence["hits"]) for x in rdb.alerts(two) if x.rule == "A2"] == [("warning", 2)]
+    steps[62]["grad_norm"] = 15.0           # a third step in a row: the explosion goes on
+    rdb.feed(three, steps)
+    a = rdb.rules(three)["A2"]
+    assert (a.severity, a.evidence["last"]["spike_steps"]) == ("critical", 3) and "3 steps in a row" in a.message
+    steps[61]["grad_norm"] = steps[62]["grad_norm"] = steps[59]["grad_norm"]
+
+    apart = run_name()
     steps[150]["grad_norm"] = 15.0          # 90 steps later: a new single spike, a warning again
     rdb.feed(apart, steps)
     assert [(x.first_step, x.severity) for x in rdb.alerts(apart) if x.rule == "A2"] == [(60, "warning"),

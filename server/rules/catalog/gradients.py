@@ -23,16 +23,18 @@ class GradExplosion(BatchRule):
     failure_noun = "the grad explosion"
     family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
-    fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps (one such spike: a "
-                  "warning; {critical_spikes} within {spike_steps} steps: critical), or non-finite with no scaler to "
-                  "skip the step (critical)")
+    fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps (one spike: a warning; "
+                  "{critical_spikes} spikes within {spike_steps} steps, or one lasting {sustained_steps} steps: "
+                  "critical), or non-finite with no scaler to skip the step (critical)")
     diagnosis = "The gradient norm exploded (a precursor of NaN)."
-    # checklist 3.5: grad-norm peaks that recur are an explosion. A healthy run can take one spike and train on
-    # (the no-attention controls of docs/early-warning.md: CNNs and GRUs with a single 12-25x spike), so one
-    # spike alone is a warning, and a second within spike_steps escalates the same alert to critical
-    single_diagnosis = ("A single grad-norm spike: the gradient norm jumped at one step. A run often recovers from "
-                        "one; spikes that recur are an explosion (checklist 3.5), and this alert turns critical if "
-                        "another comes within {spike_steps} steps.")
+    # checklist 3.5: grad-norm peaks that recur are an explosion, and 6.x: an explosion goes on to Inf. A healthy
+    # run can take one spike and train on (the no-attention controls of docs/early-warning.md: CNNs and GRUs
+    # with a 12-25x spike), so one spike is a warning; a second within spike_steps, or one that lasts
+    # sustained_steps, escalates the same alert to critical. A spike is a run of consecutive flagged steps: the
+    # step after a bad update often has a large gradient too, and that is still the one spike
+    single_diagnosis = ("A single grad-norm spike: the gradient norm jumped. A run often recovers from one; spikes "
+                        "that recur or last are an explosion (checklist 3.5), and this alert turns critical if "
+                        "another comes within {spike_steps} steps or this one lasts {sustained_steps} steps.")
     actions = {
         "clip": "Enable gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0), after "
                 "scaler.unscale_(optimizer).",
@@ -44,7 +46,7 @@ class GradExplosion(BatchRule):
     # tens of steps, and a median of the first 20 is the init's. The no-attention space's CNN controls climb from
     # 0.1 to 1-4 by steps 20-30, and A2 called that an explosion (docs/early-warning.md, "A2 on healthy runs")
     params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(50, zero_ok=True),
-              "critical_spikes": Int(2), "spike_steps": Int(50)}
+              "critical_spikes": Int(2), "spike_steps": Int(50), "sustained_steps": Int(3)}
     needs = ("grad_norm",)
     evidence_events = NAN_EVIDENCE + (SETUP_EVENT,)
     REFRESH = 8
@@ -75,29 +77,37 @@ class GradExplosion(BatchRule):
         clear[arrivals[~s.flagged]] = True
         out = Outcome(clear)
         ctx = batch.ctx
-        spikes = list(state.get("spikes", []))     # the steps of the spikes within the last spike_steps steps
-        span, need = int(cfg["spike_steps"]), int(cfg["critical_spikes"])
+        spikes = list(state.get("spikes", []))     # the first steps of the spikes within the last spike_steps steps
+        last, length = state.get("last"), int(state.get("length", 0))   # the last flagged step, its spike's length
+        span, need, lasting = int(cfg["spike_steps"]), int(cfg["critical_spikes"]), int(cfg["sustained_steps"])
         # a single spike is at most a warning: below a configured severity of critical, the configured one
         configured = cfg.get("severity", self.severity)
         single = "warning" if SEVERITY_RANK.get(configured, 0) > SEVERITY_RANK["warning"] else None
         for k in np.flatnonzero(s.flagged).tolist():
             i = int(arrivals[k])
             st, g, med = batch.steps[i], float(gn[i]), float(s.med[k])
-            spikes = [x for x in spikes if x > st["step"] - span] + [st["step"]]
+            if last is not None and st["step"] == last + 1:
+                length += 1                        # the same spike, one step longer
+            else:
+                spikes, length = spikes + [st["step"]], 1
+            last = st["step"]
+            spikes = [x for x in spikes if x > st["step"] - span]
             n = len(spikes)
             ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
-                  "top_grad_norms": top_grad_norms(ctx, st), "spikes": n}
+                  "top_grad_norms": top_grad_norms(ctx, st), "spikes": n, "spike_steps": length}
             names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
             clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
                        and g > ev["clip_max_norm"] else "")
-            repeated = n >= need
+            repeated = n >= need or length >= lasting
             out.hits[i] = Hit(ev, f"Grad norm {fmt(g)} at step {st['step']} is {g / med:.0f}x its median {fmt(med)}"
                                   + clipped + (f"; {n} spikes in {span} steps" if n > 1 else "")
+                                  + (f"; {length} steps in a row" if length > 1 else "")
                                   + (f"; largest: {names}" if names else ""),
                               severity=None if repeated else single,
-                              diagnosis=None if repeated else self.single_diagnosis.format(spike_steps=span),
+                              diagnosis=None if repeated else self.single_diagnosis.format(
+                                  spike_steps=span, sustained_steps=lasting),
                               actions=self._actions(batch, i))
-        state["spikes"] = spikes
+        state.update(spikes=spikes, last=last, length=length)
         for i in np.flatnonzero(unskipped).tolist():
             st = batch.steps[i]
             ev = {"grad_norm": enc(float(gn[i])), "no_scaler": True, "top_grad_norms": top_grad_norms(ctx, st)}
