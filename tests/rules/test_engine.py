@@ -215,7 +215,7 @@ def test_c3_spike_then_critical_after_five(rdb):
 def test_a2_one_grad_spike_warns_and_a_second_within_50_steps_is_critical(rdb):
     """Checklist 3.5: grad-norm peaks that recur are an explosion. One spike a run trains on past is a warning
     (healthy CNNs and GRUs take one, docs/early-warning.md); a second within 50 steps, or one that lasts 3
-    steps, escalates the same alert."""
+    steps, or with the loss at 3x its median at the spike and a step later, escalates the same alert."""
     name = run_name()
     steps = [dict(s, clip_max_norm=None, clipped=None) for s in healthy(200)]
     steps[60]["grad_norm"] = 15.0
@@ -246,6 +246,21 @@ def test_a2_one_grad_spike_warns_and_a_second_within_50_steps_is_critical(rdb):
     a = rdb.rules(three)["A2"]
     assert (a.severity, a.evidence["last"]["spike_steps"]) == ("critical", 3) and "3 steps in a row" in a.message
     steps[61]["grad_norm"] = steps[62]["grad_norm"] = steps[59]["grad_norm"]
+
+    bad_batch, broke = run_name(), run_name()
+    steps[60]["loss"] = 4 * steps[59]["loss"]     # a bad batch: the loss up at the spike's step only
+    rdb.feed(bad_batch, steps)
+    a = rdb.rules(bad_batch)["A2"]
+    assert (a.first_step, a.severity) == (60, "warning") and a.evidence["loss_ratio"] > 3, a.evidence
+    assert f"the loss is {a.evidence['loss_ratio']:.1f}x its median" in a.message
+    assert a.diagnosis.startswith("A grad-norm spike with the loss at") and "next step" in a.diagnosis
+    steps[61]["loss"] = 4 * steps[59]["loss"]     # still up a step later, the grad norm back: the run broke
+    rdb.feed(broke, steps, batch=61)              # the spike's step ends a batch: carried to the next
+    a = rdb.rules(broke)["A2"]
+    assert (a.first_step, a.severity) == (60, "critical"), (a.first_step, a.severity)
+    assert a.message.startswith("The loss stayed up after the grad-norm spike at step 60"), a.message
+    assert a.evidence["last"]["after_spike"] == 60
+    steps[60]["loss"] = steps[61]["loss"] = steps[59]["loss"]
 
     apart = run_name()
     steps[150]["grad_norm"] = 15.0          # 90 steps later: a new single spike, a warning again

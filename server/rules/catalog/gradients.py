@@ -24,17 +24,28 @@ class GradExplosion(BatchRule):
     family = "A"
     rollback_advice = True   # a critical alert names the checkpoint to restart from
     fires_when = ("pre-clip grad norm > {factor:g}x its rolling median over {window} steps (one spike: a warning; "
-                  "{critical_spikes} spikes within {spike_steps} steps, or one lasting {sustained_steps} steps: "
-                  "critical), or non-finite with no scaler to skip the step (critical)")
+                  "critical at {critical_spikes} spikes within {spike_steps} steps, at one lasting {sustained_steps} "
+                  "steps, or when the loss is {loss_factor:g}x its median of {loss_window} steps at the spike and "
+                  "the step after it), or non-finite with no scaler to skip the step (critical)")
     diagnosis = "The gradient norm exploded (a precursor of NaN)."
     # checklist 3.5: grad-norm peaks that recur are an explosion, and 6.x: an explosion goes on to Inf. A healthy
     # run can take one spike and train on (the no-attention controls of docs/early-warning.md: CNNs and GRUs
     # with a 12-25x spike), so one spike is a warning; a second within spike_steps, or one that lasts
     # sustained_steps, escalates the same alert to critical. A spike is a run of consecutive flagged steps: the
-    # step after a bad update often has a large gradient too, and that is still the one spike
-    single_diagnosis = ("A single grad-norm spike: the gradient norm jumped. A run often recovers from one; spikes "
-                        "that recur or last are an explosion (checklist 3.5), and this alert turns critical if "
-                        "another comes within {spike_steps} steps or this one lasts {sustained_steps} steps.")
+    # step after a bad update often has a large gradient too, and that is still the one spike. A spike whose loss
+    # is loss_factor x its median at its step and still at the next is critical: the run broke with it (a
+    # poisoned batch lifts the loss at its own step only). On the tuning halves of the early-warning benchmark,
+    # the healthy controls' A2 hits had the loss at most 2.6x its median of 50 steps; 15 of the divergent runs'
+    # had it at 3-8x (docs/early-warning.md, "A2 on healthy runs")
+    single_diagnosis = ("A single grad-norm spike, with the loss below {loss_factor:g}x its median. A run often "
+                        "recovers from one; spikes that recur or last are an explosion (checklist 3.5), and this "
+                        "alert turns critical if another comes within {spike_steps} steps, this one lasts "
+                        "{sustained_steps} steps, or the loss rises to {loss_factor:g}x its median and stays there "
+                        "a step.")
+    loss_diagnosis = ("A grad-norm spike with the loss at {ratio:.1f}x its median at the same step. A bad batch does "
+                      "this, and the run recovers; so does a model the spike broke. This alert turns critical if the "
+                      "loss is still up at the next step, if another spike comes within {spike_steps} steps, or if "
+                      "this one lasts {sustained_steps} steps.")
     actions = {
         "clip": "Enable gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0), after "
                 "scaler.unscale_(optimizer).",
@@ -46,8 +57,9 @@ class GradExplosion(BatchRule):
     # tens of steps, and a median of the first 20 is the init's. The no-attention space's CNN controls climb from
     # 0.1 to 1-4 by steps 20-30, and A2 called that an explosion (docs/early-warning.md, "A2 on healthy runs")
     params = {"factor": Float(10.0), "window": Int(200), "min_history": Int(50, zero_ok=True),
-              "critical_spikes": Int(2), "spike_steps": Int(50), "sustained_steps": Int(3)}
-    needs = ("grad_norm",)
+              "critical_spikes": Int(2), "spike_steps": Int(50), "sustained_steps": Int(3),
+              "loss_factor": Float(3.0), "loss_window": Int(50)}
+    needs = ("grad_norm", "loss")      # the loss's median is kept on batches without a grad norm too
     evidence_events = NAN_EVIDENCE + (SETUP_EVENT,)
     REFRESH = 8
 
@@ -61,6 +73,10 @@ class GradExplosion(BatchRule):
     def late_evidence(self, ctx):
         return nan_late_evidence(ctx)
 
+    def _single(self, loss_up: bool) -> str:
+        """The diagnosis of a spike that is not (yet) an explosion: with the loss up at its step, or not."""
+        return self.loss_diagnosis if loss_up else self.single_diagnosis
+
     def evaluate(self, batch: Batch, state: dict, cfg: dict) -> Outcome:
         gn, measured = batch.values("grad_norm"), batch.measured("grad_norm")
         fin = np.isfinite(gn)
@@ -73,19 +89,51 @@ class GradExplosion(BatchRule):
         win.save()
         # non-finite with no scaler there to skip the step (bf16 / fp32): a hit; with one, A5 / A1 territory
         unskipped = measured & ~fin & ~batch.true("overflow") & ~batch.measured("loss_scale")
+        # the loss against its median: a spike whose loss is up at its step and at the next one is critical (the
+        # model broke); a loss up at the spike's step alone is a bad batch (a poisoned batch: one spike, a warning)
+        loss = batch.values("loss")
+        at = np.flatnonzero(np.isfinite(loss))
+        lfactor = float(cfg["loss_factor"])
+        lwin = RobustWindow(state, "loss", int(cfg["loss_window"]), refresh=self.REFRESH, min_len=10)
+        ls = lwin.screen(loss[at], np.ones(len(at), dtype=bool), lambda x, med, mad: (med > 0) & (x >= lfactor * med),
+                         monotone=True)
+        lwin.save()
+        loss_up = np.zeros(batch.n, dtype=bool)
+        loss_up[at[ls.flagged]] = True
+        loss_med = np.full(batch.n, np.nan)
+        loss_med[at] = ls.med
         clear = np.zeros(batch.n, dtype=bool)
         clear[arrivals[~s.flagged]] = True
         out = Outcome(clear)
         ctx = batch.ctx
         spikes = list(state.get("spikes", []))     # the first steps of the spikes within the last spike_steps steps
         last, length = state.get("last"), int(state.get("length", 0))   # the last flagged step, its spike's length
+        pending = state.get("loss_spike")          # a spike's step whose loss was up: is it still up a step later?
         span, need, lasting = int(cfg["spike_steps"]), int(cfg["critical_spikes"]), int(cfg["sustained_steps"])
         # a single spike is at most a warning: below a configured severity of critical, the configured one
         configured = cfg.get("severity", self.severity)
         single = "warning" if SEVERITY_RANK.get(configured, 0) > SEVERITY_RANK["warning"] else None
-        for k in np.flatnonzero(s.flagged).tolist():
-            i = int(arrivals[k])
-            st, g, med = batch.steps[i], float(gn[i]), float(s.med[k])
+        flagged = set(arrivals[s.flagged].tolist())
+        # the steps to look at: the spikes, and the step after each spike whose loss was up (here or carried over)
+        after = [st + 1 for st in ([pending] if pending is not None else [])
+                 + [int(batch.step[i]) for i in flagged if loss_up[i]]]
+        nxt = np.searchsorted(batch.step, after)
+        todo = sorted(flagged | {int(j) for j, st in zip(nxt, after) if j < batch.n and batch.step[j] == st})
+        for i in todo:
+            st = batch.steps[i]
+            stays = pending is not None and st["step"] == pending + 1 and bool(loss_up[i])
+            if pending is not None and st["step"] > pending:
+                pending = None
+            if i not in flagged:
+                if stays:                          # the grad norm is back, the loss is not: the spike broke the run
+                    ratio = float(loss[i] / loss_med[i])
+                    out.hits[i] = Hit({"loss": float(loss[i]), "loss_median": float(loss_med[i]), "loss_ratio": ratio,
+                                       "after_spike": st["step"] - 1, "spikes": len(spikes), "spike_steps": length},
+                                      f"The loss stayed up after the grad-norm spike at step {st['step'] - 1}: "
+                                      f"{fmt(float(loss[i]))} at step {st['step']} is {ratio:.1f}x its median",
+                                      actions=self._actions(batch, i))
+                continue
+            g, med = float(gn[i]), float(s.med[np.searchsorted(arrivals, i)])
             if last is not None and st["step"] == last + 1:
                 length += 1                        # the same spike, one step longer
             else:
@@ -95,19 +143,26 @@ class GradExplosion(BatchRule):
             n = len(spikes)
             ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
                   "top_grad_norms": top_grad_norms(ctx, st), "spikes": n, "spike_steps": length}
+            if loss_up[i]:
+                ev["loss_ratio"] = float(loss[i] / loss_med[i])
+                pending = st["step"]
             names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
             clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
                        and g > ev["clip_max_norm"] else "")
-            repeated = n >= need or length >= lasting
+            repeated = n >= need or length >= lasting or stays
             out.hits[i] = Hit(ev, f"Grad norm {fmt(g)} at step {st['step']} is {g / med:.0f}x its median {fmt(med)}"
                                   + clipped + (f"; {n} spikes in {span} steps" if n > 1 else "")
                                   + (f"; {length} steps in a row" if length > 1 else "")
+                                  + (f"; the loss is {ev['loss_ratio']:.1f}x its median" if loss_up[i] else "")
                                   + (f"; largest: {names}" if names else ""),
                               severity=None if repeated else single,
-                              diagnosis=None if repeated else self.single_diagnosis.format(
-                                  spike_steps=span, sustained_steps=lasting),
+                              diagnosis=None if repeated else self._single(bool(loss_up[i])).format(
+                                  spike_steps=span, sustained_steps=lasting, loss_factor=lfactor,
+                                  ratio=ev.get("loss_ratio", 0.0)),
                               actions=self._actions(batch, i))
-        state.update(spikes=spikes, last=last, length=length)
+        if pending is not None and batch.n and int(batch.step[-1]) > pending:
+            pending = None                         # its next step came (or was skipped) in this batch
+        state.update(spikes=spikes, last=last, length=length, loss_spike=pending)
         for i in np.flatnonzero(unskipped).tolist():
             st = batch.steps[i]
             ev = {"grad_norm": enc(float(gn[i])), "no_scaler": True, "top_grad_norms": top_grad_norms(ctx, st)}
