@@ -23,6 +23,8 @@ from gradwatch.server.commands.extras import install_hint
 from gradwatch.server.operations.ports import DEFAULT_PORT, port_problem
 from gradwatch.server.commands.processes import Terminated, module_command, popen, raise_on_sigterm, stop
 
+MIN_STEPS = 150   # the bad batch (at 40 %) must come after the 50 steps of history A2 judges from
+
 
 def add_subparser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -38,7 +40,7 @@ def add_subparser(subparsers) -> None:
                    help="database URL (default: as for serve, export and import: GRADWATCH_DATABASE_URL or the "
                         "SQLite file gradwatch.db in the data dir, so that `gradwatch serve` shows the demo's runs)")
     p.add_argument("--steps", type=int, default=600,
-                   help="steps of the demo run (>= 60; a bad batch comes at 40%%, a NaN loss from 2/3 on)")
+                   help=f"steps of the demo run (>= {MIN_STEPS}; a bad batch comes at 40%%, a NaN loss from 2/3 on)")
     p.add_argument("--step-delay", type=float, default=0.05, help="seconds per step, to watch it live")
     p.add_argument("--webhook", action="append", default=[], help="also POST alerts to this URL (repeatable)")
     p.add_argument("--exit-after-run", action="store_true",
@@ -120,9 +122,9 @@ def _print_final_alerts(base: str, run_name: str, run_id: int | None, seen: set[
 
 
 def run(args) -> int:
-    if args.steps < 60:
-        print("gradwatch demo: --steps must be at least 60 so the run has a healthy phase before it goes bad.",
-              file=sys.stderr)
+    if args.steps < MIN_STEPS:
+        print(f"gradwatch demo: --steps must be at least {MIN_STEPS} so the run has a healthy phase before it goes "
+              f"bad (the grad-norm rule compares with its first 50 steps).", file=sys.stderr)
         return 2
     for module in ("torch", "fastapi"):   # the demo is a training job and a server on one machine
         if importlib.util.find_spec(module) is None:

@@ -147,9 +147,10 @@ def test_the_server_stores_the_reported_norm_and_a2_fires_on_it(shared_server, t
     monitor = agent.attach(model, server=srv.url, project="reported-norm", run="a2",
                            spool_dir=str(tmp_path / "spool"), flush_interval=0.1)
     norms = []
-    for i, (x, y) in enumerate(batches(30)):
-        # step 25: the gradients 1000x larger (a loss spike's), the update too small to notice after
-        loss, norm = _hand_step(model, x, y, lr=0.05 if i != 25 else 5e-5, scale_grads=1000.0 if i == 25 else 1.0)
+    for i, (x, y) in enumerate(batches(60)):
+        # step 55 (after A2's 50 steps of history): the gradients 1000x larger (a loss spike's), the update too
+        # small to notice after
+        loss, norm = _hand_step(model, x, y, lr=0.05 if i != 55 else 5e-5, scale_grads=1000.0 if i == 55 else 1.0)
         norms.append(float(norm))
         monitor.log(loss=loss, grad_norm=norm)
     monitor.close()
@@ -157,13 +158,13 @@ def test_the_server_stores_the_reported_norm_and_a2_fires_on_it(shared_server, t
     status, body = srv.get(f"/api/v1/runs/{run['id']}/series?signal=grad_norm&max_points=100000")
     assert status == 200, body
     stored = {p["step"]: float(p["last"]) for p in body["steps"]}
-    assert sorted(stored) == list(range(30))
-    assert max(_rel(stored[i], norms[i]) for i in range(30)) <= 1e-6
+    assert sorted(stored) == list(range(60))
+    assert max(_rel(stored[i], norms[i]) for i in range(60)) <= 1e-6
 
     def a2():
         status, body = srv.get(f"/api/v1/alerts?run={run['id']}")
         assert status == 200, body
         return [a for a in body["alerts"] if a["rule"] == "A2"]
     alerts = wait_until(a2, timeout=10, what="the A2 alert")
-    assert alerts[0]["first_step"] == 25
-    assert not math.isnan(norms[25]) and norms[25] > 10 * sorted(norms[:25])[12]
+    assert alerts[0]["first_step"] == 55
+    assert not math.isnan(norms[55]) and norms[55] > 10 * sorted(norms[:55])[27]

@@ -29,4 +29,4 @@ def test_rules_file_errors_name_the_rule_and_exit_2(tmp_path):
 def test_demo_argument_errors_say_what_to_do(tmp_path):
     proc = gradwatch("demo", "--steps", "10", data_dir=tmp_path)
     assert proc.returncode == 2
-    assert "--steps must be at least 60" in proc.stderr
+    assert "--steps must be at least 150" in proc.stderr
