@@ -371,7 +371,7 @@ def test_demo_twice_in_a_row_and_stopped_with_sigterm(agent_venv, dist, tmp_path
     env = clean_env(GRADWATCH_DATA_DIR=str(tmp_path / "data"), PYTHONUNBUFFERED="1")
     port = free_port()
     for attempt in (1, 2):    # the second right after the first: the port is reused like serve's
-        demo = agent_venv.cli("demo", "--port", str(port), "--steps", "80", "--step-delay", "0",
+        demo = agent_venv.cli("demo", "--port", str(port), "--steps", "150", "--step-delay", "0",
                               "--exit-after-run", cwd=cwd, env=env, timeout=400)
         assert demo.returncode == 0, f"attempt {attempt}:\n{demo.stdout[-2000:]}\n{demo.stderr[-2000:]}"
         assert "[demo] ALERT" in demo.stdout and "the user" not in demo.stdout + demo.stderr
