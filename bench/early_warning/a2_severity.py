@@ -1,8 +1,9 @@
 """What A2's severity change costs a divergent run: when does it get its critical alert, if the run goes on?
 
 A2 (server/rules/catalog/gradients.py) warns on one grad-norm spike and turns critical on a second spike
-within 50 steps, on one lasting 3 steps, or when the loss is 3x its median at the spike and a step later. The sweep stops a divergent run 5 steps after the divergence step, so a run
-whose explosion starts in those last steps shows only A2's warning in a results file. This reruns each such
+within 50 steps, on one lasting 3 steps, or when the loss is 3x its median at the spike and a step later. The
+sweep stops a divergent run 5 steps after the divergence step, so a run whose explosion starts in those last
+steps shows only A2's warning in a results file. This reruns each such
 divergent run of a results file (the same case, LR, initialisation and batches) through the agent and a real
 ``gradwatch serve`` on 127.0.0.1 with SQLite, on to ``--after`` steps past its divergence (or its first
 non-finite loss), and prints the first step of its first critical alert (any rule) against the step of its
