@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 
 from gradwatch.server.rules.batch import Batch, layer_array, layer_list
+from gradwatch.server.rules.catalog._grad_spikes import LossHistory, SpikeTrack
 from gradwatch.server.rules.catalog._shared import SETUP_EVENT, VANISHING_GRAD_NORM, already_clipped, clip_max_norm
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import (NAN_EVIDENCE, BatchRule, Outcome, nan_late_evidence, name_of, pack_f8, streaks,
@@ -91,99 +92,82 @@ class GradExplosion(BatchRule):
         unskipped = measured & ~fin & ~batch.true("overflow") & ~batch.measured("loss_scale")
         # the loss against its median: a spike whose loss is up at its step and at the next one is critical (the
         # model broke); a loss up at the spike's step alone is a bad batch (a poisoned batch: one spike, a warning)
-        loss = batch.values("loss")
-        at = np.flatnonzero(np.isfinite(loss))
-        lfactor, lsize = float(cfg["loss_factor"]), int(cfg["loss_window"])
-        # the last loss_window finite losses, kept whole; a median is taken only where a spike asks for one (a
-        # window screened at every step cost the rules ~9 % more CPU per batch, bench/rules_cpu.py)
-        losses = np.concatenate([unpack_f8(state.get("loss")), loss[at]])
-        before = len(losses) - len(at)
-        state["loss"] = pack_f8(losses[-lsize:]) if lsize > 0 else None
-        loss_up = np.zeros(batch.n, dtype=bool)
-        loss_med = np.full(batch.n, np.nan)
-
-        def judge_loss(i: int) -> None:
-            """loss_up[i], loss_med[i]: step i's loss against the median of the loss_window losses before it."""
-            k = int(np.searchsorted(at, i))
-            if k < len(at) and at[k] == i:
-                pos = before + k
-                hist = losses[max(0, pos - lsize):pos]
-                if len(hist) >= 10:
-                    loss_med[i] = med = float(np.median(hist))
-                    loss_up[i] = med > 0 and loss[i] >= lfactor * med
+        losses = LossHistory(state, batch.values("loss"), int(cfg["loss_window"]), float(cfg["loss_factor"]))
         clear = np.zeros(batch.n, dtype=bool)
         clear[arrivals[~s.flagged]] = True
         out = Outcome(clear)
-        ctx = batch.ctx
-        spikes = list(state.get("spikes", []))     # the first steps of the spikes within the last spike_steps steps
-        last, length = state.get("last"), int(state.get("length", 0))   # the last flagged step, its spike's length
-        pending = state.get("loss_spike")          # a spike's step whose loss was up: is it still up a step later?
-        span, need, lasting = int(cfg["spike_steps"]), int(cfg["critical_spikes"]), int(cfg["sustained_steps"])
-        # a single spike is at most a warning: below a configured severity of critical, the configured one
-        configured = cfg.get("severity", self.severity)
-        single = "warning" if SEVERITY_RANK.get(configured, 0) > SEVERITY_RANK["warning"] else None
+        track = SpikeTrack.load(state)
         flagged = set(arrivals[s.flagged].tolist())
         for i in flagged:
-            judge_loss(i)
+            losses.judge(i)
         # the steps to look at: the spikes, and the step after each spike whose loss was up (here or carried over)
-        after = [st + 1 for st in ([pending] if pending is not None else [])
-                 + [int(batch.step[i]) for i in flagged if loss_up[i]]]
+        after = [st + 1 for st in ([track.pending] if track.pending is not None else [])
+                 + [int(batch.step[i]) for i in flagged if losses.up[i]]]
         nxt = np.searchsorted(batch.step, after)
         todo = sorted(flagged | {int(j) for j, st in zip(nxt, after) if j < batch.n and batch.step[j] == st})
         for i in set(todo) - flagged:
-            judge_loss(i)
+            losses.judge(i)
         for i in todo:
-            st = batch.steps[i]
-            stays = pending is not None and st["step"] == pending + 1 and bool(loss_up[i])
-            if pending is not None and st["step"] > pending:
-                pending = None
-            if i not in flagged:
-                if stays:                          # the grad norm is back, the loss is not: the spike broke the run
-                    ratio = float(loss[i] / loss_med[i])
-                    out.hits[i] = Hit({"loss": float(loss[i]), "loss_median": float(loss_med[i]), "loss_ratio": ratio,
-                                       "after_spike": st["step"] - 1, "spikes": len(spikes), "spike_steps": length},
-                                      f"The loss stayed up after the grad-norm spike at step {st['step'] - 1}: "
-                                      f"{fmt(float(loss[i]))} at step {st['step']} is {ratio:.1f}x its median",
-                                      actions=self._actions(batch, i))
-                continue
-            g, med = float(gn[i]), float(s.med[np.searchsorted(arrivals, i)])
-            if last is not None and st["step"] == last + 1:
-                length += 1                        # the same spike, one step longer
-            else:
-                spikes, length = spikes + [st["step"]], 1
-            last = st["step"]
-            spikes = [x for x in spikes if x > st["step"] - span]
-            n = len(spikes)
-            ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
-                  "top_grad_norms": top_grad_norms(ctx, st), "spikes": n, "spike_steps": length}
-            if loss_up[i]:
-                ev["loss_ratio"] = float(loss[i] / loss_med[i])
-                pending = st["step"]
-            names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
-            clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
-                       and g > ev["clip_max_norm"] else "")
-            repeated = n >= need or length >= lasting or stays
-            out.hits[i] = Hit(ev, f"Grad norm {fmt(g)} at step {st['step']} is {g / med:.0f}x its median {fmt(med)}"
-                                  + clipped + (f"; {n} spikes in {span} steps" if n > 1 else "")
-                                  + (f"; {length} steps in a row" if length > 1 else "")
-                                  + (f"; the loss is {ev['loss_ratio']:.1f}x its median" if loss_up[i] else "")
-                                  + (f"; largest: {names}" if names else ""),
-                              severity=None if repeated else single,
-                              diagnosis=None if repeated else self._single(bool(loss_up[i])).format(
-                                  spike_steps=span, sustained_steps=lasting, loss_factor=lfactor,
-                                  ratio=ev.get("loss_ratio", 0.0)),
-                              actions=self._actions(batch, i))
-        if pending is not None and batch.n and int(batch.step[-1]) > pending:
-            pending = None                         # its next step came (or was skipped) in this batch
-        state.update(spikes=spikes, last=last, length=length, loss_spike=pending)
+            step = int(batch.steps[i]["step"])
+            stays = track.loss_stays(step, bool(losses.up[i]))
+            if i in flagged:
+                out.hits[i] = self._spike_hit(batch, i, step, float(s.med[np.searchsorted(arrivals, i)]), track,
+                                              losses, stays, cfg)
+            elif stays:                            # the grad norm is back, the loss is not: the spike broke the run
+                out.hits[i] = self._loss_stayed_hit(batch, i, step, track, losses)
+        track.close_batch(int(batch.step[-1]) if batch.n else None)
+        track.save(state)
         for i in np.flatnonzero(unskipped).tolist():
-            st = batch.steps[i]
-            ev = {"grad_norm": enc(float(gn[i])), "no_scaler": True, "top_grad_norms": top_grad_norms(ctx, st)}
-            if ctx.remembered.get("nan_origin"):
-                ev["nan_origin"] = ctx.remembered["nan_origin"]
-            out.hits[i] = Hit(ev, f"Grad norm is {fmt(float(gn[i]))} at step {st['step']} and no GradScaler "
-                                  f"skipped the step", actions=self._actions(batch, i))
+            out.hits[i] = self._unscaled_hit(batch, i)
         return out
+
+    def _spike_hit(self, batch: Batch, i: int, step: int, med: float, track: SpikeTrack, losses: LossHistory,
+                   stays: bool, cfg: dict) -> Hit:
+        """A flagged step: one spike is a warning (at most), an explosion is the rule's own severity."""
+        span, need, lasting = int(cfg["spike_steps"]), int(cfg["critical_spikes"]), int(cfg["sustained_steps"])
+        n, length = track.flag(step, span)
+        g = float(batch.values("grad_norm")[i])
+        loss_up = bool(losses.up[i])
+        ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
+              "top_grad_norms": top_grad_norms(batch.ctx, batch.steps[i]), "spikes": n, "spike_steps": length}
+        if loss_up:
+            ev["loss_ratio"] = losses.ratio(i)
+            track.pending = step
+        names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
+        clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
+                   and g > ev["clip_max_norm"] else "")
+        repeated = n >= need or length >= lasting or stays
+        # a single spike is at most a warning: below a configured severity of critical, the configured one
+        configured = cfg.get("severity", self.severity)
+        single = "warning" if SEVERITY_RANK.get(configured, 0) > SEVERITY_RANK["warning"] else None
+        return Hit(ev, f"Grad norm {fmt(g)} at step {step} is {g / med:.0f}x its median {fmt(med)}"
+                       + clipped + (f"; {n} spikes in {span} steps" if n > 1 else "")
+                       + (f"; {length} steps in a row" if length > 1 else "")
+                       + (f"; the loss is {ev['loss_ratio']:.1f}x its median" if loss_up else "")
+                       + (f"; largest: {names}" if names else ""),
+                   severity=None if repeated else single,
+                   diagnosis=None if repeated else self._single(loss_up).format(
+                       spike_steps=span, sustained_steps=lasting, loss_factor=losses.factor,
+                       ratio=ev.get("loss_ratio", 0.0)),
+                   actions=self._actions(batch, i))
+
+    def _loss_stayed_hit(self, batch: Batch, i: int, step: int, track: SpikeTrack, losses: LossHistory) -> Hit:
+        """The step after a spike whose loss was up, with the loss still up: the explosion broke the run."""
+        loss, ratio = float(losses.loss[i]), losses.ratio(i)
+        return Hit({"loss": loss, "loss_median": float(losses.median[i]), "loss_ratio": ratio,
+                    "after_spike": step - 1, "spikes": len(track.spikes), "spike_steps": track.length},
+                   f"The loss stayed up after the grad-norm spike at step {step - 1}: "
+                   f"{fmt(loss)} at step {step} is {ratio:.1f}x its median",
+                   actions=self._actions(batch, i))
+
+    def _unscaled_hit(self, batch: Batch, i: int) -> Hit:
+        """A non-finite grad norm with no GradScaler to skip the step: the update went in."""
+        st, g = batch.steps[i], float(batch.values("grad_norm")[i])
+        ev = {"grad_norm": enc(g), "no_scaler": True, "top_grad_norms": top_grad_norms(batch.ctx, st)}
+        if batch.ctx.remembered.get("nan_origin"):
+            ev["nan_origin"] = batch.ctx.remembered["nan_origin"]
+        return Hit(ev, f"Grad norm is {fmt(g)} at step {st['step']} and no GradScaler skipped the step",
+                   actions=self._actions(batch, i))
 
 
 @register
