@@ -3,8 +3,10 @@ attention entropy collapse ("if it buys lead"; Zhai et al. 2023), the update-to-
 checklist's healthy ~1e-3; rule E3 reads it every 100 steps) and the cosine between consecutive gradients (an
 oscillation across a sharp valley, the edge of stability); and, tried next (2026-12-07), the whole model's
 gradient norm and weight norm, the secant ratio along each step's update, and the acceleration of the max
-attention logit's growth. An analysis beside the protocol: it reruns each valid tuning case of a results file (its
-divergent twin at the kept LR, its control at LR / CONTROL_DIVISOR) in plain PyTorch, with :class:`Entropy` (a
+attention logit's growth; last, up to three of the step signals at once (:func:`combined_table`), on the
+no-attention space's tuning half as well (``--results results-noattn-65cb243.jsonl``). An analysis beside the
+protocol: it reruns each valid tuning case of a results file (its divergent twin at the kept LR, its control at
+LR / CONTROL_DIVISOR) in plain PyTorch, with :class:`Entropy` (a
 subclass of this benchmark's oracle mode) and :class:`StepSignals` (optimizer step hooks) recording every step,
 and asks whether a rule on either signal, or a gate on H12 by it, warns earlier or on fewer controls than H12
 alone. Held-out cases are never run: a signal that wins here is put in the agent first and reported on the
@@ -381,6 +383,81 @@ def more_signals_table(rows: list[dict]) -> None:
         print(f"| {name} | {len(fp)} of {len(rows)} | {s['median']} | {s['p25']} | {s['ge20']} | {s['ge50']} |")
 
 
+def step_conditions(run: dict) -> dict[str, np.ndarray]:
+    """Per step, whether each signal of :func:`combined_table` holds (a NaN never does)."""
+    cols = np.array([[math.nan if v is None else v for v in s] for s in run["step_signals"]], dtype=float)
+    n = len(cols)
+    if not n:
+        return {}
+    col = dict(zip(STEP_COLUMNS, cols.T))
+    loss = np.array([math.nan if v is None else v for v in run["losses"][:n]], dtype=float)
+
+    def rolling(x, k, how):
+        return np.array([how(x[max(0, t - k + 1):t + 1]) if np.isfinite(x[max(0, t - k + 1):t + 1]).any()
+                         else math.nan for t in range(n)])
+
+    def over_lowest(x):
+        low = np.fmin.accumulate(np.where(np.isfinite(x), x, np.inf))
+        return x / low
+
+    grad = over_lowest(rolling(col["grad_norm"], 10, np.nanmedian))
+    lossr = over_lowest(rolling(loss, 10, np.nanmean))
+    w = col["weight_norm"]
+    wgrow = np.array([w[t] / w[t - EVERY] if t >= EVERY else math.nan for t in range(n)])
+    rho, cos = rolling(col["rho"], 10, np.nanmedian), rolling(col["cosine"], 10, np.nanmean)
+    ratio = rolling(col["ratio_median"], WINDOW, np.nanmedian)
+    with np.errstate(invalid="ignore"):
+        return {"grad 1.5x": grad >= 1.5, "grad 2x": grad >= 2, "weights 1.05x/25": wgrow >= 1.05,
+                "weights 1.1x/25": wgrow >= 1.1, "weights 1.2x/25": wgrow >= 1.2, "secant < -0.3": rho < -0.3,
+                "secant < -0.5": rho < -0.5, "cosine < 0": cos < 0, "cosine < -0.1": cos < -0.1,
+                "update ratio > 0.03": ratio > 0.03, "update ratio > 0.05": ratio > 0.05,
+                "loss 1.05x": lossr >= 1.05, "loss 1.1x": lossr >= 1.1}
+
+
+def combined_table(rows: list[dict], start: int = 50) -> None:
+    """Up to three of the step signals at once (every one holding at the same step, ``k`` steps in a row, from
+    ``start`` on: before it a run is leaving its initialisation), each signal over 10 steps as above, the loss's
+    10-step mean against its lowest so far beside them. The search is over every such combination on the tuning
+    half, so its best row per count of controls warned is an optimistic bound, not a rule's held-out figure."""
+    import itertools
+
+    conds = {(r["id"], name): step_conditions(r[name]) for r in rows for name in ("divergent", "control")}
+    names = list(next(iter(conds.values())).keys()) if conds else []
+
+    def first(case, name, combo, k):
+        c = conds[(case["id"], name)]
+        if not c:
+            return None
+        held = np.logical_and.reduce([c[x] for x in combo])
+        streak = 0
+        for t in range(start, len(held)):
+            streak = streak + 1 if held[t] else 0
+            if streak >= k:
+                return t
+        return None
+
+    best: dict[int, tuple] = {}
+    tried = 0
+    for size in (1, 2, 3):
+        for combo in itertools.combinations(names, size):
+            for k in (1, 5):
+                tried += 1
+                leads = [lead(r["divergent"]["diverged_at"], first(r, "divergent", combo, k)) for r in rows]
+                s = summary(leads)
+                fp = sum(first(r, "control", combo, k) is not None for r in rows)
+                if fp not in best or s["ge20"] > best[fp][0]["ge20"]:
+                    best[fp] = (s, combo, k)
+    print(f"\nUp to three step signals at once, from step {start}: the best of {tried} combinations for each count "
+          "of controls warned (most runs warned >= 20 ahead; tuning half, an optimistic bound)")
+    print("| controls warned | signals, all at once | in a row | median lead | p25 | warned >= 20 ahead "
+          "| >= 50 ahead |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for fp in sorted(best)[:6]:
+        s, combo, k = best[fp]
+        print(f"| {fp} of {len(rows)} | {', '.join(combo)} | {k} | {s['median']} | {s['p25']} | {s['ge20']} | "
+              f"{s['ge50']} |")
+
+
 def trajectories(rows: list[dict]) -> None:
     """The signals side by side at a few steps: do the twins and the controls part, and when?"""
     print("\ncase opt | run | diverged | lowest call mean / mean of means / one-hot share / update ratio at steps "
@@ -434,6 +511,7 @@ def main() -> None:
     cosine_table(valid)
     h12_rows(valid)
     more_signals_table(valid)
+    combined_table(valid)
     trajectories(valid)
 
 
