@@ -8,6 +8,7 @@ from the real path (sweep.py + report.py), never from here; held-out cases are n
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --cadence
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results.jsonl --gates
     .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results-733fc4b.jsonl --rate
+    .venv/bin/python -m bench.early_warning.replay --results bench/early_warning/results-65cb243.jsonl --gated
 
 ``--cadence`` replays H12's default settings at other sampling cadences instead of the grid (issue 41: lead
 through cadence, within the overhead budget): the interval, how long an escalation samples every step, and
@@ -19,6 +20,8 @@ doubling-time limit per optimizer family (``by_optimizer``).
 ``--rate`` replays a growth-rate rule alone, without H12's floor of 60 (``first_fast``: H13's own code): does
 the rate, read from a lower level, warn the divergent runs sooner than H12 with a per-family limit, and the
 controls never? H13's defaults come from this grid.
+``--gated`` replays H12 gated by a doubling-time limit per optimizer family (``fast_enough``: the rule's own
+gate, off by default), alone and or H13: the balanced profile (docs/early-warning.md) comes from it.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from gradwatch.server.rules.catalog.early_forecast import (AttentionLogitForecast, AttentionLogitRunaway, forecast_step,
-                                                           optimizer_family, runaway_step)
+from gradwatch.server.rules.catalog.early_forecast import (AttentionLogitForecast, AttentionLogitRunaway, fast_enough,
+                                                           forecast_step, optimizer_family, runaway_step)
 
 from .report import lead, load, split_cases, summary
 
@@ -218,12 +221,60 @@ def rates(tuning: list[dict]) -> None:
             show(row)
 
 
+def gated(tuning: list[dict]) -> None:
+    """H12 gated by a doubling-time limit per optimizer family (the rule's own ``fast_enough``), alone and with
+    H13 beside it: the first sampled step at which either warns. The balanced profile's limits first (H13's:
+    bench/early_warning/profiles/balanced.toml), then a grid of limits and spans, the 10 settings warning the
+    fewest controls, then the most runs >= 20 ahead, then the longest median and p25."""
+    h13 = {k: p.default for k, p in AttentionLogitRunaway.params.items()}
+    ungated = {k: p.default for k, p in AttentionLogitForecast.params.items()}     # the gate is off by default
+    h12 = dict(ungated, doubling_adaptive=h13["doubling_adaptive"], doubling_rmsprop=h13["doubling_rmsprop"],
+               doubling_sgd=h13["doubling_sgd"])
+
+    def limit_of(case, cfg):
+        return cfg[f"doubling_{optimizer_family(CLASS_OF[case['optimizer']])}"]
+
+    def first_h12(run, case, cfg):
+        return first_hit(run, cfg, CADENCE, lambda h, step, losses: fast_enough(dict(h), limit_of(case, cfg)))
+
+    def first_h13(run, case):
+        return first_fast(run, h13["min_logit"], h13["span"], limit_of(case, h13), h13["consecutive"])
+
+    def either(run, case, cfg):
+        steps = [x for x in (first_h12(run, case, cfg), first_h13(run, case)) if x is not None]
+        return min(steps) if steps else None
+
+    def row(first):
+        leads = [lead(c["divergent"]["diverged_at"], first(c["divergent"], c["case"])) for c in tuning]
+        return sorted(c["case"]["id"] for c in tuning if first(c["control"], c["case"]) is not None), summary(leads)
+
+    def show(name, warned, s):
+        print(f"{name}: controls {len(warned)} {warned} | median {s['median']} p25 {s['p25']} >=20 {s['ge20']} "
+              f">=50 {s['ge50']}", flush=True)
+    show("H12 at its defaults (no gate)", *row(lambda r, c: first_hit(r, ungated)))
+    show("H13 at its defaults", *row(first_h13))
+    show("H12 gated at H13's limits (the balanced profile)", *row(lambda r, c: first_h12(r, c, h12)))
+    show("the same, or H13", *row(lambda r, c: either(r, c, h12)))
+    rows = []
+    for a, rms, sgd, span in itertools.product((4, 5, 6, 8), (5, 8, 10, 15), (8, 10, 15, 20), (10, 25)):
+        cfg = dict(h12, doubling_adaptive=a, doubling_rmsprop=rms, doubling_sgd=sgd, span=span)
+        warned, s = row(lambda r, c, cfg=cfg: either(r, c, cfg))
+        key = [x if isinstance(x, int) else -1 for x in (s["median"], s["p25"])]
+        rows.append((len(warned), -s["ge20"], -key[0], -key[1], f"limits {a}/{rms}/{sgd} (AdamW/RMSprop/SGD), "
+                     f"span {span}, or H13", warned, s))
+    print(f"{len(rows)} settings of the gate, each or H13:")
+    for r in sorted(rows, key=lambda r: r[:4])[:10]:
+        show(*r[4:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
     ap.add_argument("--cadence", action="store_true", help="H12's defaults at other sampling cadences, not the grid")
     ap.add_argument("--gates", action="store_true", help="gates tried against the five AdamW controls, not the grid")
     ap.add_argument("--rate", action="store_true", help="a growth-rate rule alone, from a lower level, not the grid")
+    ap.add_argument("--gated", action="store_true", help="H12 gated by the doubling time per optimizer family, "
+                    "alone and or H13, not the grid")
     args = ap.parse_args()
     tuning, _, _ = split_cases(load(Path(args.results)))        # the held-out half is dropped here
     base = {k: p.default for k, p in AttentionLogitForecast.params.items()}
@@ -232,6 +283,9 @@ def main() -> None:
         return
     if args.rate:
         rates(tuning)
+        return
+    if args.gated:
+        gated(tuning)
         return
     if args.gates:
         gates(tuning, base)

@@ -116,11 +116,13 @@ def test_h12_forecasts_a_fast_growth_and_names_the_module(rdb):
     def growing(i, rng):
         a, b = healthy_logits(i, rng)
         return a, (b if i < 200 else b * 2 ** ((i - 200) / 8))
-    rdb.feed(name, forecast_steps(growing, n=300, every=lambda i: i % 50 == 0 or i >= 200), batch=37, meta=META)
+    rdb.feed(name, forecast_steps(growing, n=300, every=lambda i: i % 50 == 0 or i >= 200), batch=37, meta=META,
+             events=[setup_event("SGD")])
     alerts = rdb.rules(name)
     a = alerts["H12"]
     assert a.severity == "warning" and a.evidence["module"] == "blocks.1.attn"
     assert 6 <= a.evidence["doubling_steps"] <= 10 and "doubling every" in a.message
+    assert "limit_steps" not in a.evidence and "healthy run" not in a.message      # the gate is off by default
     # the logit passes 60 near step 221 (1000 near step 254): H12 confirms 2 samples later, ~30 steps ahead
     assert 220 <= a.first_step <= 226 and a.evidence["steps_to_danger"] <= 40
 
@@ -137,8 +139,35 @@ def test_h12_stays_quiet_on_a_sharpening_that_levels_off(rdb):
     assert "H12" not in rdb.rules(name)
 
 
+def test_h12_with_the_doubling_time_gate_warns_only_on_a_growth_faster_than_the_optimizer_familys_limit(tmp_path):
+    """The balanced profile (docs/early-warning.md): H12 with H13's limits, 5 / 8 / 10 steps. The same growth,
+    doubling every 8 steps, warns under SGD (limit 10); under AdamW, or with no optimizer reported (the strictest
+    limit, 5), it is what a healthy adaptive run does, and H12 stays quiet. The default project has no gate."""
+    from tests.rules.conftest import RulesDB
+
+    def growing(i, rng):
+        a, b = healthy_logits(i, rng)
+        return a, (b if i < 200 else b * 2 ** ((i - 200) / 8))
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[projects.balanced.rules.H12]\ndoubling_adaptive = 5\ndoubling_rmsprop = 8\n'
+                     'doubling_sgd = 10\n')
+    r = RulesDB(f"sqlite:///{tmp_path / 'g.db'}", tmp_path, rules_file=str(rules))
+    runs = {(project, opt): run_name() for project in ("balanced", "p") for opt in ("SGD", "AdamW", None)}
+    for (project, opt), name in runs.items():
+        r.feed(name, forecast_steps(growing, n=300, every=lambda i: i % 50 == 0 or i >= 200), batch=37, meta=META,
+               events=[setup_event(opt)] if opt else [], project=project)
+    a = r.rules(runs["balanced", "SGD"])["H12"]
+    assert a.severity == "warning" and a.evidence["optimizer_family"] == "sgd" and a.evidence["limit_steps"] == 10
+    assert "(a healthy run with this optimizer, sgd, takes more than 10)" in a.message
+    for opt in ("AdamW", None):
+        assert "H12" not in r.rules(runs["balanced", opt]), opt
+    for opt in ("SGD", "AdamW", None):
+        assert r.rules(runs["p", opt])["H12"].severity == "warning", opt
+    r.close()
+
+
 def setup_event(optimizer_class: str) -> dict:
-    """The agent's run_setup event (agent/setup.py) as far as H13 reads it."""
+    """The agent's run_setup event (agent/setup.py) as far as H12 and H13 read it."""
     return {"step": 0, "kind": "run_setup", "data": {"optimizer": {"class": optimizer_class}}}
 
 
