@@ -159,3 +159,20 @@ def test_a_mixture_of_experts_in_bf16_through_agent_and_server(server_factory, s
     case = draw(107)
     run = sweep.train(case, 0.005, 60, server=srv.url, run="moe")
     assert stored_logits_match_the_oracle(srv, "moe", run) >= 3
+
+
+def test_the_profiles_parse_and_the_balanced_one_gates_h12_at_h13s_limits():
+    """bench/early_warning/profiles (docs/early-warning.md, the quiet and balanced profiles): each is a valid rules
+    file, and the balanced one gates H12 at H13's own limits, so a change to H13's defaults shows here."""
+    from pathlib import Path
+
+    from gradwatch.server.rules.catalog.early_forecast import AttentionLogitRunaway
+    from gradwatch.server.rules.config import parse_rules_toml
+
+    folder = Path(sweep.__file__).parent / "profiles"
+    parsed = {p.stem: parse_rules_toml(p.read_text()).every_project for p in sorted(folder.glob("*.toml"))}
+    assert set(parsed) == {"balanced", "quiet"}
+    assert parsed["quiet"] == {"H2": {"severity": "info"}, "H12": {"severity": "info"}}
+    h13 = {k: p.default for k, p in AttentionLogitRunaway.params.items()}
+    limits = {k: v for k, v in h13.items() if k.startswith("doubling_")}
+    assert parsed["balanced"] == {"H2": {"severity": "info"}, "H12": limits}
