@@ -80,9 +80,11 @@ class SpikeTrack:
     def save(self, state: dict) -> None:
         state.update(spikes=self.spikes, last=self.last, length=self.length, loss_spike=self.pending)
 
-    def flag(self, step: int, span: int) -> tuple[int, int]:
-        """A flagged step: the same spike one step longer, or a new one. Returns the spikes within ``span`` steps
-        and this spike's length."""
+    def flag(self, step: int, span: int, loss_up: bool = False) -> tuple[int, int]:
+        """A flagged step: the same spike one step longer, or a new one; with ``loss_up``, the step whose loss is
+        judged again at the next one. Returns the spikes within ``span`` steps and this spike's length."""
+        if loss_up:
+            self.pending = step
         if self.last is not None and step == self.last + 1:
             self.length += 1
         else:

@@ -121,8 +121,9 @@ class AttentionLogitForecast(BatchRule):
         out = Outcome.quiet(batch.n)
         family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
         limit = cfg[f"doubling_{family}"]
-        judge = lambda mem, step, x: fast_enough(forecast_step(mem, step, x, cfg), limit)   # noqa: E731
-        if not limit:                                           # the gate is off
+        if limit:
+            judge = lambda mem, step, x: fast_enough(forecast_step(mem, step, x, cfg), limit)   # noqa: E731
+        else:                                                   # the gate is off (the default)
             judge = lambda mem, step, x: forecast_step(mem, step, x, cfg)   # noqa: E731
         for i, worst in _worst_module(batch, state, "f", judge, rank=lambda hit: hit["steps_to_danger"]):
             if worst is not None:

@@ -111,7 +111,8 @@ class GradExplosion(BatchRule):
             step = int(batch.steps[i]["step"])
             stays = track.loss_stays(step, bool(losses.up[i]))
             if i in flagged:
-                out.hits[i] = self._spike_hit(batch, i, step, float(s.med[np.searchsorted(arrivals, i)]), track,
+                n, length = track.flag(step, int(cfg["spike_steps"]), bool(losses.up[i]))
+                out.hits[i] = self._spike_hit(batch, i, step, float(s.med[np.searchsorted(arrivals, i)]), n, length,
                                               losses, stays, cfg)
             elif stays:                            # the grad norm is back, the loss is not: the spike broke the run
                 out.hits[i] = self._loss_stayed_hit(batch, i, step, track, losses)
@@ -121,18 +122,17 @@ class GradExplosion(BatchRule):
             out.hits[i] = self._unscaled_hit(batch, i)
         return out
 
-    def _spike_hit(self, batch: Batch, i: int, step: int, med: float, track: SpikeTrack, losses: LossHistory,
+    def _spike_hit(self, batch: Batch, i: int, step: int, med: float, n: int, length: int, losses: LossHistory,
                    stays: bool, cfg: dict) -> Hit:
-        """A flagged step: one spike is a warning (at most), an explosion is the rule's own severity."""
+        """A flagged step, the ``n``-th spike within spike_steps and ``length`` steps long: one spike is a warning
+        (at most), an explosion is the rule's own severity."""
         span, need, lasting = int(cfg["spike_steps"]), int(cfg["critical_spikes"]), int(cfg["sustained_steps"])
-        n, length = track.flag(step, span)
         g = float(batch.values("grad_norm")[i])
         loss_up = bool(losses.up[i])
         ev = {"grad_norm": g, "median": med, "ratio": g / med, "clip_max_norm": clip_max_norm(batch, i),
               "top_grad_norms": top_grad_norms(batch.ctx, batch.steps[i]), "spikes": n, "spike_steps": length}
         if loss_up:
             ev["loss_ratio"] = losses.ratio(i)
-            track.pending = step
         names = ", ".join(p[0] for p in (ev["top_grad_norms"] or [])[:3])
         clipped = (f" (clipped to {fmt(ev['clip_max_norm'])})" if ev["clip_max_norm"] is not None
                    and g > ev["clip_max_norm"] else "")
