@@ -385,27 +385,24 @@ def more_signals_table(rows: list[dict]) -> None:
 
 def step_conditions(run: dict) -> dict[str, np.ndarray]:
     """Per step, whether each signal of :func:`combined_table` holds (a NaN never does)."""
-    cols = np.array([[math.nan if v is None else v for v in s] for s in run["step_signals"]], dtype=float)
-    n = len(cols)
+    n = len(run["step_signals"])
     if not n:
         return {}
-    col = dict(zip(STEP_COLUMNS, cols.T))
-    loss = np.array([math.nan if v is None else v for v in run["losses"][:n]], dtype=float)
-
-    def rolling(x, k, how):
-        return np.array([how(x[max(0, t - k + 1):t + 1]) if np.isfinite(x[max(0, t - k + 1):t + 1]).any()
-                         else math.nan for t in range(n)])
+    steps = range(n)
 
     def over_lowest(x):
-        low = np.fmin.accumulate(np.where(np.isfinite(x), x, np.inf))
-        return x / low
+        x = np.array(x, dtype=float)
+        return x / np.fmin.accumulate(np.where(np.isfinite(x), x, np.inf))
 
-    grad = over_lowest(rolling(col["grad_norm"], 10, np.nanmedian))
-    lossr = over_lowest(rolling(loss, 10, np.nanmean))
-    w = col["weight_norm"]
-    wgrow = np.array([w[t] / w[t - EVERY] if t >= EVERY else math.nan for t in range(n)])
-    rho, cos = rolling(col["rho"], 10, np.nanmedian), rolling(col["cosine"], 10, np.nanmean)
-    ratio = rolling(col["ratio_median"], WINDOW, np.nanmedian)
+    losses = [math.nan if v is None else v for v in run["losses"][:n]]
+    loss_mean = [np.mean(xs) if (xs := [v for v in losses[max(0, t - 9):t + 1] if math.isfinite(v)]) else math.nan
+                 for t in steps]
+    grad, lossr = over_lowest([median_at(run, "grad_norm", t, 10) for t in steps]), over_lowest(loss_mean)
+    w = [s[STEP_COLUMNS.index("weight_norm")] for s in run["step_signals"]]
+    wgrow = np.array([w[t] / w[t - EVERY] if t >= EVERY else math.nan for t in steps])
+    rho = np.array([median_at(run, "rho", t, 10) for t in steps])
+    cos = np.array([cosine_at(run, t) for t in steps])
+    ratio = np.array([ratio_at(run, t) for t in steps])
     with np.errstate(invalid="ignore"):
         return {"grad 1.5x": grad >= 1.5, "grad 2x": grad >= 2, "weights 1.05x/25": wgrow >= 1.05,
                 "weights 1.1x/25": wgrow >= 1.1, "weights 1.2x/25": wgrow >= 1.2, "secant < -0.3": rho < -0.3,

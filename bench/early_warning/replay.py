@@ -237,8 +237,13 @@ def gated(tuning: list[dict]) -> None:
     def first_h12(run, case, cfg):
         return first_hit(run, cfg, CADENCE, lambda h, step, losses: fast_enough(dict(h), limit_of(case, cfg)))
 
-    def first_h13(run, case):
-        return first_fast(run, h13["min_logit"], h13["span"], limit_of(case, h13), h13["consecutive"])
+    h13_first: dict = {}
+
+    def first_h13(run, case):       # H13's settings do not move in the grid: each run is replayed once
+        key = (case["id"], id(run))
+        if key not in h13_first:
+            h13_first[key] = first_fast(run, h13["min_logit"], h13["span"], limit_of(case, h13), h13["consecutive"])
+        return h13_first[key]
 
     def either(run, case, cfg):
         steps = [x for x in (first_h12(run, case, cfg), first_h13(run, case)) if x is not None]
