@@ -16,7 +16,10 @@ position sees the embeddings of its token and the 2 before it, LAG + 1 in all, t
 top-1 softmax router (Switch-style, no load-balancing loss). The no-attention space (ids 200-279) adds
 ``mlp_cls`` (the flattened image through residual MLP blocks), ``conv_cls`` (a small CNN: strided 3x3
 convolutions with GELU, global average pooling) on the image task, and ``gru_lm`` (a GRU language model; the
-token 2 back reaches it through its state).
+token 2 back reaches it through its state). The mixture-of-experts space (ids 300-359) adds ``moe_mlp_lm`` and
+``moe2_mlp_lm``: ``mlp_lm`` whose MLPs are mixtures of 4 experts, behind a top-1 router (Switch) or a top-2 one
+whose two probabilities are renormalised (Mixtral), with no attention, so nothing but the router and the
+experts can warn.
 """
 from __future__ import annotations
 
@@ -94,8 +97,9 @@ class MoE(nn.Module):
     """A mixture of ``experts`` MLPs, each token sent to its top-1 expert and scaled by the router's probability
     of it (Switch Transformer): the router's gradient comes through that probability."""
 
-    def __init__(self, dim: int, experts: int = 4):
+    def __init__(self, dim: int, experts: int = 4, top: int = 1):
         super().__init__()
+        self.top = top
         self.router = nn.Linear(dim, experts)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
                                      for _ in range(experts))
@@ -103,12 +107,17 @@ class MoE(nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         probs = torch.softmax(self.router(flat).float(), dim=-1)
-        top_p, top = probs.max(dim=-1)
+        if self.top == 1:
+            top_p, top = probs.max(dim=-1)
+            top_p, top = top_p[:, None], top[:, None]
+        else:       # Mixtral: the top-k probabilities, renormalised to sum to 1
+            top_p, top = probs.topk(self.top, dim=-1)
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            idx = (top == e).nonzero(as_tuple=True)[0]
+            idx, slot = (top == e).nonzero(as_tuple=True)
             if idx.numel():
-                out = out.index_add(0, idx, (expert(flat[idx]) * top_p[idx, None]).to(out.dtype))
+                out = out.index_add(0, idx, (expert(flat[idx]) * top_p[idx, slot, None]).to(out.dtype))
         return out.reshape(x.shape)
 
 
@@ -122,14 +131,26 @@ class MlpBlock(nn.Module):
         return x + self.mlp(self.ln(x))
 
 
-class MlpLM(nn.Module):
-    """No attention: position t reads the embeddings of tokens t, t - 1 .. t - LAG (zeros before the start)."""
+class MoeBlock(nn.Module):
+    """A residual block whose MLP is a mixture of experts (``top`` experts a token)."""
 
-    def __init__(self, dim: int, depth: int):
+    def __init__(self, dim: int, top: int):
+        super().__init__()
+        self.ln, self.mlp = nn.LayerNorm(dim), MoE(dim, top=top)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class MlpLM(nn.Module):
+    """No attention: position t reads the embeddings of tokens t, t - 1 .. t - LAG (zeros before the start).
+    ``top`` > 0: each block's MLP is a mixture of experts routing each token to its ``top`` experts."""
+
+    def __init__(self, dim: int, depth: int, top: int = 0):
         super().__init__()
         self.tok = nn.Embedding(V, dim)
         self.inp = nn.Linear((LAG + 1) * dim, dim)
-        self.blocks = nn.Sequential(*[MlpBlock(dim) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[MoeBlock(dim, top) if top else MlpBlock(dim) for _ in range(depth)])
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, V)
 
     def forward(self, input_ids):
@@ -174,7 +195,9 @@ class GruLM(nn.Module):
         return self.head(self.ln(y))
 
 
-NO_ATTENTION = {"mlp_lm": MlpLM, "mlp_cls": MlpCls, "conv_cls": ConvCls, "gru_lm": GruLM}   # (width, depth)
+NO_ATTENTION = {"mlp_lm": MlpLM, "mlp_cls": MlpCls, "conv_cls": ConvCls, "gru_lm": GruLM,    # (width, depth)
+                "moe_mlp_lm": lambda dim, depth: MlpLM(dim, depth, top=1),
+                "moe2_mlp_lm": lambda dim, depth: MlpLM(dim, depth, top=2)}
 
 
 class TinyLM(nn.Module):

@@ -4,7 +4,7 @@ A case is drawn from the declared space by ``random.Random(CASE_SEED * 1000 + ca
 the same case on any machine. Every parameter trains at one learning rate (one param group), on CPU, no
 clipping, no scaler; the LR warms up linearly from 0 over ``warmup`` steps (0: none) and then stays.
 
-Two spaces, one id range each:
+Four spaces, one id range each:
 
 - ids 0-99 (:data:`ARCHS`, ``split.json``): attention models, dense, fp32;
 - ids 100-159, *the other kinds* (:data:`KINDS_ARCHS`, ``split-kinds.json``, added 2026-12-07: early warning is
@@ -15,7 +15,10 @@ Two spaces, one id range each:
 - ids 200-279, *no attention* (:data:`NOATTN_ARCHS`, ``split-noattn.json``, added 2026-12-07: the other kinds
   held too few no-attention cases to split): an MLP language model, an MLP and a small CNN on the image task, a
   GRU language model, each in fp32 and bf16 (the precision flips every ``len(NOATTN_ARCHS)`` ids, 10 ids per
-  pair).
+  pair);
+- ids 300-359, *mixture of experts* (:data:`MOE_ARCHS`, ``split-moe.json``, added 2026-12-07: no rule read a
+  router): the Switch-style Transformer of the other kinds (``moe_lm``) and two MoE models with no attention, a
+  top-1 (``moe_mlp_lm``) and a top-2 router (``moe2_mlp_lm``), each in fp32 and bf16 (10 ids per pair).
 
 The LR of the divergent run (:func:`lr_search`, applied blindly, without gradwatch): start from a log-uniform
 draw in the optimizer's :data:`LR_RANGE`; run plain PyTorch for up to :data:`BUDGET` steps; if the run
@@ -57,8 +60,11 @@ KINDS_ARCHS = ("mlp_lm", "moe_lm", "hf_gpt2", "hf_llama", "softmax4d", "baddbmm3
 PRECISIONS = ("fp32", "bf16")                  # bf16: the forward under torch.autocast("cpu", torch.bfloat16)
 NOATTN_FIRST, NOATTN_N = 200, 80
 NOATTN_ARCHS = ("mlp_lm", "mlp_cls", "conv_cls", "gru_lm")
+MOE_FIRST, MOE_N = 300, 60
+MOE_ARCHS = ("moe_mlp_lm", "moe2_mlp_lm", "moe_lm")
 # the later spaces: (first id, how many, their archs in turn); the precision flips every len(archs) ids
-LATER_SPACES = ((KINDS_FIRST, KINDS_N, KINDS_ARCHS), (NOATTN_FIRST, NOATTN_N, NOATTN_ARCHS))
+LATER_SPACES = ((KINDS_FIRST, KINDS_N, KINDS_ARCHS), (NOATTN_FIRST, NOATTN_N, NOATTN_ARCHS),
+                (MOE_FIRST, MOE_N, MOE_ARCHS))
 IMAGE_ARCHS = ("hf_vit", "timm_vit", "mlp_cls", "conv_cls")     # the image task (models.py)
 
 

@@ -5,6 +5,7 @@ real agent (default settings) to a real server (``gradwatch serve`` on 127.0.0.1
     .venv/bin/python -m bench.early_warning.sweep --cases 0-5 --out /tmp/ew.jsonl --workers 1
     .venv/bin/python -m bench.early_warning.sweep --cases kinds --out bench/early_warning/results-kinds.jsonl
     .venv/bin/python -m bench.early_warning.sweep --cases noattn --out bench/early_warning/results-noattn.jsonl
+    .venv/bin/python -m bench.early_warning.sweep --cases moe --out bench/early_warning/results-moe.jsonl
 
 Writes one JSON line per case (bench/early_warning/results.jsonl by default): the case, the LR search's
 tries, and for each of the two runs its losses, the divergence step, the true max attention logit of every
@@ -38,7 +39,8 @@ ROOT = HERE.parents[1]
 SPLIT = HERE / "split.json"
 KINDS_SPLIT = HERE / "split-kinds.json"     # the other kinds (space.py, ids 100-159), frozen on 2026-12-07
 NOATTN_SPLIT = HERE / "split-noattn.json"   # no attention (space.py, ids 200-279), frozen on 2026-12-07
-SPLITS = {"kinds": KINDS_SPLIT, "noattn": NOATTN_SPLIT}
+MOE_SPLIT = HERE / "split-moe.json"         # mixture of experts (space.py, ids 300-359), frozen on 2026-12-07
+SPLITS = {"kinds": KINDS_SPLIT, "noattn": NOATTN_SPLIT, "moe": MOE_SPLIT}
 RESULTS = HERE / "results.jsonl"
 PROJECT = "early-warning"
 N_CASES = 100           # the sweep runs case ids 0 .. N_CASES - 1 (each in its half of split.json)
@@ -225,7 +227,8 @@ def case_ids(spec: Optional[str]) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=None, help="ids, e.g. 0-9,12; 'kinds': the other kinds' ids 100-159; "
-                    "'noattn': the no-attention ids 200-279 (default: ids below N_CASES)")
+                    "'noattn': the no-attention ids 200-279; 'moe': the mixture-of-experts ids 300-359 "
+                    "(default: ids below N_CASES)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rules", default=None, help="a rules file for the server")

@@ -18,7 +18,8 @@ import torch
 from bench.early_warning import models, report, sweep
 from bench.early_warning.divergence import diverged_at, learned
 from bench.early_warning.space import (BUDGET, CONTROL_DIVISOR, EARLIEST, KINDS_ARCHS, KINDS_FIRST, KINDS_N, LEARNED,
-                                       NOATTN_ARCHS, NOATTN_FIRST, NOATTN_N, PRECISIONS, draw)
+                                       MOE_ARCHS, MOE_FIRST, MOE_N, NOATTN_ARCHS, NOATTN_FIRST, NOATTN_N, PRECISIONS,
+                                       draw)
 
 # the split committed in cf1ec9a, before any tuning: it must never change
 SPLIT_SHA256 = "6ff479e9243d0dc5658e9f934dcb40e114c4ec7e750c85660bd17c78987a4eb1"
@@ -108,9 +109,10 @@ def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
 
 
 # the later spaces' splits (space.py), each committed alone before any sweep of its ids: the other kinds (ids
-# 100-159, in 2b91248) and no attention (ids 200-279, in 8d90954)
+# 100-159, in 2b91248), no attention (ids 200-279, in 8d90954) and mixture of experts (ids 300-359)
 LATER_SPLITS = [("kinds", "7bfa76e41e50532dcf72cb042ca4590132b97e247508c5042e15400b78a6e3cf", KINDS_FIRST, KINDS_N),
-                ("noattn", "3e6dd2ea6b38b369a075a443950a6775e6dd6d9b796be55554759cd0e58a992e", NOATTN_FIRST, NOATTN_N)]
+                ("noattn", "3e6dd2ea6b38b369a075a443950a6775e6dd6d9b796be55554759cd0e58a992e", NOATTN_FIRST, NOATTN_N),
+                ("moe", "ec7ff81d542884f511c09e346e8d4e435bac6d3b8a1a5a6984f0a9a2a0d95e67", MOE_FIRST, MOE_N)]
 
 
 @pytest.mark.parametrize("name, sha256, first, n", LATER_SPLITS)
@@ -121,7 +123,8 @@ def test_the_later_splits_are_the_frozen_ones(name, sha256, first, n):
     assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == n // 2
     assert sorted(split["tuning"] + split["held_out"]) == list(range(first, first + n)) == sweep.case_ids(name)
     halves = sweep.halves()                       # every split, as report.split_cases reads them
-    assert sorted(halves) == list(range(KINDS_FIRST + KINDS_N)) + list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
+    assert sorted(halves) == (list(range(KINDS_FIRST + KINDS_N)) + list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
+                              + list(range(MOE_FIRST, MOE_FIRST + MOE_N)))
     assert sweep.case_ids(None) == list(range(100))
 
 
@@ -133,19 +136,24 @@ def test_the_other_kinds_space():
         draw(KINDS_FIRST + KINDS_N)
     drawn = Counter((draw(i).arch, draw(i).precision) for i in range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
     assert drawn == {(a, p): 10 for a in NOATTN_ARCHS for p in PRECISIONS}
+    drawn = Counter((draw(i).arch, draw(i).precision) for i in range(MOE_FIRST, MOE_FIRST + MOE_N))
+    assert drawn == {(a, p): 10 for a in MOE_ARCHS for p in PRECISIONS}
 
 
 @pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02), (201, 0.3), (202, 0.005),
-                                        (203, 0.003), (205, 0.003), (206, 0.003), (207, 0.005)])
+                                        (203, 0.003), (205, 0.003), (206, 0.003), (207, 0.005), (300, 0.005),
+                                        (301, 0.005), (304, 0.3)])
 def test_the_other_kinds_learn_in_their_precision(case_id, lr):
-    """No attention (an MLP, a CNN, a GRU) and a mixture of experts (moe_lm) learn the task; a bf16 case's forward
+    """No attention (an MLP, a CNN, a GRU) and a mixture of experts (moe_lm, and with no attention moe_mlp_lm with a
+    top-1 router and moe2_mlp_lm with a top-2 one) learn the task; a bf16 case's forward
     runs under bf16 autocast (its last Linear's output is bf16), an fp32 case's does not."""
     case = draw(case_id)
     assert (case.arch, case.precision) == {100: ("mlp_lm", "fp32"), 106: ("mlp_lm", "bf16"),
                                            107: ("moe_lm", "bf16"), 201: ("mlp_cls", "fp32"),
                                            202: ("conv_cls", "fp32"), 203: ("gru_lm", "fp32"),
                                            205: ("mlp_cls", "bf16"), 206: ("conv_cls", "bf16"),
-                                           207: ("gru_lm", "bf16")}[case_id]
+                                           207: ("gru_lm", "bf16"), 300: ("moe_mlp_lm", "fp32"),
+                                           301: ("moe2_mlp_lm", "fp32"), 304: ("moe2_mlp_lm", "bf16")}[case_id]
     model, batch, _ = models.build(case)
     out = models.forward(model, case, batch(0))
     assert out.dtype == (torch.bfloat16 if case.precision == "bf16" else torch.float32)
