@@ -324,6 +324,20 @@ LAYER_STATS += (
               "sampled)", pieces_of="layers.grad_absmax", combine="max", total="grad_absmax"),
 )
 
+# ---- early warning, a mixture of experts' router (H14: agent/collectors/early_logits.py, measured by the attention
+# logits' mode in the same sampled forward)
+STEP_SIGNALS += (
+    StepSignal("router_logit_spread", 25, "float", "", "largest spread (max - min over the experts) of one token's "
+               "router logits, over the routers: a 2-D softmax over the last dimension inside the model (Switch, "
+               "Mixtral), whose routing turns one-hot as it grows (sampled with attn_logits_every)",
+               panel="early_logits", label="max router logit spread"),
+)
+LAYER_STATS += (
+    LayerStat("router_logit_spread", "modules", "", "per module computing a router (the innermost module holding "
+              "the softmax), the largest spread of one token's router logits over the forward (null for other "
+              "modules; sampled with attn_logits_every)"),
+)
+
 _BY_NAME = {s.name: s for s in STEP_SIGNALS}
 _LAYER_BY_NAME = {s.name: s for s in LAYER_STATS}
 _PANEL_BY_KEY = {p.key: p for p in PANELS}

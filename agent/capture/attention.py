@@ -36,7 +36,15 @@ PyTorch code computes attention:
   ``probs @ v``, or any other use): only a softmax makes a product attention.
 
 A softmax over any other shape or dimension is not attention and passes untouched (a 3-D softmax over
-a tensor no followed product made, a classifier's say, is not seen).
+a tensor no followed product made, a classifier's say, is not seen), with one exception:
+
+* ``softmax`` over the last dimension of a 2-D ``[tokens, experts]`` tensor of at most
+  :data:`MAX_EXPERTS` columns is a **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE:
+  ``softmax(router(x), dim=-1)`` over the flattened tokens; or any gate of that shape inside the model,
+  attention pooling say). It is not attention; its figure, :func:`router_logit_spread` (the largest
+  spread of one token's logits, max - min: what decides how one-hot its routing is), goes to the mode's
+  ``router`` callback, credited to a module as attention is. A router over a 3-D ``[batch, seq,
+  experts]`` tensor (Hugging Face's Switch Transformers) is not told from a classifier and is not seen.
 
 The value is the **max over every unmasked logit** of the call (all samples, heads, query and key
 positions), kept as a 0-d tensor on the device (no host sync); a masked entry (``-inf``, or a
@@ -85,6 +93,8 @@ MAX_FRAMES = 64
 # and if all are alive nothing new is followed (a model with more products than this a forward is not one
 # whose 3-D attention this can promise to see)
 MAX_FOLLOWED = 4096
+# the widest 2-D softmax taken for a router (experts per layer; Switch-C has 2048)
+MAX_EXPERTS = 2048
 
 # What a call is, by the function object PyTorch hands the mode. Another library may have wrapped one of
 # these (a profiler's pass-through around F.scaled_dot_product_attention, installed before or after this
@@ -229,6 +239,22 @@ def softmax_logit_max(x: torch.Tensor) -> torch.Tensor:
     3.0
     """
     return x.detach().amax().float()
+
+
+def router_logit_spread(x: torch.Tensor) -> torch.Tensor:
+    """A router's figure: over its tokens (rows), the largest spread of one token's logits, max - min over
+    the experts (non-finite logits left out). A softmax is unchanged by a shift of a row, so the spread,
+    not the level, says how one-hot a token's routing is: at a spread s, the top expert's probability is at
+    least e^s / (e^s + n - 1) for n experts.
+
+    >>> router_logit_spread(torch.tensor([[1.0, 3.0, 2.0], [0.0, 9.0, -1.0]])).item()
+    10.0
+    """
+    x = x.detach().float()
+    finite = torch.isfinite(x)
+    hi = x.masked_fill(~finite, -math.inf).amax(dim=-1)
+    lo = x.masked_fill(~finite, math.inf).amin(dim=-1)
+    return torch.where(finite.sum(dim=-1) >= 2, hi - lo, torch.zeros_like(hi)).amax()
 
 
 def _chunks(per_item: int) -> int:
@@ -446,15 +472,17 @@ class AttentionLogitMode(TorchFunctionMode):
     """Sees the attention calls of one forward (see the module docstring) and hands each one's max
     logit to ``found(position, value)`` (``position``: the credited module's, from ``owners``), or
     to ``found(None, value)`` when no watched module holds the call. ``failed(exc)``: the measurement
-    raised; the call itself still runs and returns as it would have.
+    raised; the call itself still runs and returns as it would have. ``router(position, value)``, when
+    given, receives each router call's :func:`router_logit_spread` the same way.
 
     Entered by a forward pre-hook and left by the forward's post-hook (and, should the forward
     raise, at the step's end): :meth:`leave` pops it only if it is still on the mode stack."""
 
     def __init__(self, owners: dict[int, int], found: Callable[[Optional[int], torch.Tensor], None],
-                 failed: Callable[[BaseException], None]):
+                 failed: Callable[[BaseException], None],
+                 router: Optional[Callable[[Optional[int], torch.Tensor], None]] = None):
         super().__init__()
-        self.owners, self.found, self.failed = owners, found, failed
+        self.owners, self.found, self.failed, self.router = owners, found, failed, router
         self.active = False
         # SDPA calls scored when the mode is left: (args, kwargs, credited position, q, k, their versions)
         self.deferred: list[tuple] = []
@@ -484,6 +512,8 @@ class AttentionLogitMode(TorchFunctionMode):
                     self._measure(softmax_logit_max, (local_tensor(x),), {})
                 elif x.dim() == 3 and dim in (-1, 2) and self._is_followed(x):
                     self._measure(softmax_logit_max, (local_tensor(x),), {})
+                elif x.dim() == 2 and dim in (-1, 1) and self.router is not None and 2 <= x.shape[1] <= MAX_EXPERTS:
+                    self._measure(router_logit_spread, (local_tensor(x),), {}, self.router)
         elif kind == "sdpa":
             if not self._defer(args, kwargs):
                 self._measure(sdpa_logit_max, args, kwargs)
@@ -528,18 +558,19 @@ class AttentionLogitMode(TorchFunctionMode):
         except Exception as e:  # noqa: BLE001 - never hurt the host
             self.failed(e)
 
-    def _measure(self, how: Callable, args: tuple, kwargs: dict) -> None:
+    def _measure(self, how: Callable, args: tuple, kwargs: dict, to: Optional[Callable] = None) -> None:
         try:
             # two frames up: past __torch_function__ (whose self is this mode) to the caller of the torch call
-            self._score(how, args, kwargs, credited_module(sys._getframe(2), self.owners))
+            self._score(how, args, kwargs, credited_module(sys._getframe(2), self.owners), to)
         except Exception as e:  # noqa: BLE001 - never hurt the host: the attention call goes on
             self.failed(e)
 
-    def _score(self, how: Callable, args: tuple, kwargs: dict, position: Optional[int]) -> None:
+    def _score(self, how: Callable, args: tuple, kwargs: dict, position: Optional[int],
+               to: Optional[Callable] = None) -> None:
         with torch.no_grad():
             value = how(*args, **kwargs)
         if value is not None:
-            self.found(position, value)
+            (to or self.found)(position, value)
 
     def _defer(self, args: tuple, kwargs: dict) -> bool:
         """Keep an SDPA call to be scored when the forward is over (:meth:`leave`), where its ``q·kᵀ``

@@ -290,7 +290,7 @@ class AttentionLogits(OneForwardHooks):
     name = "attn_logits"
     order = 110
     every = "attn_logits_every"
-    emits = ("attn_logit_max", "layers.attn_logit_max")
+    emits = ("attn_logit_max", "layers.attn_logit_max", "router_logit_spread", "layers.router_logit_spread")
 
     def __init__(self, watched, guards):
         super().__init__(watched, guards)
@@ -306,8 +306,9 @@ class AttentionLogits(OneForwardHooks):
         self.site_owners = [{s.index, position.get(s.name.rpartition(".")[0], s.index)} for s in self.sites]
         # the watched modules a call is credited to (nn.Softmax wrappers: their parent is the attention)
         owners = {id(m): i for i, (_, m) in enumerate(watched.modules) if not isinstance(m, torch.nn.Softmax)}
-        self.mode = AttentionLogitMode(owners, self._found, self._failed)
+        self.mode = AttentionLogitMode(owners, self._found, self._failed, self._router)
         self.found: dict[int, torch.Tensor] = {}        # module position -> max logit, this forward
+        self.routers: dict[Optional[int], torch.Tensor] = {}   # module position (None: the root's) -> spread
         self.unplaced: list[torch.Tensor] = []           # calls in no watched module's forward (the root's own)
         self.reported: Optional[set[int]] = None         # module positions named in a coverage event so far
         self.looks_like = transformer_part(watched.model, [])   # whether the model looks like a Transformer
@@ -373,6 +374,10 @@ class AttentionLogits(OneForwardHooks):
             return
         prev = self.found.get(position)
         self.found[position] = value if prev is None else torch.maximum(prev, value.to(prev.device))
+
+    def _router(self, position: Optional[int], value: torch.Tensor) -> None:
+        prev = self.routers.get(position)
+        self.routers[position] = value if prev is None else torch.maximum(prev, value.to(prev.device))
 
     def _failed(self, e: BaseException) -> None:
         self.mode.leave()
@@ -443,8 +448,11 @@ class AttentionLogits(OneForwardHooks):
         unplaced, self.unplaced = self.unplaced, []
         qk, self.qk = self.qk, {}
         sampled, self.sampled = self.sampled, False
+        routers, self.routers = self.routers, {}
         if not self.guards.on(self.name):
             return
+        if routers:
+            self._add_routers(rec, routers)
         if sampled and self.reported is None and not (found or unplaced or qk):
             self._coverage(rec, set())          # the first sampled forward saw no attention: said, never silent
         if not (found or unplaced or qk):
@@ -464,6 +472,19 @@ class AttentionLogits(OneForwardHooks):
                                                                   len(self.watched.modules)))
             if self.reported is None or not self.reported.issuperset(order):
                 self._coverage(rec, (self.reported or set()) | set(order))
+
+    def _add_routers(self, rec, routers: dict[Optional[int], torch.Tensor]) -> None:
+        """The routers' spreads: their max (``router_logit_spread``) and each module's (a router in no watched
+        module's forward, the root's own, counts in the max only)."""
+        with self.guards.guard(self.name), torch.no_grad():
+            order = sorted(i for i in routers if i is not None)
+            parts = [routers[i] for i in order] + ([routers[None]] if None in routers else [])
+            device = parts[0].device
+            values = torch.stack([p.to(device) for p in parts])
+            rec.add("router_logit_spread", values.amax())
+            if order:
+                rec.add("layers.router_logit_spread", scatter_measured(values[:len(order)], order,
+                                                                       len(self.watched.modules)))
 
     def _coverage(self, rec, positions: set[int]) -> None:
         """The ``attention_coverage`` event: the modules measured so far, and whether the model looks like

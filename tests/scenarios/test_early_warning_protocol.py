@@ -169,6 +169,36 @@ def test_a_mixture_of_experts_in_bf16_through_agent_and_server(server_factory, s
     assert stored_logits_match_the_oracle(srv, "moe", run) >= 3
 
 
+@pytest.mark.parametrize("case_id, lr", [(301, 0.02), (305, 0.02)])
+def test_a_routers_spread_through_agent_and_server(server_factory, sqlite_url, case_id, lr):
+    """The agent measures each MoE router's logit spread (max - min of one token's logits, the largest over the
+    tokens and routers) as this benchmark's own mode records it (router.py, written apart from the agent), at
+    every sampled step: a top-2 router with no attention (301, fp32) and a top-1 Switch router behind attention
+    under bf16 autocast (305); the layer is credited to the MoE module that calls the softmax."""
+    from bench.early_warning.router import RouterLogits, series
+
+    srv = server_factory(sqlite_url)
+    case = draw(case_id)
+    assert (case.arch, case.precision) == {301: ("moe2_mlp_lm", "fp32"), 305: ("moe_lm", "bf16")}[case_id]
+    oracle = RouterLogits()
+    sweep.train(case, lr, 60, server=srv.url, run="router", oracle=oracle)
+    truth = series({"router": oracle.steps}, "spread")
+    _, runs = srv.get(f"/api/v1/runs?project={sweep.PROJECT}")
+    rid = {r["name"]: r["id"] for r in runs["runs"]}["router"]
+    status, m = srv.get(f"/api/v1/runs/{rid}/layers?stat=router_logit_spread&max_steps=10000&max_layers=10000")
+    assert status == 200 and m["bucket_size"] == 1
+    measured = [name for name, row in zip(m["layers"], m["values"])
+                if any(isinstance(v, (int, float)) for v in row)]
+    assert measured == [f"blocks.{i}.mlp" for i in range(case.depth)], measured
+    compared = 0
+    for c, step in enumerate(m["steps"]):
+        vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
+        if vals:
+            assert max(vals) == pytest.approx(truth[step], rel=1e-4), step
+            compared += 1
+    assert compared >= 3
+
+
 def test_the_profiles_parse_and_the_balanced_one_gates_h12_at_h13s_limits():
     """bench/early_warning/profiles (docs/early-warning.md, the quiet and balanced profiles): each is a valid rules
     file, and the balanced one gates H12 at H13's own limits, so a change to H13's defaults shows here."""
