@@ -20,11 +20,11 @@ from typing import Optional
 
 import numpy as np
 
-from .space import KINDS_FIRST, NOATTN_ARCHS, NOATTN_FIRST
+from .space import KINDS_FIRST, MOE_FIRST, NOATTN_ARCHS, NOATTN_FIRST
 from .sweep import RESULTS
 from .sweep import halves as sweep_halves
 
-RULES = ("H1", "H2", "H3", "H4", "H12", "H13")
+RULES = ("H1", "H2", "H3", "H4", "H12", "H13", "H14")
 ANY = "any H"
 
 
@@ -122,6 +122,10 @@ def kind_of(case: dict) -> str:
     arch = case["arch"]
     if arch in NOATTN_ARCHS:
         return f"no attention ({arch})" if case["id"] >= NOATTN_FIRST else "no attention"
+    if case["id"] >= MOE_FIRST:      # the MoE space: each arch its own row
+        return {"moe_lm": "mixture of experts, attention (moe_lm)",
+                "moe_mlp_lm": "mixture of experts, no attention, top-1 (moe_mlp_lm)",
+                "moe2_mlp_lm": "mixture of experts, no attention, top-2 (moe2_mlp_lm)"}[arch]
     return "mixture of experts" if arch == "moe_lm" else "dense attention"
 
 

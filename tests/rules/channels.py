@@ -205,6 +205,28 @@ class Logits(Channel):
 
 
 @channel
+class Router(Channel):
+    """H14: a mixture of experts' router logit spread, on two of the modules (the others have no router)."""
+    name = "router"
+    values = ("router_logit_spread",)
+
+    def setup(self) -> None:
+        rng = self.rng
+        self.routers = rng.sample(range(MODULES), 2)
+        self.levels = [rng.uniform(2.0, 20.0) for _ in self.routers]
+
+    def stats(self, i: int, st: dict, layers: dict) -> None:
+        rng = self.rng
+        spread: list = [None] * MODULES
+        for k, v in zip(self.routers, self.levels):
+            spread[k] = v * (1 + 0.05 * rng.gauss(0, 1))
+        spread = self.run.apply("router_logit_spread", i, spread)
+        if rng.random() < 0.05:
+            spread[rng.choice(self.routers)] = rng.choice([None, math.nan])
+        layers["router_logit_spread"] = spread
+
+
+@channel
 class Memory(Channel):
     """D4: the peak device memory (a CPU run has none)."""
     name = "memory"

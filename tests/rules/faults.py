@@ -388,6 +388,24 @@ class AttnGrowth(Fault):
 
 
 @fault
+class RouterGrowth(Fault):
+    """H14: one router's logit spread growing geometrically."""
+    name = "router_growth"
+    channel = "router"
+    random = False
+
+    def plan(self):
+        self.seg = self.segment(40, 300)
+        self.growing = self.rng.choice(self.ch.routers)
+        self.rate = self.rng.choice([1.02, 1.05, 1.15])
+
+    def router_logit_spread(self, i, spread):
+        if self.inside(i) and spread[self.growing] is not None:
+            spread[self.growing] *= self.rate ** (i - self.seg[0])
+        return spread
+
+
+@fault
 class LogzDrift(Fault):
     """H3: the output's log Z drifting linearly."""
     name = "logz_drift"

@@ -44,12 +44,13 @@ def _confirm(mem: dict, keep: list, step: int, x: float, hit: Optional[dict], co
     return None
 
 
-def _worst_module(batch, state: dict, prefix: str, judge, rank):
-    """For each step of ``batch`` that measured some module's max attention logit: (its index, the module
-    whose hit ranks lowest by ``rank`` as (module index, hit, logit), or None when no module's does).
-    ``judge(mem, step, x)`` is the rule's condition on one sample; ``mem`` is ``state[prefix + str(j)]``."""
-    for i in batch.carriers("attn_logit_max"):
-        row = layer_array(batch.steps[i], "attn_logit_max")
+def worst_module(batch, state: dict, prefix: str, judge, rank, stat: str = "attn_logit_max"):
+    """For each step of ``batch`` that measured some module's ``stat`` (the max attention logit; H14: a router's
+    logit spread): (its index, the module whose hit ranks lowest by ``rank`` as (module index, hit, value), or
+    None when no module's does). ``judge(mem, step, x)`` is the rule's condition on one sample; ``mem`` is
+    ``state[prefix + str(j)]``."""
+    for i in batch.carriers(stat):
+        row = layer_array(batch.steps[i], stat)
         step = int(batch.step[i])
         worst, judged = None, False
         for j in np.flatnonzero(np.isfinite(row)).tolist():
@@ -125,7 +126,7 @@ class AttentionLogitForecast(BatchRule):
             judge = lambda mem, step, x: fast_enough(forecast_step(mem, step, x, cfg), limit)   # noqa: E731
         else:                                                   # the gate is off (the default)
             judge = lambda mem, step, x: forecast_step(mem, step, x, cfg)   # noqa: E731
-        for i, worst in _worst_module(batch, state, "f", judge, rank=lambda hit: hit["steps_to_danger"]):
+        for i, worst in worst_module(batch, state, "f", judge, rank=lambda hit: hit["steps_to_danger"]):
             if worst is not None:
                 j, hit, x = worst
                 module = name_of(batch.ctx.module_names, j)
@@ -222,7 +223,7 @@ class AttentionLogitRunaway(BatchRule):
         family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
         limit = cfg[f"doubling_{family}"]
         judge = lambda mem, step, x: runaway_step(mem, step, x, cfg, limit)   # noqa: E731
-        for i, worst in _worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"]):
+        for i, worst in worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"]):
             if worst is not None:
                 j, hit, x = worst
                 module = name_of(batch.ctx.module_names, j)
