@@ -473,6 +473,34 @@ def trajectories(rows: list[dict]) -> None:
             print(f"{r['id']:3d} {r['optimizer'][:5]:5s} | {name[:4]} | {str(d):>4s} | {' '.join(cells)}")
 
 
+def rerun_tuning(results: Path, run_pair: Callable[[tuple], dict], workers: int, out: Optional[str]) -> list[dict]:
+    """Rerun each valid tuning case of a sweep's ``results`` with ``run_pair((case id, kept LR))`` in ``workers``
+    processes (the held-out half is never run), printing each as it lands; the rows, by case id, also written to
+    ``out`` (one JSON line each) when given. Shared by this script and router.py."""
+    tuning, _, _ = split_cases(load(results))
+    jobs = [(c["case"]["id"], c["lr"]) for c in tuning]
+    print(f"{len(jobs)} tuning cases, twin and control each run {STEPS} steps in plain PyTorch", flush=True)
+    rows = []
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for r in pool.imap_unordered(run_pair, jobs):
+            rows.append(r)
+            print(f"case {r['id']:3d} {r['arch']:13s} {r.get('precision', '')} {r['optimizer']:12s} twin diverged at "
+                  f"{r['divergent']['diverged_at']}, control {r['control']['diverged_at']}", flush=True)
+    rows.sort(key=lambda r: r["id"])
+    if out:
+        with open(out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def valid_reruns(rows: list[dict]) -> list[dict]:
+    """The reruns whose twin diverged again and whose control did not (printed: how many)."""
+    valid = [r for r in rows if r["divergent"]["diverged_at"] is not None and r["control"]["diverged_at"] is None]
+    print(f"{len(valid)} of {len(rows)} reruns have a diverging twin and a control that does not diverge")
+    return valid
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", help="the sweep's results: its valid tuning cases are rerun")
@@ -482,25 +510,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=EVERY, help="the sampling interval of the first entropy and "
                     "update-ratio tables (the second of each: every step)")
     args = ap.parse_args()
-    if args.load:
-        rows = load(Path(args.load))
-    else:
-        tuning, _, _ = split_cases(load(Path(args.results)))     # the held-out half is never run
-        jobs = [(c["case"]["id"], c["lr"]) for c in tuning]
-        print(f"{len(jobs)} tuning cases, twin and control each run {STEPS} steps in plain PyTorch", flush=True)
-        rows = []
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            for r in pool.imap_unordered(run_pair, jobs):
-                rows.append(r)
-                print(f"case {r['id']:3d} {r['arch']:13s} {r['optimizer']:12s} twin diverged at "
-                      f"{r['divergent']['diverged_at']}, control {r['control']['diverged_at']}", flush=True)
-        rows.sort(key=lambda r: r["id"])
-        if args.out:
-            with open(args.out, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
-    valid = [r for r in rows if r["divergent"]["diverged_at"] is not None and r["control"]["diverged_at"] is None]
-    print(f"{len(valid)} of {len(rows)} reruns have a diverging twin and a control that does not diverge")
+    rows = load(Path(args.load)) if args.load else rerun_tuning(Path(args.results), run_pair, args.workers, args.out)
+    valid = valid_reruns(rows)
     table(valid, args.every)
     table(valid, 1)
     ratio_table(valid, args.every)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import multiprocessing as mp
 from pathlib import Path
 from typing import Optional
 
@@ -33,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from .oracle import TrueLogits
-from .precursors import outcome
-from .report import load, split_cases
+from .precursors import outcome, rerun_tuning, valid_reruns
+from .report import load
 from .space import CONTROL_DIVISOR, draw
 
 STEPS = 300
@@ -187,25 +185,8 @@ def main() -> None:
     ap.add_argument("--out", help="one JSON line per case")
     ap.add_argument("--every", type=int, default=EVERY)
     args = ap.parse_args()
-    if args.load:
-        rows = load(Path(args.load))
-    else:
-        tuning, _, _ = split_cases(load(Path(args.results)))     # the held-out half is never run
-        jobs = [(c["case"]["id"], c["lr"]) for c in tuning]
-        print(f"{len(jobs)} tuning cases, twin and control each run {STEPS} steps in plain PyTorch", flush=True)
-        rows = []
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            for r in pool.imap_unordered(run_pair, jobs):
-                rows.append(r)
-                print(f"case {r['id']:3d} {r['arch']:12s} {r['precision']} {r['optimizer']:12s} twin diverged at "
-                      f"{r['divergent']['diverged_at']}, control {r['control']['diverged_at']}", flush=True)
-        rows.sort(key=lambda r: r["id"])
-        if args.out:
-            with open(args.out, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
-    valid = [r for r in rows if r["divergent"]["diverged_at"] is not None and r["control"]["diverged_at"] is None]
-    print(f"{len(valid)} of {len(rows)} reruns have a diverging twin and a control that does not diverge")
+    rows = load(Path(args.load)) if args.load else rerun_tuning(Path(args.results), run_pair, args.workers, args.out)
+    valid = valid_reruns(rows)
     for arch in sorted({r["arch"] for r in valid}):
         print(f"  {arch}: {sum(r['arch'] == arch for r in valid)}")
     trajectories(valid)

@@ -219,19 +219,29 @@ class AttentionLogitRunaway(BatchRule):
     # State per module j: "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
 
     def evaluate(self, batch, state, cfg):
-        out = Outcome.quiet(batch.n)
         family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
         limit = cfg[f"doubling_{family}"]
-        judge = lambda mem, step, x: runaway_step(mem, step, x, cfg, limit)   # noqa: E731
-        for i, worst in worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"]):
-            if worst is not None:
-                j, hit, x = worst
-                module = name_of(batch.ctx.module_names, j)
-                out.hits[i] = Hit({"module": module, "attn_logit_max": x, "optimizer_family": family, **hit},
-                                  f"Max attention logit of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
-                                  f"at step {hit['reference'][0]}: doubling every {fmt(hit['doubling_steps'])} steps, "
-                                  f"faster than the {fmt(limit)} a healthy run with this optimizer ({family}) shows: "
-                                  f"add qk-layernorm, lower the LR or lengthen the warm-up")
-            else:   # some module measured, none holds the condition
-                out.clear[i] = True
-        return out
+
+        def hit_of(module: str, x: float, hit: dict) -> Hit:
+            return Hit({"module": module, "attn_logit_max": x, "optimizer_family": family, **hit},
+                       f"Max attention logit of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
+                       f"at step {hit['reference'][0]}: doubling every {fmt(hit['doubling_steps'])} steps, "
+                       f"faster than the {fmt(limit)} a healthy run with this optimizer ({family}) shows: "
+                       f"add qk-layernorm, lower the LR or lengthen the warm-up")
+        return runaway_outcome(batch, state, cfg, limit, "attn_logit_max", hit_of)
+
+
+def runaway_outcome(batch, state: dict, step_cfg: dict, limit: float, stat: str, hit_of) -> Outcome:
+    """H13's and H14's verdicts on ``batch``: at each step that measured some module's ``stat``, a hit when a
+    module's value holds :func:`runaway_step` (``step_cfg``: its ``min_logit``, ``span`` and ``consecutive``;
+    ``limit``: the doubling time), built by ``hit_of(module name, value, evidence)`` for the module doubling
+    fastest; a clear when modules were measured and none holds it."""
+    out = Outcome.quiet(batch.n)
+    judge = lambda mem, step, x: runaway_step(mem, step, x, step_cfg, limit)   # noqa: E731
+    for i, worst in worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"], stat=stat):
+        if worst is not None:
+            j, hit, x = worst
+            out.hits[i] = hit_of(name_of(batch.ctx.module_names, j), x, hit)
+        else:   # some module measured, none holds the condition
+            out.clear[i] = True
+    return out

@@ -12,9 +12,9 @@ agent measures the spread where the router's softmax is computed (agent/capture/
 from __future__ import annotations
 
 from gradwatch.server.rules.catalog._shared import SETUP_EVENT, setup_optimizer
-from gradwatch.server.rules.catalog.early_forecast import optimizer_family, runaway_step, worst_module
+from gradwatch.server.rules.catalog.early_forecast import optimizer_family, runaway_outcome
 from gradwatch.server.rules.registry import register
-from gradwatch.server.rules.rule import BatchRule, Outcome, name_of
+from gradwatch.server.rules.rule import BatchRule
 from gradwatch.server.rules.spec import Float, Hit, Int
 from gradwatch.server.rules.stats import fmt
 
@@ -52,22 +52,15 @@ class RouterLogitRunaway(BatchRule):
     # State per module j: "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
 
     def evaluate(self, batch, state, cfg):
-        out = Outcome.quiet(batch.n)
         family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
         limit = cfg[f"doubling_{family}"]
         step_cfg = {"min_logit": cfg["min_spread"], "span": cfg["span"], "consecutive": cfg["consecutive"]}
-        judge = lambda mem, step, x: runaway_step(mem, step, x, step_cfg, limit)   # noqa: E731
-        for i, worst in worst_module(batch, state, "r", judge, rank=lambda hit: hit["doubling_steps"],
-                                      stat="router_logit_spread"):
-            if worst is not None:
-                j, hit, x = worst
-                module = name_of(batch.ctx.module_names, j)
-                out.hits[i] = Hit({"module": module, "router_logit_spread": x, "optimizer_family": family, **hit},
-                                  f"Router logit spread of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
-                                  f"at step {hit['reference'][0]}: doubling every {fmt(hit['doubling_steps'])} steps "
-                                  f"(a healthy router with this optimizer, {family}, takes more than {fmt(limit)}); "
-                                  f"its routing is turning one-hot: add a router z-loss, lower the LR or compute the "
-                                  f"router in float32")
-            else:   # some router measured, none holds the condition
-                out.clear[i] = True
-        return out
+
+        def hit_of(module: str, x: float, hit: dict) -> Hit:
+            return Hit({"module": module, "router_logit_spread": x, "optimizer_family": family, **hit},
+                       f"Router logit spread of {module} is {fmt(x)}, up from {fmt(hit['reference'][1])} "
+                       f"at step {hit['reference'][0]}: doubling every {fmt(hit['doubling_steps'])} steps "
+                       f"(a healthy router with this optimizer, {family}, takes more than {fmt(limit)}); "
+                       f"its routing is turning one-hot: add a router z-loss, lower the LR or compute the "
+                       f"router in float32")
+        return runaway_outcome(batch, state, step_cfg, limit, "router_logit_spread", hit_of)
