@@ -39,12 +39,15 @@ A softmax over any other shape or dimension is not attention and passes untouche
 a tensor no followed product made, a classifier's say, is not seen), with one exception:
 
 * ``softmax`` over the last dimension of a 2-D ``[tokens, experts]`` tensor of at most
-  :data:`MAX_EXPERTS` columns is a **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE:
-  ``softmax(router(x), dim=-1)`` over the flattened tokens; or any gate of that shape inside the model,
-  attention pooling say). It is not attention; its figure, :func:`router_logit_spread` (the largest
-  spread of one token's logits, max - min: what decides how one-hot its routing is), goes to the mode's
-  ``router`` callback, credited to a module as attention is. A router over a 3-D ``[batch, seq,
-  experts]`` tensor (Hugging Face's Switch Transformers) is not told from a classifier and is not seen.
+  :data:`MAX_EXPERTS` columns, **whose output the same forward routes by** (``topk``, ``max`` or
+  ``argmax`` called on it), is a **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE,
+  DeepSeek-V2: ``softmax(router(x), dim=-1)`` over the flattened tokens, then the top experts). It is not
+  attention; its figure, :func:`router_logit_spread` (the largest spread of one token's logits, max - min:
+  what decides how one-hot its routing is), goes to the mode's ``router`` callback, credited to a module as
+  attention is, once the routing call is seen. A classifier's probabilities that nothing routes by are not
+  taken. Not seen: a router over a 3-D ``[batch, seq, experts]`` tensor (Hugging Face's Switch
+  Transformers), a softmax over the top-k logits only (no routing call follows it), and a routing call on a
+  copy of the probabilities (``.to(dtype)`` first).
 
 The value is the **max over every unmasked logit** of the call (all samples, heads, query and key
 positions), kept as a 0-d tensor on the device (no host sync); a masked entry (``-inf``, or a
@@ -109,6 +112,8 @@ _KINDS = {"softmax": "softmax", "special_softmax": "softmax", "scaled_dot_produc
 # What attention code does to the scores between the product and the softmax: the result of one of these
 # with a followed tensor among its first three arguments is followed too (by name: the function and the
 # Tensor method share it; the in-place forms return the tensor itself, already followed)
+# The routing calls: a 2-D softmax's output passed to one of these is a router's (by name, as above)
+_KINDS.update({name: "route" for name in ("topk", "max", "argmax")})
 _KINDS.update({name: "carry" for name in (
     "view", "reshape", "view_as", "reshape_as", "transpose", "permute", "contiguous", "unsqueeze", "squeeze",
     "float", "half", "bfloat16", "double", "to", "type", "type_as", "clone",
@@ -146,8 +151,9 @@ _seen_kinds: dict[Any, Optional[str]] = {}
 
 def call_kind(func: Callable) -> Optional[str]:
     """"softmax", "sdpa", "mha", "product" (a batched product: torch.bmm, baddbmm, matmul, einsum),
-    "carry" (an operation the scores pass through on their way to the softmax) or None for the function
-    a torch function mode is handed (cached).
+    "carry" (an operation the scores pass through on their way to the softmax), "route" (``topk``, ``max``,
+    ``argmax``: a router's choice of experts) or None for the function a torch function mode is handed
+    (cached).
 
     >>> call_kind(torch.softmax), call_kind(F.scaled_dot_product_attention), call_kind(torch.baddbmm)
     ('softmax', 'sdpa', 'product')
@@ -488,6 +494,9 @@ class AttentionLogitMode(TorchFunctionMode):
         self.deferred_bytes = 0
         # 3-D batched products' outputs and what they became, this forward: id -> weak reference
         self.followed: dict[int, Any] = {}
+        # 2-D softmaxes' outputs, this forward, until a routing call on one makes it a router's:
+        # id -> (weak reference, credited position, its spread)
+        self.routers: dict[int, tuple] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -503,6 +512,10 @@ class AttentionLogitMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._follow(func, args, kwargs, out)
             return out
+        if kind == "route":
+            if self.routers:
+                self._routed(args[0] if args else kwargs.get("input"))
+            return func(*args, **kwargs)
         if kind == "softmax":
             x = args[0] if args else kwargs.get("input")
             dim = _dim_arg(func, args, kwargs)
@@ -512,7 +525,9 @@ class AttentionLogitMode(TorchFunctionMode):
                 elif x.dim() == 3 and dim in (-1, 2) and self._is_followed(x):
                     self._measure(softmax_logit_max, (local_tensor(x),), {})
                 elif x.dim() == 2 and dim in (-1, 1) and self.router is not None and 2 <= x.shape[1] <= MAX_EXPERTS:
-                    self._measure(router_logit_spread, (local_tensor(x),), {}, self.router)
+                    out = func(*args, **kwargs)
+                    self._maybe_router(x, out)
+                    return out
         elif kind == "sdpa":
             if not self._defer(args, kwargs):
                 self._measure(sdpa_logit_max, args, kwargs)
@@ -557,19 +572,38 @@ class AttentionLogitMode(TorchFunctionMode):
         except Exception as e:  # noqa: BLE001 - never hurt the host
             self.failed(e)
 
-    def _measure(self, how: Callable, args: tuple, kwargs: dict, to: Optional[Callable] = None) -> None:
+    def _maybe_router(self, x: torch.Tensor, out: Any) -> None:
+        """A 2-D softmax's spread, kept with its output until a routing call on that output (:meth:`_routed`)."""
+        try:
+            if not isinstance(out, torch.Tensor) or len(self.routers) >= MAX_FOLLOWED:
+                return
+            # two frames up: past __torch_function__ (whose self is this mode) to the caller of the torch call
+            position = credited_module(sys._getframe(2), self.owners)
+            with torch.no_grad():
+                value = router_logit_spread(local_tensor(x))
+            self.routers[id(out)] = (weakref.ref(out), position, value)
+        except Exception as e:  # noqa: BLE001 - never hurt the host: the softmax's result is returned as is
+            self.failed(e)
+
+    def _routed(self, t: Any) -> None:
+        """A routing call on ``t``: if ``t`` is a kept 2-D softmax's output, it was a router's."""
+        entry = self.routers.get(id(t))
+        if entry is not None and entry[0]() is t:
+            del self.routers[id(t)]
+            self.router(entry[1], entry[2])
+
+    def _measure(self, how: Callable, args: tuple, kwargs: dict) -> None:
         try:
             # two frames up: past __torch_function__ (whose self is this mode) to the caller of the torch call
-            self._score(how, args, kwargs, credited_module(sys._getframe(2), self.owners), to)
+            self._score(how, args, kwargs, credited_module(sys._getframe(2), self.owners))
         except Exception as e:  # noqa: BLE001 - never hurt the host: the attention call goes on
             self.failed(e)
 
-    def _score(self, how: Callable, args: tuple, kwargs: dict, position: Optional[int],
-               to: Optional[Callable] = None) -> None:
+    def _score(self, how: Callable, args: tuple, kwargs: dict, position: Optional[int]) -> None:
         with torch.no_grad():
             value = how(*args, **kwargs)
         if value is not None:
-            (to or self.found)(position, value)
+            self.found(position, value)
 
     def _defer(self, args: tuple, kwargs: dict) -> bool:
         """Keep an SDPA call to be scored when the forward is over (:meth:`leave`), where its ``q·kᵀ``
@@ -623,5 +657,6 @@ class AttentionLogitMode(TorchFunctionMode):
             except Exception:  # noqa: BLE001 - never hurt the host
                 pass
         self.followed = {}
+        self.routers = {}
         if self.deferred:
             self.score_deferred()
