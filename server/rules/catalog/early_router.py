@@ -3,8 +3,9 @@
 A router's softmax turns one-hot as the spread of a token's logits (max - min over the experts) grows; routing then
 collapses onto few experts, and ST-MoE's router z-loss was made against this growth (Zoph et al. 2022). On the
 early-warning benchmark's mixture-of-experts space (docs/early-warning.md, "A mixture of experts: the router
-(H14)"), the spread of most runs that went on to diverge under AdamW or RMSprop doubled within 12 steps, 50-260
-steps ahead, where no attention rule can warn a model with no attention; one healthy control's of 39 did. The
+(H14)"), the spread of most runs that went on to diverge under AdamW or RMSprop doubled within 12 steps (some under
+SGD within 25), 50-261 steps ahead, where no attention rule can warn a model with no attention; two healthy
+controls' of 39 did. The
 agent measures the spread where the router's softmax is computed (agent/capture/attention.py,
 ``router_logit_spread``); the condition is H13's, on this figure
 (:func:`~server.rules.catalog.early_forecast.runaway_step`).
@@ -29,7 +30,7 @@ class RouterLogitRunaway(BatchRule):
                   "steps earlier; {consecutive} samples in a row")
     diagnosis = ("Router runaway: the router logits of this mixture of experts grow fast enough that its softmax turns "
                  "one-hot and the tokens collapse onto few experts; on the early-warning benchmark the runs it warned "
-                 "diverged 5-260 steps later, most 50 or more, and it warned 1 healthy run of 39 "
+                 "diverged 5-261 steps later, most 50 or more, and it warned 2 healthy runs of 39 "
                  "(docs/early-warning.md). Check: (1) is a router z-loss (or a load-balancing loss) used? (2) is the "
                  "learning rate high for the router? (3) is the router computed in float32?")
     actions = {
