@@ -308,7 +308,8 @@ class AttentionLogits(OneForwardHooks):
         owners = {id(m): i for i, (_, m) in enumerate(watched.modules) if not isinstance(m, torch.nn.Softmax)}
         self.mode = AttentionLogitMode(owners, self._found, self._failed, self._router)
         self.found: dict[int, torch.Tensor] = {}        # module position -> max logit, this forward
-        self.routers: dict[Optional[int], torch.Tensor] = {}   # module position (None: the root's) -> spread
+        self.routers: dict[int, torch.Tensor] = {}      # module position -> router logit spread, this forward
+        self.unplaced_routers: list[torch.Tensor] = []   # routers in no watched module's forward
         self.unplaced: list[torch.Tensor] = []           # calls in no watched module's forward (the root's own)
         self.reported: Optional[set[int]] = None         # module positions named in a coverage event so far
         self.looks_like = transformer_part(watched.model, [])   # whether the model looks like a Transformer
@@ -369,15 +370,10 @@ class AttentionLogits(OneForwardHooks):
         return None
 
     def _found(self, position: Optional[int], value: torch.Tensor) -> None:
-        if position is None:
-            self.unplaced.append(value)
-            return
-        prev = self.found.get(position)
-        self.found[position] = value if prev is None else torch.maximum(prev, value.to(prev.device))
+        _keep_max(self.found, self.unplaced, position, value)
 
     def _router(self, position: Optional[int], value: torch.Tensor) -> None:
-        prev = self.routers.get(position)
-        self.routers[position] = value if prev is None else torch.maximum(prev, value.to(prev.device))
+        _keep_max(self.routers, self.unplaced_routers, position, value)
 
     def _failed(self, e: BaseException) -> None:
         self.mode.leave()
@@ -449,10 +445,12 @@ class AttentionLogits(OneForwardHooks):
         qk, self.qk = self.qk, {}
         sampled, self.sampled = self.sampled, False
         routers, self.routers = self.routers, {}
+        unplaced_routers, self.unplaced_routers = self.unplaced_routers, []
         if not self.guards.on(self.name):
             return
-        if routers:
-            self._add_routers(rec, routers)
+        if routers or unplaced_routers:
+            with self.guards.guard(self.name), torch.no_grad():
+                self._add_max(rec, "router_logit_spread", routers, unplaced_routers)
         if sampled and self.reported is None and not (found or unplaced or qk):
             self._coverage(rec, set())          # the first sampled forward saw no attention: said, never silent
         if not (found or unplaced or qk):
@@ -460,31 +458,25 @@ class AttentionLogits(OneForwardHooks):
         with self.guards.guard(self.name), torch.no_grad():
             if qk:
                 found.update(self._named_values(qk, found))
-            order = sorted(found)
-            parts = [found[i] for i in order] + unplaced
-            device = parts[0].device
-            values = torch.stack([p.to(device) for p in parts])
-            top = values.amax()
-            rec.add("attn_logit_max", top)
+            order, top = self._add_max(rec, "attn_logit_max", found, unplaced)
             self._keep_for_boost(step, top.detach())
-            if order:
-                rec.add("layers.attn_logit_max", scatter_measured(values[:len(order)], order,
-                                                                  len(self.watched.modules)))
             if self.reported is None or not self.reported.issuperset(order):
                 self._coverage(rec, (self.reported or set()) | set(order))
 
-    def _add_routers(self, rec, routers: dict[Optional[int], torch.Tensor]) -> None:
-        """The routers' spreads: their max (``router_logit_spread``) and each module's (a router in no watched
-        module's forward, the root's own, counts in the max only)."""
-        with self.guards.guard(self.name), torch.no_grad():
-            order = sorted(i for i in routers if i is not None)
-            parts = [routers[i] for i in order] + ([routers[None]] if None in routers else [])
-            device = parts[0].device
-            values = torch.stack([p.to(device) for p in parts])
-            rec.add("router_logit_spread", values.amax())
-            if order:
-                rec.add("layers.router_logit_spread", scatter_measured(values[:len(order)], order,
-                                                                       len(self.watched.modules)))
+    def _add_max(self, rec, name: str, per_module: dict[int, torch.Tensor],
+                 unplaced: list[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+        """Step signal ``name``, the max over ``per_module``'s values and the ``unplaced`` ones (calls in no
+        watched module's forward), and ``layers.<name>``, each module's; returns the module positions, in
+        order, and the max."""
+        order = sorted(per_module)
+        parts = [per_module[i] for i in order] + unplaced
+        device = parts[0].device
+        values = torch.stack([p.to(device) for p in parts])
+        top = values.amax()
+        rec.add(name, top)
+        if order:
+            rec.add(f"layers.{name}", scatter_measured(values[:len(order)], order, len(self.watched.modules)))
+        return order, top
 
     def _coverage(self, rec, positions: set[int]) -> None:
         """The ``attention_coverage`` event: the modules measured so far, and whether the model looks like
@@ -499,6 +491,16 @@ class AttentionLogits(OneForwardHooks):
     def detach(self) -> None:
         self.mode.leave()
         super().detach()
+
+
+def _keep_max(kept: dict[int, torch.Tensor], unplaced: list[torch.Tensor], position: Optional[int],
+              value: torch.Tensor) -> None:
+    """One call's value: into ``kept`` as its module's max so far, or onto ``unplaced`` (no watched module)."""
+    if position is None:
+        unplaced.append(value)
+        return
+    prev = kept.get(position)
+    kept[position] = value if prev is None else torch.maximum(prev, value.to(prev.device))
 
 
 def output_logits(output: Any) -> Optional[torch.Tensor]:
