@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gradwatch.server.rules.catalog.early_forecast import runaway_step
+
 from .oracle import TrueLogits
 from .precursors import outcome, rerun_tuning, valid_reruns
 from .report import load
@@ -118,15 +120,12 @@ def first_level(run: dict, column: str, level: float, k: int, every: int) -> Opt
 
 
 def first_doubling(run: dict, column: str, floor: float, doubling: float, k: int, every: int) -> Optional[int]:
-    """H13's shape on a router figure: the first sampled step of ``k`` in a row whose figure is at least
-    ``floor`` and has doubled within ``doubling`` steps since the sample ``every`` steps earlier."""
-    xs, streak = series(run, column), 0
-    for step in range(every, len(xs), every):
-        x, ref = xs[step], xs[step - every]
-        hit = (math.isfinite(x) and math.isfinite(ref) and x >= floor and 0 < ref < x
-               and every * math.log(2) / math.log(x / ref) <= doubling)
-        streak = streak + 1 if hit else 0
-        if streak >= k:
+    """H14's condition (the rule's own :func:`runaway_step`, H13's) on a router figure sampled every ``every``
+    steps: the first sampled step of ``k`` in a row whose figure is at least ``floor`` and has doubled within
+    ``doubling`` steps since a sample ``every`` to 2 x ``every`` steps earlier."""
+    cfg, mem = {"min_logit": floor, "span": every, "consecutive": k}, {}
+    for step, x in enumerate(series(run, column)):
+        if step % every == 0 and runaway_step(mem, step, x, cfg, doubling) is not None:
             return step
     return None
 
