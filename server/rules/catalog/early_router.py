@@ -5,10 +5,9 @@ collapses onto few experts, and ST-MoE's router z-loss was made against this gro
 early-warning benchmark's mixture-of-experts space (docs/early-warning.md, "A mixture of experts: the router
 (H14)"), the spread of most runs that went on to diverge under AdamW or RMSprop doubled within 12 steps (some under
 SGD within 25), 50-261 steps ahead, where no attention rule can warn a model with no attention; two healthy
-controls' of 39 did. The
-agent measures the spread where the router's softmax is computed (agent/capture/attention.py,
-``router_logit_spread``); the condition is H13's, on this figure
-(:func:`~server.rules.catalog.early_forecast.runaway_step`).
+controls' of 39 did. The agent measures the spread where the router's softmax is computed
+(agent/capture/attention.py, ``router_logit_spread``); the condition is H13's, on this figure
+(:func:`~server.rules.catalog.early_forecast.runaway_outcome`).
 """
 from __future__ import annotations
 
