@@ -120,8 +120,7 @@ class AttentionLogitForecast(BatchRule):
 
     def evaluate(self, batch, state, cfg):
         out = Outcome.quiet(batch.n)
-        family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
-        limit = cfg[f"doubling_{family}"]
+        family, limit = doubling_limit(batch, cfg)
         if limit:
             judge = lambda mem, step, x: fast_enough(forecast_step(mem, step, x, cfg), limit)   # noqa: E731
         else:                                                   # the gate is off (the default)
@@ -166,6 +165,13 @@ def fast_enough(hit: Optional[dict], max_doubling: float) -> Optional[dict]:
         return None
     hit["limit_steps"] = max_doubling
     return hit
+
+
+def doubling_limit(batch, cfg: dict) -> tuple[str, float]:
+    """The run's optimizer family (its ``run_setup`` event's class; none reported: 'adaptive', the strictest) and
+    the rule's doubling-time setting for it, ``cfg["doubling_<family>"]`` (H12's gate, H13, H14)."""
+    family = optimizer_family(setup_optimizer(batch.ctx))
+    return family, cfg[f"doubling_{family}"]
 
 
 def optimizer_family(name: Optional[str]) -> str:
@@ -219,8 +225,7 @@ class AttentionLogitRunaway(BatchRule):
     # State per module j: "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
 
     def evaluate(self, batch, state, cfg):
-        family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
-        limit = cfg[f"doubling_{family}"]
+        family, limit = doubling_limit(batch, cfg)
 
         def hit_of(module: str, x: float, hit: dict) -> Hit:
             return Hit({"module": module, "attn_logit_max": x, "optimizer_family": family, **hit},

@@ -11,8 +11,8 @@ controls' of 39 did. The agent measures the spread where the router's softmax is
 """
 from __future__ import annotations
 
-from gradwatch.server.rules.catalog._shared import SETUP_EVENT, setup_optimizer
-from gradwatch.server.rules.catalog.early_forecast import optimizer_family, runaway_outcome
+from gradwatch.server.rules.catalog._shared import SETUP_EVENT
+from gradwatch.server.rules.catalog.early_forecast import doubling_limit, runaway_outcome
 from gradwatch.server.rules.registry import register
 from gradwatch.server.rules.rule import BatchRule
 from gradwatch.server.rules.spec import Float, Hit, Int
@@ -52,8 +52,7 @@ class RouterLogitRunaway(BatchRule):
     # State per module j: "r<j>" runaway_step's memory (the samples of the last 2 x span steps, the run of hits).
 
     def evaluate(self, batch, state, cfg):
-        family = optimizer_family(setup_optimizer(batch.ctx))   # none reported: 'adaptive', the strictest
-        limit = cfg[f"doubling_{family}"]
+        family, limit = doubling_limit(batch, cfg)
         step_cfg = {"min_logit": cfg["min_spread"], "span": cfg["span"], "consecutive": cfg["consecutive"]}
 
         def hit_of(module: str, x: float, hit: dict) -> Hit:
