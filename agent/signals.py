@@ -328,8 +328,9 @@ LAYER_STATS += (
 # logits' mode in the same sampled forward)
 STEP_SIGNALS += (
     StepSignal("router_logit_spread", 25, "float", "", "largest spread (max - min over the experts) of one token's "
-               "router logits, over the routers: a 2-D softmax over the last dimension inside the model (Switch, "
-               "Mixtral), whose routing turns one-hot as it grows (sampled with attn_logits_every)",
+               "router logits, over the routers: a 2-D or 3-D softmax over the last dimension inside the model that "
+               "the forward routes by (Switch, Mixtral), whose routing turns one-hot as it grows (sampled with "
+               "attn_logits_every)",
                panel="early_logits", label="max router logit spread"),
 )
 LAYER_STATS += (

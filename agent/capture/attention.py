@@ -38,16 +38,21 @@ PyTorch code computes attention:
 A softmax over any other shape or dimension is not attention and passes untouched (a 3-D softmax over
 a tensor no followed product made, a classifier's say, is not seen), with one exception:
 
-* ``softmax`` over the last dimension of a 2-D ``[tokens, experts]`` tensor of at most
-  :data:`MAX_EXPERTS` columns, **whose output the same forward routes by** (``topk``, ``max`` or
-  ``argmax`` called on it), is a **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE,
-  DeepSeek-V2: ``softmax(router(x), dim=-1)`` over the flattened tokens, then the top experts). It is not
-  attention; its figure, :func:`router_logit_spread` (the largest spread of one token's logits, max - min:
-  what decides how one-hot its routing is), goes to the mode's ``router`` callback, credited to a module as
-  attention is, once the routing call is seen. A classifier's probabilities that nothing routes by are not
-  taken. Not seen: a router over a 3-D ``[batch, seq, experts]`` tensor (Hugging Face's Switch
-  Transformers), a softmax over the top-k logits only (no routing call follows it), and a routing call on a
-  copy of the probabilities (``.to(dtype)`` first).
+* ``softmax`` over the last dimension of a 2-D ``[tokens, experts]`` or 3-D ``[batch, seq, experts]`` tensor
+  (a 3-D one no followed product made) of at most :data:`MAX_EXPERTS` columns, **whose output the same forward
+  routes by** (``topk``, ``max`` or ``argmax`` called on it, or on a cast or copy of it: :data:`ROUTER_CASTS`),
+  is a **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2:
+  ``softmax(router(x), dim=-1)`` over the flattened tokens, then the top experts; Hugging Face's Switch
+  Transformers: over ``[batch, seq, experts]``, ``.to(input_dtype)``, then ``argmax``). It is not attention; its
+  figure, :func:`router_logit_spread` (the largest spread of one token's logits, max - min: what decides how
+  one-hot its routing is), goes to the mode's ``router`` callback, credited to a module as attention is, once
+  the routing call is seen. A classifier's probabilities that nothing routes by are not taken. Not seen: a
+  softmax over the top-k logits only (no routing call follows it), and a routing call on probabilities changed
+  by arithmetic first (``probs * mask``). Seen again: a model that softmaxes and routes every layer's router
+  logits a second time in its own forward, for a load-balancing loss (Hugging Face's Mixtral, Qwen-MoE
+  and OLMoE with ``output_router_logits=True``: layer by layer, or all layers at once). Those figures are the
+  layers' spreads again; the agent credits them to no module (the root is not a watched module), so they leave
+  the step's figure, the largest, as it was.
 
 The value is the **max over every unmasked logit** of the call (all samples, heads, query and key
 positions), kept as a 0-d tensor on the device (no host sync); a masked entry (``-inf``, or a
@@ -96,8 +101,11 @@ MAX_FRAMES = 64
 # and if all are alive nothing new is followed (a model with more products than this a forward is not one
 # whose 3-D attention this can promise to see)
 MAX_FOLLOWED = 4096
-# the widest 2-D softmax taken for a router (experts per layer; Switch-C has 2048)
+# the widest softmax taken for a router (experts per layer; Switch-C has 2048)
 MAX_EXPERTS = 2048
+# What a router's probabilities may pass through, by name, between the softmax and the routing call: casts and
+# copies only (an arithmetic result, ``probs * mask`` say, is no longer the router's own distribution)
+ROUTER_CASTS = frozenset(("to", "float", "half", "bfloat16", "double", "type", "type_as", "clone", "contiguous"))
 
 # What a call is, by the function object PyTorch hands the mode. Another library may have wrapped one of
 # these (a profiler's pass-through around F.scaled_dot_product_attention, installed before or after this
@@ -112,7 +120,7 @@ _KINDS = {"softmax": "softmax", "special_softmax": "softmax", "scaled_dot_produc
 # What attention code does to the scores between the product and the softmax: the result of one of these
 # with a followed tensor among its first three arguments is followed too (by name: the function and the
 # Tensor method share it; the in-place forms return the tensor itself, already followed)
-# The routing calls: a 2-D softmax's output passed to one of these is a router's (by name, as above)
+# The routing calls: a kept softmax output (2-D or 3-D) passed to one of these is a router's (by name, as above)
 _KINDS.update({name: "route" for name in ("topk", "max", "argmax")})
 _KINDS.update({name: "carry" for name in (
     "view", "reshape", "view_as", "reshape_as", "transpose", "permute", "contiguous", "unsqueeze", "squeeze",
@@ -494,8 +502,8 @@ class AttentionLogitMode(TorchFunctionMode):
         self.deferred_bytes = 0
         # 3-D batched products' outputs and what they became, this forward: id -> weak reference
         self.followed: dict[int, Any] = {}
-        # 2-D softmaxes' outputs, this forward, until a routing call on one makes it a router's:
-        # id -> (weak reference, credited position, its spread)
+        # 2-D and 3-D softmaxes' outputs (and their casts), this forward, until a routing call on one makes it
+        # a router's: id -> (weak reference, credited position, its spread)
         self.routers: dict[int, tuple] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -507,6 +515,8 @@ class AttentionLogitMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if self.followed and out is not None:
                 self._carry(args, out)
+            if self.routers and out is not None:
+                self._carry_router(func, args, out)
             return out
         if kind == "product":
             out = func(*args, **kwargs)
@@ -524,7 +534,8 @@ class AttentionLogitMode(TorchFunctionMode):
                     self._measure(softmax_logit_max, (local_tensor(x),), {})
                 elif x.dim() == 3 and dim in (-1, 2) and self._is_followed(x):
                     self._measure(softmax_logit_max, (local_tensor(x),), {})
-                elif x.dim() == 2 and dim in (-1, 1) and self.router is not None and 2 <= x.shape[1] <= MAX_EXPERTS:
+                elif (x.dim() in (2, 3) and dim in (-1, x.dim() - 1) and self.router is not None
+                      and 2 <= x.shape[-1] <= MAX_EXPERTS):
                     out = func(*args, **kwargs)
                     self._maybe_router(x, out)
                     return out
@@ -573,7 +584,8 @@ class AttentionLogitMode(TorchFunctionMode):
             self.failed(e)
 
     def _maybe_router(self, x: torch.Tensor, out: Any) -> None:
-        """A 2-D softmax's spread, kept with its output until a routing call on that output (:meth:`_routed`)."""
+        """A 2-D or 3-D softmax's spread, kept with its output until a routing call on that output (or on a cast
+        of it) makes it a router's (:meth:`_routed`)."""
         try:
             if not isinstance(out, torch.Tensor) or len(self.routers) >= MAX_FOLLOWED:
                 return
@@ -585,8 +597,21 @@ class AttentionLogitMode(TorchFunctionMode):
         except Exception as e:  # noqa: BLE001 - never hurt the host: the softmax's result is returned as is
             self.failed(e)
 
+    def _carry_router(self, func: Callable, args: tuple, out: Any) -> None:
+        """A cast or copy of a kept router output (``softmax(..., dtype=...).to(input_dtype)``, Hugging Face's
+        Switch Transformers) is kept with the same figure: the routing call may come on it."""
+        try:
+            if (not args or getattr(func, "__name__", None) not in ROUTER_CASTS or not isinstance(out, torch.Tensor)
+                    or out is args[0] or len(self.routers) >= MAX_FOLLOWED):
+                return
+            entry = self.routers.get(id(args[0]))
+            if entry is not None and entry[0]() is args[0]:
+                self.routers[id(out)] = (weakref.ref(out),) + entry[1:]
+        except Exception as e:  # noqa: BLE001 - never hurt the host
+            self.failed(e)
+
     def _routed(self, t: Any) -> None:
-        """A routing call on ``t``: if ``t`` is a kept 2-D softmax's output, it was a router's."""
+        """A routing call on ``t``: if ``t`` is a kept softmax's output (or a cast of it), it was a router's."""
         entry = self.routers.get(id(t))
         if entry is not None and entry[0]() is t:
             del self.routers[id(t)]
