@@ -19,7 +19,10 @@ convolutions with GELU, global average pooling) on the image task, and ``gru_lm`
 token 2 back reaches it through its state). The mixture-of-experts space (ids 300-359) adds ``moe_mlp_lm`` and
 ``moe2_mlp_lm``: ``mlp_lm`` whose MLPs are mixtures of 4 experts, behind a top-1 router (Switch) or a top-2 one
 whose two probabilities are renormalised (Mixtral), with no attention, so nothing but the router and the
-experts can warn.
+experts can warn. The Hugging Face MoE space (ids 400-439) builds Mixtral, Qwen2-MoE and OLMoE from their configs
+on the language-model data, and a Switch Transformers encoder with a head on position 0 (``SwitchClassifier``) on
+``hf_bert``'s sequence task; their routers are Hugging Face's own code (Switch's over ``[batch, seq, experts]``,
+with its default router jitter), and no load-balancing loss is added.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .space import IMAGE_ARCHS, Case
+from .space import IMAGE_ARCHS, SEQUENCE_ARCHS, Case
 
 V, T, C, IMG, LAG = 32, 16, 4, 16, 2
 
@@ -222,6 +225,18 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x))
 
 
+class SwitchClassifier(nn.Module):
+    """Hugging Face's Switch Transformers encoder with a classification head on position 0 (the sequence task of
+    ``hf_bert``: the class comes from the last token, so position 0 must attend to it)."""
+
+    def __init__(self, encoder: nn.Module, dim: int):
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(dim, C)
+
+    def forward(self, input_ids):
+        return self.head(self.encoder(input_ids=input_ids).last_hidden_state[:, 0])
+
+
 def _hf(case: Case) -> nn.Module:
     import transformers as tf
     d, h, n = case.width, case.heads, case.depth
@@ -240,6 +255,29 @@ def _hf(case: Case) -> nn.Module:
                             attention_probs_dropout_prob=0.0, **common)
         cfg._attn_implementation = "eager"
         return tf.BertForSequenceClassification(cfg)
+    moe = dict(vocab_size=V, max_position_embeddings=T, num_key_value_heads=max(1, h // 2), hidden_size=d,
+               num_hidden_layers=n, num_attention_heads=h)
+    if case.arch == "hf_mixtral":       # top-2 of 4 experts, softmax then topk over the flattened tokens
+        cfg = tf.MixtralConfig(intermediate_size=2 * d, num_local_experts=4, num_experts_per_tok=2, **moe)
+        cfg._attn_implementation = "sdpa"
+        return tf.MixtralForCausalLM(cfg)
+    if case.arch == "hf_qwen2_moe":     # top-2 of 4 routed experts, not renormalised, beside a gated shared expert
+        cfg = tf.Qwen2MoeConfig(intermediate_size=2 * d, moe_intermediate_size=2 * d,
+                                shared_expert_intermediate_size=2 * d,
+                                num_experts=4, num_experts_per_tok=2, **moe)
+        cfg._attn_implementation = "eager"
+        return tf.Qwen2MoeForCausalLM(cfg)
+    if case.arch == "hf_olmoe":         # top-2 of 8 experts, qk-layernorm in its attention
+        cfg = tf.OlmoeConfig(intermediate_size=d, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
+                             pad_token_id=None, bos_token_id=None, **moe)
+        cfg._attn_implementation = "sdpa"
+        return tf.OlmoeForCausalLM(cfg)
+    if case.arch == "hf_switch":        # a Switch Transformers encoder, every block sparse: a 3-D top-1 router
+        cfg = tf.SwitchTransformersConfig(vocab_size=V, d_model=d, d_kv=d // h, d_ff=4 * d, num_layers=n, num_heads=h,
+                                          num_experts=4, expert_capacity=case.batch * T, num_sparse_encoder_layers=n,
+                                          dropout_rate=0.0)
+        cfg._attn_implementation = "eager"
+        return SwitchClassifier(tf.SwitchTransformersEncoderModel(cfg), d)
     cfg = tf.ViTConfig(image_size=IMG, patch_size=4, num_channels=3, num_labels=C, hidden_dropout_prob=0.0,
                        attention_probs_dropout_prob=0.0, **common)
     cfg._attn_implementation = "eager"
@@ -276,7 +314,7 @@ def build(case: Case) -> tuple[nn.Module, Callable[[int], dict], Callable[[Any, 
                 x[y == c, :, r:r + 4, s:s + 4] += 1.5
             y = (y + torch.randint(0, 2, (case.batch,), generator=gg)) % C
             return {"pixel_values" if case.arch == "hf_vit" else "x": x, "labels": y}
-    elif case.arch == "hf_bert":
+    elif case.arch in SEQUENCE_ARCHS:
         def batch(step: int) -> dict:
             gg = torch.Generator().manual_seed(case.seed * 7919 + step)
             x = torch.randint(0, V, (case.batch, T), generator=gg)

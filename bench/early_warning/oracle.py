@@ -6,16 +6,33 @@ HF eager, hand-written 4-D, fairseq-style 3-D after bmm/baddbmm, einsum), and
 ``scaled_dot_product_attention`` (q·kᵀ·scale recomputed, grouped-query heads repeated, its boolean or
 float mask applied), and ``multi_head_attention_forward`` (``nn.MultiheadAttention``: q and k projected
 from ``in_proj_weight``, per head, its ``attn_mask`` or causal mask applied). The value of a call is the max over its finite entries.
+Not attention: a softmax called by a module whose class name ends in ``Router`` (Hugging Face's Switch Transformers
+softmaxes its router logits over ``[batch, seq, experts]``); it goes to :meth:`TrueLogits.router_call`, which
+``router.py`` records.
 """
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
+
+
+def called_by_router(frame, depth: int = 8) -> bool:
+    """Whether a module whose class name ends in ``Router`` (Hugging Face's router classes) has its ``forward`` among
+    the ``depth`` frames from ``frame`` up: by the benchmark's knowledge of the models it builds."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        if owner is not None and type(owner).__name__.endswith("Router"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _max_finite(x: torch.Tensor) -> float:
@@ -35,12 +52,19 @@ class TrueLogits(TorchFunctionMode):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if isinstance(x, torch.Tensor) and x.dim() >= 3 and dim in (-1, x.dim() - 1):
-                self.note(x.detach())
+                if called_by_router(sys._getframe(1)):
+                    self.router_call(x.detach().reshape(-1, x.shape[-1]))
+                else:
+                    self.note(x.detach())
         elif func is F.scaled_dot_product_attention:
             self.note(self._sdpa(*args, **kwargs))
         elif func is F.multi_head_attention_forward:
             self.note(self._mha(*args, **kwargs))
         return func(*args, **kwargs)
+
+    def router_call(self, logits: torch.Tensor) -> None:
+        """A router's softmax over 3 or more dimensions (its logits, flattened to ``[tokens, experts]``): not
+        attention, so not recorded here; ``router.py``'s subclass records it."""
 
     def note(self, scores: torch.Tensor) -> None:
         """One attention call's scores (the softmax's input, masked entries -inf): its max is recorded.

@@ -4,7 +4,7 @@ A case is drawn from the declared space by ``random.Random(CASE_SEED * 1000 + ca
 the same case on any machine. Every parameter trains at one learning rate (one param group), on CPU, no
 clipping, no scaler; the LR warms up linearly from 0 over ``warmup`` steps (0: none) and then stays.
 
-Four spaces, one id range each:
+Five spaces, one id range each:
 
 - ids 0-99 (:data:`ARCHS`, ``split.json``): attention models, dense, fp32;
 - ids 100-159, *the other kinds* (:data:`KINDS_ARCHS`, ``split-kinds.json``, added 2026-12-07: early warning is
@@ -18,7 +18,11 @@ Four spaces, one id range each:
   pair);
 - ids 300-359, *mixture of experts* (:data:`MOE_ARCHS`, ``split-moe.json``, added 2026-12-07: no rule read a
   router): the Switch-style Transformer of the other kinds (``moe_lm``) and two MoE models with no attention, a
-  top-1 (``moe_mlp_lm``) and a top-2 router (``moe2_mlp_lm``), each in fp32 and bf16 (10 ids per pair).
+  top-1 (``moe_mlp_lm``) and a top-2 router (``moe2_mlp_lm``), each in fp32 and bf16 (10 ids per pair);
+- ids 400-439, *Hugging Face's mixtures of experts* (:data:`HFMOE_ARCHS`, ``split-hfmoe.json``, added 2026-12-07:
+  H14 was chosen on our own routers, so it is shown on routers written by others): Mixtral, Qwen2-MoE and OLMoE
+  language models and a Switch Transformers encoder classifying sequences (a 3-D router), built from their
+  configs, each in fp32 and bf16 (5 ids per pair). Every id is held out: no rule is tuned on this space.
 
 The LR of the divergent run (:func:`lr_search`, applied blindly, without gradwatch): start from a log-uniform
 draw in the optimizer's :data:`LR_RANGE`; run plain PyTorch for up to :data:`BUDGET` steps; if the run
@@ -62,10 +66,13 @@ NOATTN_FIRST, NOATTN_N = 200, 80
 NOATTN_ARCHS = ("mlp_lm", "mlp_cls", "conv_cls", "gru_lm")
 MOE_FIRST, MOE_N = 300, 60
 MOE_ARCHS = ("moe_mlp_lm", "moe2_mlp_lm", "moe_lm")
+HFMOE_FIRST, HFMOE_N = 400, 40
+HFMOE_ARCHS = ("hf_mixtral", "hf_qwen2_moe", "hf_olmoe", "hf_switch")
 # the later spaces: (first id, how many, their archs in turn); the precision flips every len(archs) ids
 LATER_SPACES = ((KINDS_FIRST, KINDS_N, KINDS_ARCHS), (NOATTN_FIRST, NOATTN_N, NOATTN_ARCHS),
-                (MOE_FIRST, MOE_N, MOE_ARCHS))
+                (MOE_FIRST, MOE_N, MOE_ARCHS), (HFMOE_FIRST, HFMOE_N, HFMOE_ARCHS))
 IMAGE_ARCHS = ("hf_vit", "timm_vit", "mlp_cls", "conv_cls")     # the image task (models.py)
+SEQUENCE_ARCHS = ("hf_bert", "hf_switch")                       # a sequence's class (models.py)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,6 @@ def draw(case_id: int) -> Case:
     lo, hi = LR_RANGE[opt]
     lr0 = math.exp(r.uniform(math.log(lo), math.log(hi)))
     heads = 4 if arch == "timm_vit" else r.choice(HEADS)       # the timm transcription has 4 heads
-    cls = arch == "hf_bert" or arch in IMAGE_ARCHS
+    cls = arch in SEQUENCE_ARCHS or arch in IMAGE_ARCHS
     return Case(case_id, arch, opt, lr0, r.choice(WARMUPS), r.choice(DEPTHS), r.choice(WIDTHS), heads,
                 r.choice(CLS_BATCHES if cls else LM_BATCHES), r.randrange(1 << 30), precision)

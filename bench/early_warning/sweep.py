@@ -40,7 +40,8 @@ SPLIT = HERE / "split.json"
 KINDS_SPLIT = HERE / "split-kinds.json"     # the other kinds (space.py, ids 100-159), frozen on 2026-12-07
 NOATTN_SPLIT = HERE / "split-noattn.json"   # no attention (space.py, ids 200-279), frozen on 2026-12-07
 MOE_SPLIT = HERE / "split-moe.json"         # mixture of experts (space.py, ids 300-359), frozen on 2026-12-07
-SPLITS = {"kinds": KINDS_SPLIT, "noattn": NOATTN_SPLIT, "moe": MOE_SPLIT}
+HFMOE_SPLIT = HERE / "split-hfmoe.json"     # Hugging Face's MoEs (space.py, ids 400-439), all held out, 2026-12-07
+SPLITS = {"kinds": KINDS_SPLIT, "noattn": NOATTN_SPLIT, "moe": MOE_SPLIT, "hfmoe": HFMOE_SPLIT}
 RESULTS = HERE / "results.jsonl"
 PROJECT = "early-warning"
 N_CASES = 100           # the sweep runs case ids 0 .. N_CASES - 1 (each in its half of split.json)
@@ -227,7 +228,8 @@ def case_ids(spec: Optional[str]) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=None, help="ids, e.g. 0-9,12; 'kinds': the other kinds' ids 100-159; "
-                    "'noattn': the no-attention ids 200-279; 'moe': the mixture-of-experts ids 300-359 "
+                    "'noattn': the no-attention ids 200-279; 'moe': the mixture-of-experts ids 300-359; "
+                    "'hfmoe': Hugging Face's mixtures of experts, ids 400-439 "
                     "(default: ids below N_CASES)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--workers", type=int, default=2)

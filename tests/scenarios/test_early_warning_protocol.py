@@ -17,7 +17,8 @@ import torch
 
 from bench.early_warning import models, report, sweep
 from bench.early_warning.divergence import diverged_at, learned
-from bench.early_warning.space import (BUDGET, CONTROL_DIVISOR, EARLIEST, KINDS_ARCHS, KINDS_FIRST, KINDS_N, LEARNED,
+from bench.early_warning.space import (BUDGET, CONTROL_DIVISOR, EARLIEST, HFMOE_ARCHS, HFMOE_FIRST, HFMOE_N,
+                                       KINDS_ARCHS, KINDS_FIRST, KINDS_N, LEARNED,
                                        MOE_ARCHS, MOE_FIRST, MOE_N, NOATTN_ARCHS, NOATTN_FIRST, NOATTN_N, PRECISIONS,
                                        draw)
 
@@ -112,7 +113,9 @@ def test_a_generated_case_through_agent_and_server(server_factory, sqlite_url):
 # 100-159, in 2b91248), no attention (ids 200-279, in 8d90954) and mixture of experts (ids 300-359)
 LATER_SPLITS = [("kinds", "7bfa76e41e50532dcf72cb042ca4590132b97e247508c5042e15400b78a6e3cf", KINDS_FIRST, KINDS_N),
                 ("noattn", "3e6dd2ea6b38b369a075a443950a6775e6dd6d9b796be55554759cd0e58a992e", NOATTN_FIRST, NOATTN_N),
-                ("moe", "ec7ff81d542884f511c09e346e8d4e435bac6d3b8a1a5a6984f0a9a2a0d95e67", MOE_FIRST, MOE_N)]
+                ("moe", "ec7ff81d542884f511c09e346e8d4e435bac6d3b8a1a5a6984f0a9a2a0d95e67", MOE_FIRST, MOE_N),
+                # Hugging Face's MoEs (ids 400-439): every id held out, none tuned on
+                ("hfmoe", "e00ee91795d386b89f522426e3e3a06ebb0de5084ffb8f833eda39baba257058", HFMOE_FIRST, HFMOE_N)]
 
 
 @pytest.mark.parametrize("name, sha256, first, n", LATER_SPLITS)
@@ -120,11 +123,13 @@ def test_the_later_splits_are_the_frozen_ones(name, sha256, first, n):
     raw = sweep.SPLITS[name].read_bytes()
     assert hashlib.sha256(raw).hexdigest() == sha256
     split = json.loads(raw)
-    assert not set(split["tuning"]) & set(split["held_out"]) and len(split["tuning"]) == n // 2
+    assert not set(split["tuning"]) & set(split["held_out"])
+    assert len(split["tuning"]) == (0 if name == "hfmoe" else n // 2)
     assert sorted(split["tuning"] + split["held_out"]) == list(range(first, first + n)) == sweep.case_ids(name)
     halves = sweep.halves()                       # every split, as report.split_cases reads them
     assert sorted(halves) == (list(range(KINDS_FIRST + KINDS_N)) + list(range(NOATTN_FIRST, NOATTN_FIRST + NOATTN_N))
-                              + list(range(MOE_FIRST, MOE_FIRST + MOE_N)))
+                              + list(range(MOE_FIRST, MOE_FIRST + MOE_N))
+                              + list(range(HFMOE_FIRST, HFMOE_FIRST + HFMOE_N)))
     assert sweep.case_ids(None) == list(range(100))
 
 
@@ -138,14 +143,17 @@ def test_the_other_kinds_space():
     assert drawn == {(a, p): 10 for a in NOATTN_ARCHS for p in PRECISIONS}
     drawn = Counter((draw(i).arch, draw(i).precision) for i in range(MOE_FIRST, MOE_FIRST + MOE_N))
     assert drawn == {(a, p): 10 for a in MOE_ARCHS for p in PRECISIONS}
+    drawn = Counter((draw(i).arch, draw(i).precision) for i in range(HFMOE_FIRST, HFMOE_FIRST + HFMOE_N))
+    assert drawn == {(a, p): 5 for a in HFMOE_ARCHS for p in PRECISIONS}
 
 
 @pytest.mark.parametrize("case_id, lr", [(100, 0.3), (106, 0.01), (107, 0.02), (201, 0.3), (202, 0.005),
                                         (203, 0.003), (205, 0.003), (206, 0.003), (207, 0.005), (300, 0.005),
-                                        (301, 0.005), (304, 0.3)])
+                                        (301, 0.005), (304, 0.3), (403, 0.01), (405, 0.01)])
 def test_the_other_kinds_learn_in_their_precision(case_id, lr):
     """No attention (an MLP, a CNN, a GRU) and a mixture of experts (moe_lm, and with no attention moe_mlp_lm with a
-    top-1 router and moe2_mlp_lm with a top-2 one) learn the task; a bf16 case's forward
+    top-1 router and moe2_mlp_lm with a top-2 one; Hugging Face's Switch Transformers and Qwen2-MoE) learn the
+    task; a bf16 case's forward
     runs under bf16 autocast (its last Linear's output is bf16), an fp32 case's does not."""
     case = draw(case_id)
     assert (case.arch, case.precision) == {100: ("mlp_lm", "fp32"), 106: ("mlp_lm", "bf16"),
@@ -153,9 +161,11 @@ def test_the_other_kinds_learn_in_their_precision(case_id, lr):
                                            202: ("conv_cls", "fp32"), 203: ("gru_lm", "fp32"),
                                            205: ("mlp_cls", "bf16"), 206: ("conv_cls", "bf16"),
                                            207: ("gru_lm", "bf16"), 300: ("moe_mlp_lm", "fp32"),
-                                           301: ("moe2_mlp_lm", "fp32"), 304: ("moe2_mlp_lm", "bf16")}[case_id]
+                                           301: ("moe2_mlp_lm", "fp32"), 304: ("moe2_mlp_lm", "bf16"),
+                                           403: ("hf_switch", "fp32"), 405: ("hf_qwen2_moe", "bf16")}[case_id]
     model, batch, _ = models.build(case)
     out = models.forward(model, case, batch(0))
+    out = getattr(out, "logits", out)            # a Hugging Face language model's output
     assert out.dtype == (torch.bfloat16 if case.precision == "bf16" else torch.float32)
     r = sweep.train(case, lr, 100)          # case 107 warms up over 400 steps: its LR is still small here
     assert r["diverged_at"] is None and r["losses"][-1] < 0.95 * r["losses"][0], r["losses"][::10]
@@ -169,17 +179,20 @@ def test_a_mixture_of_experts_in_bf16_through_agent_and_server(server_factory, s
     assert stored_logits_match_the_oracle(srv, "moe", run) >= 3
 
 
-@pytest.mark.parametrize("case_id, lr", [(301, 0.02), (305, 0.02)])
+@pytest.mark.parametrize("case_id, lr", [(301, 0.02), (305, 0.02), (400, 0.02), (407, 0.02)])
 def test_a_routers_spread_through_agent_and_server(server_factory, sqlite_url, case_id, lr):
     """The agent measures each MoE router's logit spread (max - min of one token's logits, the largest over the
     tokens and routers) as this benchmark's own mode records it (router.py, written apart from the agent), at
     every sampled step: a top-2 router with no attention (301, fp32) and a top-1 Switch router behind attention
-    under bf16 autocast (305); the layer is credited to the MoE module that calls the softmax."""
+    under bf16 autocast (305), Hugging Face's Mixtral (400, fp32) and Switch Transformers (407, bf16: its router
+    softmaxes over ``[batch, seq, experts]`` and casts back before its argmax); the layer is credited to the
+    module that calls the softmax."""
     from bench.early_warning.router import RouterLogits, series
 
     srv = server_factory(sqlite_url)
     case = draw(case_id)
-    assert (case.arch, case.precision) == {301: ("moe2_mlp_lm", "fp32"), 305: ("moe_lm", "bf16")}[case_id]
+    assert (case.arch, case.precision) == {301: ("moe2_mlp_lm", "fp32"), 305: ("moe_lm", "bf16"),
+                                           400: ("hf_mixtral", "fp32"), 407: ("hf_switch", "bf16")}[case_id]
     oracle = RouterLogits()
     sweep.train(case, lr, 60, server=srv.url, run="router", oracle=oracle)
     truth = series({"router": oracle.steps}, "spread")
@@ -189,7 +202,8 @@ def test_a_routers_spread_through_agent_and_server(server_factory, sqlite_url, c
     assert status == 200 and m["bucket_size"] == 1
     measured = [name for name, row in zip(m["layers"], m["values"])
                 if any(isinstance(v, (int, float)) for v in row)]
-    assert measured == [f"blocks.{i}.mlp" for i in range(case.depth)], measured
+    where = {"hf_mixtral": "model.layers.{}.mlp.gate", "hf_switch": "encoder.encoder.block.{}.layer.1.mlp.router"}
+    assert measured == [where.get(case.arch, "blocks.{}.mlp").format(i) for i in range(case.depth)], measured
     compared = 0
     for c, step in enumerate(m["steps"]):
         vals = [row[c] for row in m["values"] if isinstance(row[c], (int, float)) and math.isfinite(row[c])]
