@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from .space import KINDS_FIRST, MOE_FIRST, NOATTN_ARCHS, NOATTN_FIRST
+from .space import HFMOE_FIRST, KINDS_FIRST, MOE_FIRST, NOATTN_ARCHS, NOATTN_FIRST
 from .sweep import RESULTS
 from .sweep import halves as sweep_halves
 
@@ -122,6 +122,9 @@ def kind_of(case: dict) -> str:
     arch = case["arch"]
     if arch in NOATTN_ARCHS:
         return f"no attention ({arch})" if case["id"] >= NOATTN_FIRST else "no attention"
+    if case["id"] >= HFMOE_FIRST:    # Hugging Face's MoEs: each arch its own row
+        router = "3-D top-1 router" if arch == "hf_switch" else "top-2 router"
+        return f"Hugging Face MoE, attention, {router} ({arch})"
     if case["id"] >= MOE_FIRST:      # the MoE space: each arch its own row
         return {"moe_lm": "mixture of experts, attention (moe_lm)",
                 "moe_mlp_lm": "mixture of experts, no attention, top-1 (moe_mlp_lm)",

@@ -21,7 +21,6 @@ MODE: ``ddp`` (DistributedDataParallel) or ``fsdp2`` (``fully_shard`` on each bl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
 
-from tests.distributed.worker import CollectiveCounter  # noqa: E402
+from tests.distributed.worker import CollectiveCounter, count_the_sender, finish  # noqa: E402
 
 VOCAB, WIDTH, HEADS, SEQ, BATCH, EXPERTS, TOP = 16, 16, 2, 8, 4, 4, 2
 
@@ -146,14 +145,8 @@ def main() -> None:
     sender_counter = CollectiveCounter() if args.count else None
     if not args.no_agent:
         from gradwatch import agent
-        if sender_counter is not None:   # the sender thread's own work, under a counter of its own
-            from gradwatch.agent.sender import Sender
-            run_sender = Sender._run
-
-            def counted_run(self):
-                with sender_counter:
-                    run_sender(self)
-            Sender._run = counted_run
+        if sender_counter is not None:
+            count_the_sender(sender_counter)
         monitor = agent.attach(model, None, optimizer=opt, run=args.run_name, server=args.server,
                                mode="online" if args.server else "offline", attn_logits_every=1,
                                flush_interval=0.1, seal_grace=5.0, spool_dir=os.path.join(args.out, "spool"))
@@ -187,19 +180,10 @@ def main() -> None:
     if counter is not None:
         counter.unwrap()
     named = list(model.named_modules())
-    out = {"rank": rank, "world_size": world, "mode": args.mode, "steps": records,
-           "module_names": [n for n, _ in named],
-           "attn_modules": [n for n, m in named if isinstance(m, Attention)],
-           "moe_modules": [n for n, m in named if isinstance(m, MoE)],
-           "disabled": sorted(getattr(monitor, "_disabled", ())) if monitor is not None else [],
-           "dropped": monitor.dropped_steps if monitor is not None else 0}
-    if counter is not None:
-        out["collective_ops"] = counter.ops
-        out["collective_calls"] = counter.calls
-        out["sender_collective_ops"] = sender_counter.ops
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out, allow_nan=True))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, {"rank": rank, "world_size": world, "mode": args.mode, "steps": records,
+                      "module_names": [n for n, _ in named],
+                      "attn_modules": [n for n, m in named if isinstance(m, Attention)],
+                      "moe_modules": [n for n, m in named if isinstance(m, MoE)]}, monitor, counter, sender_counter)
 
 
 if __name__ == "__main__":

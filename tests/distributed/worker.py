@@ -68,6 +68,17 @@ class CollectiveCounter(TorchDispatchMode):
             setattr(module, name, fn)
 
 
+def count_the_sender(counter: CollectiveCounter) -> None:
+    """The agent's sender thread's own work, under a counter of its own: patched before ``attach`` starts it."""
+    from gradwatch.agent.sender import Sender
+    run_sender = Sender._run
+
+    def counted_run(self):
+        with counter:
+            run_sender(self)
+    Sender._run = counted_run
+
+
 def full(t):
     from torch.distributed.tensor import DTensor
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -164,14 +175,8 @@ def main() -> None:
     sender_counter = CollectiveCounter() if args.count else None
     if not args.no_agent:
         from gradwatch import agent
-        if sender_counter is not None:   # the sender thread's own work, under a counter of its own
-            from gradwatch.agent.sender import Sender
-            run_sender = Sender._run
-
-            def counted_run(self):
-                with sender_counter:
-                    run_sender(self)
-            Sender._run = counted_run
+        if sender_counter is not None:
+            count_the_sender(sender_counter)
         # without --server nothing is sent anywhere (offline: the spool under OUT_DIR only)
         monitor = agent.attach(model, scaler, optimizer=opt, ema=ema, run=args.run_name, server=args.server,
                                mode="online" if args.server else "offline",
@@ -270,16 +275,20 @@ def main() -> None:
         monitor.close(timeout=20)
     if counter is not None:
         counter.unwrap()
-    out = {"rank": rank, "world_size": world, "mode": mode, "param_names": [n for n, _ in model.named_parameters()],
-           "plain_param_names": names, "steps": records,
-           "disabled": sorted(getattr(monitor, "_disabled", ())) if monitor is not None else [],
-           "dropped": monitor.dropped_steps if monitor is not None else 0}
+    finish(args.out, {"rank": rank, "world_size": world, "mode": mode,
+                      "param_names": [n for n, _ in model.named_parameters()], "plain_param_names": names,
+                      "steps": records}, monitor, counter, sender_counter)
+
+
+def finish(out_dir: str, out: dict, monitor, counter, sender_counter) -> None:
+    """Add what the agent disabled or dropped and the collectives counted to this rank's record, write it to
+    ``out_dir/rank<k>.json``, and leave the process group with the other ranks."""
+    out["disabled"] = sorted(getattr(monitor, "_disabled", ())) if monitor is not None else []
+    out["dropped"] = monitor.dropped_steps if monitor is not None else 0
     if counter is not None:
-        out["collective_ops"] = counter.ops
-        out["collective_calls"] = counter.calls
-        out["collective_threads"] = sorted(counter.threads)
-        out["sender_collective_ops"] = sender_counter.ops
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out, allow_nan=True))
+        out.update(collective_ops=counter.ops, collective_calls=counter.calls,
+                   collective_threads=sorted(counter.threads), sender_collective_ops=sender_counter.ops)
+    Path(out_dir, f"rank{out['rank']}.json").write_text(json.dumps(out, allow_nan=True))
     dist.barrier()
     dist.destroy_process_group()
 
