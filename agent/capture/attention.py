@@ -46,7 +46,9 @@ a tensor no followed product made, a classifier's say, is not seen), with one ex
   Transformers: over ``[batch, seq, experts]``, ``.to(input_dtype)``, then ``argmax``). It is not attention; its
   figure, :func:`router_logit_spread` (the largest spread of one token's logits, max - min: what decides how
   one-hot its routing is), goes to the mode's ``router`` callback, credited to a module as attention is, once
-  the routing call is seen. A classifier's probabilities that nothing routes by are not taken. Not seen: a
+  the routing call is seen. A classifier's probabilities that nothing routes by are not taken; one whose own
+  forward takes the ``argmax`` of its probabilities (a head returning its predictions) looks like a router and is
+  taken as one, under that module's name. Not seen: a
   softmax over the top-k logits only (no routing call follows it), and a routing call on probabilities changed
   by arithmetic first (``probs * mask``). Seen again: a model that softmaxes and routes every layer's router
   logits a second time in its own forward, for a load-balancing loss (Hugging Face's Mixtral, Qwen-MoE
