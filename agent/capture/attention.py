@@ -38,23 +38,23 @@ PyTorch code computes attention:
 A softmax over any other shape or dimension is not attention and passes untouched (a 3-D softmax over
 a tensor no followed product made, a classifier's say, is not seen), with one exception:
 
-* ``softmax`` over the last dimension of a 2-D ``[tokens, experts]`` or 3-D ``[batch, seq, experts]`` tensor
-  (a 3-D one no followed product made) of at most :data:`MAX_EXPERTS` columns, **whose output the same forward
-  routes by** (``topk``, ``max`` or ``argmax`` called on it, or on a cast or copy of it: :data:`ROUTER_CASTS`),
-  is a **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2:
-  ``softmax(router(x), dim=-1)`` over the flattened tokens, then the top experts; Hugging Face's Switch
-  Transformers: over ``[batch, seq, experts]``, ``.to(input_dtype)``, then ``argmax``). It is not attention; its
-  figure, :func:`router_logit_spread` (the largest spread of one token's logits, max - min: what decides how
-  one-hot its routing is), goes to the mode's ``router`` callback, credited to a module as attention is, once
-  the routing call is seen. A classifier's probabilities that nothing routes by are not taken; one whose own
-  forward takes the ``argmax`` of its probabilities (a head returning its predictions) looks like a router and is
-  taken as one, under that module's name. Not seen: a
-  softmax over the top-k logits only (no routing call follows it), and a routing call on probabilities changed
-  by arithmetic first (``probs * mask``). Seen again: a model that softmaxes and routes every layer's router
-  logits a second time in its own forward, for a load-balancing loss (Hugging Face's Mixtral, Qwen-MoE
-  and OLMoE with ``output_router_logits=True``: layer by layer, or all layers at once). Those figures are the
-  layers' spreads again; the agent credits them to no module (the root is not a watched module), so they leave
-  the step's figure, the largest, as it was.
+* ``softmax`` over the last dimension of a 2-D ``[tokens, experts]`` or 3-D ``[batch, seq, experts]`` tensor (a
+  3-D one no followed product made) of at most :data:`MAX_EXPERTS` columns, **whose output the same forward routes
+  by** (``topk``, ``max`` or ``argmax`` called on it, or on a cast or copy of it: :data:`ROUTER_CASTS`), is a
+  **mixture of experts' router** (Switch, Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2: ``softmax(router(x), dim=-1)``
+  over the flattened tokens, then the top experts; Hugging Face's Switch Transformers: over ``[batch, seq,
+  experts]``, ``.to(input_dtype)``, then ``argmax``). It is not attention; its figure, :func:`router_logit_spread`
+  (the largest spread of one token's logits, max - min: what decides how one-hot its routing is), goes to the
+  mode's ``router`` callback, credited to a module as attention is, once the routing call is seen. A classifier's
+  probabilities that nothing routes by are not taken; one whose own forward takes the ``argmax`` of its
+  probabilities (a head returning its predictions) looks like a router and is taken as one, under that module's
+  name. Not seen: a softmax over the top-k logits only (no routing call follows it), a routing call on
+  probabilities changed by arithmetic first (``probs * mask``), and a sigmoid router (DeepSeek-V3: ``sigmoid`` of
+  the logits, a bias added, then ``topk``), whose saturation a spread would not describe. Seen again: a model that
+  softmaxes and routes every layer's router logits a second time in its own forward, for a load-balancing loss
+  (Hugging Face's Mixtral, Qwen-MoE and OLMoE with ``output_router_logits=True``: layer by layer, or all layers at
+  once). Those figures are the layers' spreads again; the agent credits them to no module (the root is not a
+  watched module), so they leave the step's figure, the largest, as it was.
 
 The value is the **max over every unmasked logit** of the call (all samples, heads, query and key
 positions), kept as a 0-d tensor on the device (no host sync); a masked entry (``-inf``, or a
