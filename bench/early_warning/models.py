@@ -240,14 +240,17 @@ class SwitchClassifier(nn.Module):
 def _hf(case: Case) -> nn.Module:
     import transformers as tf
     d, h, n = case.width, case.heads, case.depth
-    common = dict(hidden_size=d, num_hidden_layers=n, num_attention_heads=h, intermediate_size=4 * d)
+    shape = dict(hidden_size=d, num_hidden_layers=n, num_attention_heads=h)
+    common = dict(shape, intermediate_size=4 * d)
+    # the decoders (Llama and the mixtures of experts): grouped-query attention, 2 query heads per key head
+    decoder = dict(shape, vocab_size=V, max_position_embeddings=T, num_key_value_heads=max(1, h // 2))
     if case.arch == "hf_gpt2":
         cfg = tf.GPT2Config(vocab_size=V, n_positions=T, n_embd=d, n_layer=n, n_head=h, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)
         cfg._attn_implementation = "eager"
         return tf.GPT2LMHeadModel(cfg)
     if case.arch == "hf_llama":
-        cfg = tf.LlamaConfig(vocab_size=V, max_position_embeddings=T, num_key_value_heads=max(1, h // 2), **common)
+        cfg = tf.LlamaConfig(intermediate_size=4 * d, **decoder)
         cfg._attn_implementation = "sdpa"
         return tf.LlamaForCausalLM(cfg)
     if case.arch == "hf_bert":
@@ -255,21 +258,19 @@ def _hf(case: Case) -> nn.Module:
                             attention_probs_dropout_prob=0.0, **common)
         cfg._attn_implementation = "eager"
         return tf.BertForSequenceClassification(cfg)
-    moe = dict(vocab_size=V, max_position_embeddings=T, num_key_value_heads=max(1, h // 2), hidden_size=d,
-               num_hidden_layers=n, num_attention_heads=h)
     if case.arch == "hf_mixtral":       # top-2 of 4 experts, softmax then topk over the flattened tokens
-        cfg = tf.MixtralConfig(intermediate_size=2 * d, num_local_experts=4, num_experts_per_tok=2, **moe)
+        cfg = tf.MixtralConfig(intermediate_size=2 * d, num_local_experts=4, num_experts_per_tok=2, **decoder)
         cfg._attn_implementation = "sdpa"
         return tf.MixtralForCausalLM(cfg)
     if case.arch == "hf_qwen2_moe":     # top-2 of 4 routed experts, not renormalised, beside a gated shared expert
         cfg = tf.Qwen2MoeConfig(intermediate_size=2 * d, moe_intermediate_size=2 * d,
                                 shared_expert_intermediate_size=2 * d,
-                                num_experts=4, num_experts_per_tok=2, **moe)
+                                num_experts=4, num_experts_per_tok=2, **decoder)
         cfg._attn_implementation = "eager"
         return tf.Qwen2MoeForCausalLM(cfg)
     if case.arch == "hf_olmoe":         # top-2 of 8 experts, qk-layernorm in its attention
         cfg = tf.OlmoeConfig(intermediate_size=d, num_experts=8, num_experts_per_tok=2, eos_token_id=None,
-                             pad_token_id=None, bos_token_id=None, **moe)
+                             pad_token_id=None, bos_token_id=None, **decoder)
         cfg._attn_implementation = "sdpa"
         return tf.OlmoeForCausalLM(cfg)
     if case.arch == "hf_switch":        # a Switch Transformers encoder, every block sparse: a 3-D top-1 router

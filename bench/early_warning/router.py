@@ -13,10 +13,10 @@ here goes into the agent first and is reported on the held-out half through the 
 A router call is a softmax over the last dimension of a 2-D ``[tokens, experts]`` tensor (Switch, Mixtral:
 ``softmax(router(x))``; the oracle's attention calls are 3-D or more), or one over more dimensions made by a module
 whose class name ends in ``Router`` (Hugging Face's Switch Transformers: ``oracle.called_by_router``). Per call,
-from its logits (the softmax's input): the largest spread of a token's logits (max - min: what the softmax sees, shift-invariant), the largest
-logit's magnitude, the mean of logsumexp² (ST-MoE's router z-loss, Zoph et al. 2022), the mean top
-probability, and the largest share of tokens whose top expert is the same one (load imbalance). A step's value
-is the largest over its calls (its worst layer).
+from its logits (the softmax's input): the largest spread of a token's logits (max - min: what the softmax sees,
+shift-invariant), the largest logit's magnitude, the mean of logsumexp² (ST-MoE's router z-loss, Zoph et al.
+2022), the mean top probability, and the largest share of tokens whose top expert is the same one (load
+imbalance). A step's value is the largest over its calls (its worst layer).
 
 The divergence step is this rerun's own (divergence.py on its losses), as in precursors.py.
 """

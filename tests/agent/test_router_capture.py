@@ -174,7 +174,10 @@ def test_hugging_face_routers_match_the_router_logits_their_modules_return(kind)
     got, unplaced, attention = {}, [], []
 
     def router(position, value):
-        (got.__setitem__(named[position][0], float(value)) if position is not None else unplaced.append(float(value)))
+        if position is None:
+            unplaced.append(float(value))
+        else:
+            got[named[position][0]] = float(value)
     mode = AttentionLogitMode(owners, lambda p, v: attention.append(named[p][0]), lambda e: None, router)
     ids = torch.randint(0, 32, (3, 7))
     mode.enter()
